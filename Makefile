@@ -1,0 +1,47 @@
+# `make demo` and `make test` set everything up on a fresh machine.
+# They use the active virtual environment, or create .venv when none is active.
+# TORCH_SPEC picks the torch build: the default is the CPU build; on a GPU machine
+# use e.g. `make test TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"`.
+
+SHELL := /bin/bash
+TORCH_SPEC ?= torch==2.13.0
+ifdef VIRTUAL_ENV
+VENV := $(VIRTUAL_ENV)
+else
+VENV := $(CURDIR)/.venv
+endif
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megasemface-installed
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) -m megasemface.demo $(DEMO_ARGS)
+
+test: setup lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf demo runs .pytest_cache .ruff_cache

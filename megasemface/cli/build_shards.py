@@ -1,0 +1,81 @@
+"""Builds webdataset token shards from monolingual text files.
+
+Example::
+
+    python tools/build_shards.py --spm-model spm/joint.model --out shards/demo \\
+        --input en:corpus/mono.en.txt.gz --input de:corpus/mono.de.txt.zst --jobs 8 --dedup
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megasemface.data.shard_builder import ShardBuildConfig, ShardBuildError, build_shards
+from megasemface.data.textio import parse_lang_path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = ShardBuildConfig()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        metavar="LANG:PATH",
+        help="a monolingual corpus (plain, .gz, .bz2, .xz or .zst); repeat per file",
+    )
+    parser.add_argument("--spm-model", type=Path, required=True, help="SentencePiece .model")
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--jobs", type=int, default=defaults.jobs, help="encoding processes")
+    parser.add_argument("--dedup", action="store_true", help="drop exact duplicate lines")
+    parser.add_argument("--max-chars", type=int, default=defaults.max_chars)
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument("--tokens-per-sample", type=int, default=defaults.tokens_per_sample)
+    parser.add_argument("--samples-per-shard", type=int, default=defaults.samples_per_shard)
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace shards built with other options"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        corpora = parse_lang_path(args.input)
+        config = ShardBuildConfig(
+            max_chars=args.max_chars,
+            max_tokens=args.max_tokens,
+            dedup=args.dedup,
+            tokens_per_sample=args.tokens_per_sample,
+            samples_per_shard=args.samples_per_shard,
+            jobs=args.jobs,
+        )
+        manifest = build_shards(
+            corpora,
+            args.spm_model,
+            args.out,
+            config,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
+    except (ShardBuildError, ValueError, FileNotFoundError) as exc:
+        print(f"build_shards: error: {exc}", file=sys.stderr)
+        return 2
+    if manifest.get("already_built"):
+        print(f"{args.out}: already built with these inputs and options; nothing to do")
+    totals = manifest["totals"]
+    print(f"{'lang':<8}{'lines':>12}{'sentences':>12}{'tokens':>14}{'shards':>8}  dropped")
+    for lang, info in manifest["languages"].items():
+        dropped = ", ".join(f"{k}={v}" for k, v in info["filtered"].items() if v) or "none"
+        print(
+            f"{lang:<8}{info['lines']:>12,}{info['sentences']:>12,}{info['tokens']:>14,}"
+            f"{info['shards']:>8}  {dropped}"
+        )
+    print(
+        f"total: {totals['sentences']:,} sentences, {totals['tokens']:,} tokens, "
+        f"{totals['bytes_per_token']:.3f} bytes/token, manifest {args.out / 'manifest.json'}"
+    )
+    return 0

@@ -1,0 +1,1 @@
+"""Data path: raw text -> SentencePiece -> webdataset shards -> token-budget batches."""

@@ -1,0 +1,555 @@
+"""Streaming loader of token shards with exact mid-epoch resume.
+
+Layout of the stream. Every data-parallel rank runs ``max(1, num_workers)`` *slots* (one per
+DataLoader worker), ``S = world_size x max(1, num_workers)`` in all. For each language the
+shards form an endless sequence of epochs, each a seeded permutation of the shard list; slot
+``s`` reads positions ``s, s + S, s + 2S, ...`` of that sequence. So the slots split every
+epoch's shards disjointly and completely, whatever the shard count, and no slot ever runs out
+of data before the others (which would hang distributed training): a slot that finishes its
+share of epoch e goes on with its share of epoch e + 1.
+
+Within a shard, samples are read in order; the sentences of each sample are cut into
+token-budget batches (``batching``) and shuffled, all from seeds derived from the run seed,
+the language, the epoch, the shard and the sample. Each batch is one language, picked per
+step by temperature sampling over the languages' sentence counts.
+
+Resume. A slot's whole position is a few integers per language (shard position, sample,
+batch) plus its step count, because every random choice is a pure function of the seed and
+of that position. Each batch travels with its slot's position after it, so
+``ShardLoader.state_dict()`` is exact even though DataLoader workers prefetch ahead, and a
+loader restored from it yields exactly the batches the original would have yielded next.
+
+Bad data. An unreadable sample or shard (truncated tar, bad .npy, wrong counts, ids outside
+the vocabulary) is skipped, counted and logged; above ``max_bad_fraction`` of samples the
+loader stops with a DataError that names the shard. Only ``.npy`` (without pickle) and JSON
+members are ever decoded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from megasemface.data.batching import token_budget_batches
+from megasemface.data.languages import temperature_probs
+from megasemface.data.shard_format import Chunk, Manifest, ShardFormatError, decode_sample
+
+__all__ = ["DataError", "LoaderConfig", "ShardLoader", "ShardSource", "TokenBatch"]
+
+logger = logging.getLogger(__name__)
+STATE_VERSION = 1
+
+
+class DataError(RuntimeError):
+    """The training data cannot be read well enough to go on."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoaderConfig:
+    """How shards become batches."""
+
+    max_tokens: int = 8192
+    """Token budget of a batch, padding included (sentences x longest sentence)."""
+    max_sentences: int = 0
+    """Optional cap on sentences per batch (0: none)."""
+    max_len: int = 256
+    """Sentences are cropped to this many tokens."""
+    pool_tokens: int = 1 << 20
+    """Consecutive shard samples are pooled up to this many tokens before length-grouped
+    batching; a pool 100x the batch budget keeps padding under a few percent. Memory per
+    reading slot: about 10 bytes per pooled token."""
+    temperature: float = 1.0 / 0.7
+    """Language sampling temperature: p_l ~ n_l ** (1 / T); XLM's alpha 0.7 by default."""
+    languages: tuple[str, ...] = ()
+    """Languages to read (empty: every language of the source)."""
+    seed: int = 0
+    """Decides shard order, batch composition and language choice."""
+    shuffle: bool = True
+    """Shuffle shard order each epoch (sentences are always grouped by length)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: read in the training process)."""
+    prefetch_factor: int = 4
+    """Batches each worker prepares ahead."""
+    max_bad_fraction: float = 0.001
+    """Stop with a DataError when more than this fraction of samples is unreadable..."""
+    bad_sample_grace: int = 8
+    """...and more than this many samples were (so one bad sample early on is not fatal)."""
+
+    def __post_init__(self) -> None:
+        if self.max_len < 1 or self.max_tokens < self.max_len:
+            raise ValueError(
+                f"need 1 <= max_len <= max_tokens, got max_len={self.max_len}, "
+                f"max_tokens={self.max_tokens}"
+            )
+        if self.pool_tokens < self.max_tokens:
+            raise ValueError(f"pool_tokens ({self.pool_tokens}) must be >= max_tokens")
+        if self.num_workers < 0 or self.prefetch_factor < 1:
+            raise ValueError("num_workers must be >= 0 and prefetch_factor >= 1")
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ValueError(f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+        self.languages = tuple(self.languages)
+
+    def order_fields(self) -> dict[str, Any]:
+        """The options that decide which batches come out, in which order."""
+        fields = dataclasses.asdict(self)
+        for name in ("num_workers", "prefetch_factor", "max_bad_fraction", "bad_sample_grace"):
+            del fields[name]
+        return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSource:
+    """Shards per language, and the language sizes used for temperature sampling."""
+
+    shards: dict[str, list[str]]
+    sizes: dict[str, int]
+    vocab_size: int | None = None
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> ShardSource:
+        langs = sorted(manifest.languages)
+        return cls(
+            shards={lang: manifest.shard_paths(lang) for lang in langs},
+            sizes={lang: manifest.sentences(lang) for lang in langs},
+            vocab_size=manifest.vocab_size,
+        )
+
+    @classmethod
+    def from_patterns(cls, patterns: dict[str, str], vocab_size: int | None = None) -> ShardSource:
+        """Shards from brace patterns per language, e.g. ``{"de": "de-{000000..000099}.tar"}``.
+
+        Without a manifest the sentence counts are unknown, so languages are weighted by their
+        shard counts.
+        """
+        shards = {lang: list(wds.shardlists.expand_urls(p)) for lang, p in sorted(patterns.items())}
+        return cls(
+            shards=shards, sizes={k: len(v) for k, v in shards.items()}, vocab_size=vocab_size
+        )
+
+    def select(self, languages: tuple[str, ...]) -> ShardSource:
+        if not languages:
+            return self
+        unknown = sorted(set(languages) - set(self.shards))
+        if unknown:
+            raise ValueError(
+                f"languages {unknown} have no shards; available: {sorted(self.shards)}"
+            )
+        return ShardSource(
+            {k: self.shards[k] for k in languages},
+            {k: self.sizes[k] for k in languages},
+            self.vocab_size,
+        )
+
+
+@dataclasses.dataclass
+class TokenBatch:
+    """A batch of sentences of one language, padded to the longest."""
+
+    lang: str
+    tokens: torch.Tensor
+    """[B, T] int64 token ids, padded with the pad id."""
+    lengths: torch.Tensor
+    """[B] int64 real lengths."""
+    sentence_ids: torch.Tensor
+    """[B] int64 ids unique across the corpus: language, shard and sentence in the shard."""
+    epoch: int
+    """The epoch of the language's shard sequence this batch comes from."""
+    slot: int
+    """The reading slot (rank x workers + worker) that produced it."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.tokens.numel()
+
+    def pin_memory(self) -> TokenBatch:
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens.pin_memory(),
+            lengths=self.lengths.pin_memory(),
+            sentence_ids=self.sentence_ids.pin_memory(),
+        )
+
+
+def _lang_key(lang: str) -> int:
+    return zlib.crc32(lang.encode("utf-8"))
+
+
+@dataclasses.dataclass
+class _Pool:
+    """Consecutive samples of one shard, merged for batching."""
+
+    key: tuple[int, int]  # (shard position k, first sample)
+    tokens: np.ndarray
+    offsets: np.ndarray  # start of each sentence in tokens
+    lengths: np.ndarray  # cropped lengths
+    sentence_index: np.ndarray  # index of each sentence in its shard
+    next_sample: int
+    epoch: int
+    shard_index: int
+    batches: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def merge(
+        cls,
+        key: tuple[int, int],
+        chunks: list[Chunk],
+        next_sample: int,
+        epoch: int,
+        shard_index: int,
+        max_len: int,
+    ) -> _Pool:
+        if not chunks:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(key, empty, empty, empty, empty, next_sample, epoch, shard_index)
+        sizes = np.cumsum([0] + [len(c.tokens) for c in chunks[:-1]])
+        return cls(
+            key=key,
+            tokens=np.concatenate([c.tokens for c in chunks]),
+            offsets=np.concatenate(
+                [c.offsets[:-1] + base for c, base in zip(chunks, sizes, strict=True)]
+            ),
+            lengths=np.minimum(np.concatenate([c.lengths for c in chunks]), max_len),
+            sentence_index=np.concatenate(
+                [c.first_sentence + np.arange(c.num_sentences, dtype=np.int64) for c in chunks]
+            ),
+            next_sample=next_sample,
+            epoch=epoch,
+            shard_index=shard_index,
+        )
+
+
+class _SlotStream:
+    """The endless, resumable batch stream of one slot."""
+
+    def __init__(
+        self,
+        source: ShardSource,
+        config: LoaderConfig,
+        pad_id: int,
+        slot: int,
+        num_slots: int,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        self.source = source
+        self.config = config
+        self.pad_id = pad_id
+        self.slot = slot
+        self.num_slots = num_slots
+        self.langs = sorted(source.shards)
+        for lang in self.langs:
+            if not source.shards[lang]:
+                raise DataError(f"language {lang!r} has no shards")
+        probs = temperature_probs(source.sizes, config.temperature)
+        self.probs = np.array([probs[lang] for lang in self.langs])
+        state = state or {}
+        self.step: int = state.get("step", 0)
+        self.cursors: dict[str, list[int]] = {
+            lang: list(state.get("cursors", {}).get(lang, [0, 0, 0])) for lang in self.langs
+        }
+        self.counters: dict[str, int] = dict(
+            state.get("counters", {"good": 0, "bad": 0, "sentences": 0, "tokens": 0, "padded": 0})
+        )
+        self._reader: dict[str, tuple[int, int, Iterator[dict[str, Any]]]] = {}
+        self._pool: dict[str, _Pool] = {}
+        self._read_error: list[BaseException] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "cursors": {lang: list(c) for lang, c in self.cursors.items()},
+            "counters": dict(self.counters),
+        }
+
+    # Shard sequence ---------------------------------------------------------------------
+
+    def shard_at(self, lang: str, k: int) -> tuple[int, int]:
+        """(epoch, shard index) of this slot's k-th shard of a language."""
+        num = len(self.source.shards[lang])
+        epoch, rest = divmod(self.slot + k * self.num_slots, num)
+        if not self.config.shuffle:
+            return epoch, rest
+        perm = np.random.default_rng([self.config.seed, _lang_key(lang), epoch]).permutation(num)
+        return epoch, int(perm[rest])
+
+    def _handler(self, exn: BaseException) -> bool:
+        self._read_error.append(exn)
+        return True  # skip what cannot be read, the loader counts it
+
+    def _raw_sample(self, lang: str, k: int, sample: int) -> dict[str, Any] | None:
+        """The sample-th raw sample of the k-th shard, or None past the shard's end."""
+        cached = self._reader.get(lang)
+        if cached is None or cached[0] != k or cached[1] != sample:
+            _, index = self.shard_at(lang, k)
+            url = self.source.shards[lang][index]
+            self._read_error.clear()
+            pipeline = wds.DataPipeline(
+                wds.SimpleShardList([url]), wds.tarfile_to_samples(handler=self._handler)
+            )
+            iterator = iter(pipeline)
+            for _ in range(sample):  # resume: skip without decoding
+                if next(iterator, None) is None:
+                    break
+            cached = (k, sample, iterator)
+        raw = next(cached[2], None)
+        self._reader[lang] = (k, sample + 1, cached[2])
+        if self._read_error:
+            _, index = self.shard_at(lang, k)
+            self._bad(self.source.shards[lang][index], self._read_error[0])
+            self._read_error.clear()
+        return raw
+
+    def _bad(self, url: str, error: BaseException) -> None:
+        self.counters["bad"] += 1
+        bad, total = self.counters["bad"], self.counters["bad"] + self.counters["good"]
+        logger.warning("skipping unreadable data in %s: %s", url, error)
+        if bad > self.config.bad_sample_grace and bad > self.config.max_bad_fraction * total:
+            raise DataError(
+                f"{url}: unreadable data ({error}); {bad} of {total} samples read so far were "
+                f"bad, above max_bad_fraction={self.config.max_bad_fraction}. Check the shard "
+                "(tar tf, sha256 against manifest.json) or rebuild it with tools/build_shards.py"
+            )
+
+    def _read_pool(self, lang: str, k: int, sample: int) -> _Pool | None:
+        """The pool of samples starting at ``sample`` of the k-th shard, None past its end."""
+        cached = self._pool.get(lang)
+        if cached is not None and cached.key == (k, sample):
+            return cached
+        epoch, index = self.shard_at(lang, k)
+        url = self.source.shards[lang][index]
+        chunks: list[Chunk] = []
+        pooled = 0
+        position = sample
+        while pooled < self.config.pool_tokens:
+            raw = self._raw_sample(lang, k, position)
+            if raw is None:
+                break
+            position += 1
+            try:
+                chunk = decode_sample(raw, self.source.vocab_size)
+                if chunk.lang != lang:
+                    raise ShardFormatError(
+                        f"sample {raw.get('__key__')} is {chunk.lang!r}, not {lang!r}"
+                    )
+            except ShardFormatError as exc:
+                self._bad(url, exc)
+                continue
+            self.counters["good"] += 1
+            chunks.append(chunk)
+            pooled += len(chunk.tokens)
+        if position == sample:
+            return None
+        pool = _Pool.merge((k, sample), chunks, position, epoch, index, self.config.max_len)
+        rng = np.random.default_rng([self.config.seed, _lang_key(lang), epoch, index, sample])
+        pool.batches = token_budget_batches(
+            pool.lengths, self.config.max_tokens, rng, self.config.max_sentences
+        )
+        self._pool[lang] = pool
+        return pool
+
+    # Batches ----------------------------------------------------------------------------
+
+    def _pick_language(self) -> str:
+        if len(self.langs) == 1:
+            return self.langs[0]
+        rng = np.random.default_rng([self.config.seed, 7919, self.slot, self.step])
+        return self.langs[int(rng.choice(len(self.langs), p=self.probs))]
+
+    def _next_batch_of(self, lang: str) -> TokenBatch:
+        cursor = self.cursors[lang]
+        empty_shards = 0
+        shard_had_data = False
+        while True:
+            k, sample, batch = cursor
+            pool = self._read_pool(lang, k, sample)
+            if pool is None:  # past the end of this shard
+                empty_shards = 0 if shard_had_data else empty_shards + 1
+                if empty_shards > len(self.source.shards[lang]):
+                    raise DataError(f"no readable sample in any shard of language {lang!r}")
+                cursor[:] = [k + 1, 0, 0]
+                shard_had_data = False
+                continue
+            shard_had_data = shard_had_data or bool(pool.batches)
+            if batch >= len(pool.batches):
+                cursor[:] = [k, pool.next_sample, 0]
+                continue
+            cursor[2] = batch + 1
+            return self._make_batch(lang, pool, pool.batches[batch])
+
+    def _make_batch(self, lang: str, pool: _Pool, rows: np.ndarray) -> TokenBatch:
+        lengths = pool.lengths[rows]
+        tokens = np.full((len(rows), int(lengths.max())), self.pad_id, dtype=np.int64)
+        for row, (start, length) in enumerate(zip(pool.offsets[rows], lengths, strict=True)):
+            tokens[row, :length] = pool.tokens[start : start + length]
+        prefix = (self.langs.index(lang) << 56) | (pool.shard_index << 32)
+        self.counters["sentences"] += len(rows)
+        self.counters["tokens"] += int(lengths.sum())
+        self.counters["padded"] += tokens.size
+        return TokenBatch(
+            lang=lang,
+            tokens=torch.from_numpy(tokens),
+            lengths=torch.from_numpy(lengths.astype(np.int64)),
+            sentence_ids=torch.from_numpy(prefix | pool.sentence_index[rows]),
+            epoch=pool.epoch,
+            slot=self.slot,
+        )
+
+    def __iter__(self) -> Iterator[TokenBatch]:
+        while True:
+            batch = self._next_batch_of(self._pick_language())
+            self.step += 1
+            yield batch
+
+
+class _WorkerDataset(IterableDataset):
+    """Runs one slot per DataLoader worker; yields (batch, logical worker, state after)."""
+
+    def __init__(self, loader: ShardLoader) -> None:
+        self.source = loader.source
+        self.config = loader.config
+        self.pad_id = loader.pad_id
+        self.rank = loader.rank
+        self.num_slots = loader.num_slots
+        self.workers = loader.workers
+        self.offset = loader._next_worker
+        self.states = {w: dict(s) for w, s in loader._states.items()}
+
+    def __iter__(self) -> Iterator[tuple[TokenBatch, int, dict[str, Any]]]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        # DataLoader always starts with its worker 0; rotating the logical ids makes the
+        # first batch after a resume come from the worker whose turn it was.
+        logical = (worker + self.offset) % self.workers
+        stream = _SlotStream(
+            self.source,
+            self.config,
+            self.pad_id,
+            slot=self.rank * self.workers + logical,
+            num_slots=self.num_slots,
+            state=self.states.get(logical),
+        )
+        for batch in stream:
+            yield batch, logical, stream.state_dict()
+
+
+class ShardLoader:
+    """An endless stream of TokenBatch for one data-parallel rank, with exact resume.
+
+    Iterating again continues where the last iteration stopped; ``state_dict()`` captures
+    the position after the last batch handed out and ``load_state_dict()`` restores it.
+    The data-parallel rank and size are passed explicitly (model-parallel peers of a rank
+    pass the same data-parallel rank and read the same batches).
+    """
+
+    def __init__(
+        self,
+        source: ShardSource,
+        config: LoaderConfig,
+        *,
+        pad_id: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.source = source.select(config.languages)
+        self.config = config
+        self.pad_id = pad_id
+        self.rank = rank
+        self.world_size = world_size
+        self.workers = max(1, config.num_workers)
+        self.num_slots = world_size * self.workers
+        self._states: dict[int, dict[str, Any]] = {}
+        self._next_worker = 0
+        few = [lang for lang, urls in self.source.shards.items() if len(urls) < self.num_slots]
+        if few and rank == 0:
+            logger.info(
+                "languages %s have fewer shards than the %d reading slots; slots share epochs "
+                "of them in turn (still each shard once per epoch)",
+                few,
+                self.num_slots,
+            )
+
+    @property
+    def fingerprint(self) -> str:
+        described = {"shards": self.source.shards, "sizes": self.source.sizes}
+        described["config"] = self.config.order_fields()
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+
+    def __iter__(self) -> Iterator[TokenBatch]:
+        if self.config.num_workers == 0:
+            stream = _SlotStream(
+                self.source,
+                self.config,
+                self.pad_id,
+                slot=self.rank,
+                num_slots=self.num_slots,
+                state=self._states.get(0),
+            )
+            for batch in stream:
+                self._states[0] = stream.state_dict()
+                yield batch
+            return
+        loader = DataLoader(
+            _WorkerDataset(self),
+            batch_size=None,
+            num_workers=self.config.num_workers,
+            prefetch_factor=self.config.prefetch_factor,
+            persistent_workers=False,
+        )
+        for batch, logical, state in loader:
+            self._states[logical] = state
+            self._next_worker = (logical + 1) % self.workers
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position: plain ints and strings, safe for ``weights_only`` loading."""
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "workers": self.workers,
+            "next_worker": self._next_worker,
+            "slots": {str(w): s for w, s in self._states.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')!r} is not supported")
+        saved = (state["rank"], state["world_size"], state["workers"])
+        if saved != (self.rank, self.world_size, self.workers):
+            raise ValueError(
+                f"loader state was saved by rank {saved[0]} of {saved[1]} with {saved[2]} "
+                f"reading worker(s); this is rank {self.rank} of {self.world_size} with "
+                f"{self.workers}. Resume with the same number of ranks and --num_workers."
+            )
+        if state["fingerprint"] != self.fingerprint:
+            raise ValueError(
+                "loader state belongs to other shards or batching options (fingerprint "
+                f"{state['fingerprint']} != {self.fingerprint}); resume with the original "
+                "data and loader settings"
+            )
+        self._states = {int(w): dict(s) for w, s in state["slots"].items()}
+        self._next_worker = int(state["next_worker"])
+
+    def stats(self) -> dict[str, int]:
+        """Totals over this rank's slots: samples read and unreadable, sentences, tokens."""
+        totals = {"good": 0, "bad": 0, "sentences": 0, "tokens": 0, "padded": 0}
+        for state in self._states.values():
+            for key in totals:
+                totals[key] += state.get("counters", {}).get(key, 0)
+        return totals

@@ -1,0 +1,626 @@
+"""Builds webdataset token shards from monolingual text, resumably and reproducibly.
+
+The builder streams each language's text once, never holding a corpus in memory: the main
+process reads lines in blocks, worker processes clean, hash and encode them with
+SentencePiece (``jobs``), and the main process de-duplicates, packs sentences into samples
+(see ``shard_format``) and writes shards with ``webdataset.ShardWriter``.
+
+Resume: each shard is written under ``.partial/`` and renamed into place when complete,
+then recorded in ``.build-journal.jsonl`` with the input line it ends at and the filter
+counts so far. Run again with the same arguments after a crash or ``kill -9``, the builder
+skips the recorded lines (re-hashing them when de-duplicating, without encoding) and writes
+the remaining shards. The output is a deterministic function of the inputs and options, so
+a resumed build is byte-identical to an uninterrupted one. ``manifest.json`` is written last
+and marks the build complete.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import json
+import multiprocessing as mp
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import sentencepiece as spm
+import webdataset as wds
+
+from megasemface.data.cleaning import DropReason, clean_line, line_hash
+from megasemface.data.hashset import HashSet
+from megasemface.data.shard_format import (
+    FORMAT_VERSION,
+    ShardInfo,
+    encode_sample,
+    write_json_atomic,
+)
+from megasemface.data.textio import CorpusSpec, LineReader
+
+__all__ = ["ShardBuildConfig", "ShardBuildError", "build_shards", "id_dtype_for"]
+
+JOURNAL = ".build-journal.jsonl"
+PARTIAL = ".partial"
+_N_REASONS = len(DropReason)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ShardBuildConfig:
+    """Options of a shard build; all of them are part of the build's fingerprint."""
+
+    max_chars: int = 2000
+    """Lines with more characters than this (after white-space cleaning) are dropped."""
+    max_tokens: int = 254
+    """Sentences with more tokens are dropped (the paper's length limit 256, less 2 specials)."""
+    dedup: bool = False
+    """Drop exact duplicate lines within a language; costs 16-32 bytes per distinct line."""
+    tokens_per_sample: int = 1 << 16
+    """A sample closes once it holds this many tokens (about 128 KiB of uint16 ids)."""
+    samples_per_shard: int = 256
+    """Samples per shard file (about 16M tokens, 32 MiB, per shard by default)."""
+    jobs: int = 1
+    """Worker processes that clean and encode; 1 works in the main process."""
+    lines_per_task: int = 2048
+    """Lines sent to a worker at a time."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_chars", "max_tokens", "tokens_per_sample", "samples_per_shard"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.jobs < 1 or self.lines_per_task < 1:
+            raise ValueError("jobs and lines_per_task must be >= 1")
+
+    def output_fields(self) -> dict[str, Any]:
+        """The options that decide the output bytes (jobs and task size do not)."""
+        fields = dataclasses.asdict(self)
+        del fields["jobs"], fields["lines_per_task"]
+        return fields
+
+
+class ShardBuildError(RuntimeError):
+    """A shard build cannot proceed; the message says why and what to do."""
+
+
+def id_dtype_for(vocab_size: int) -> type[np.unsignedinteger]:
+    """uint16 token ids when the vocabulary allows, else uint32."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+# --- worker side ---------------------------------------------------------------------------
+
+_WORKER_SPM: spm.SentencePieceProcessor | None = None
+
+
+def _init_worker(model_proto: bytes) -> None:
+    global _WORKER_SPM
+    _WORKER_SPM = spm.SentencePieceProcessor(model_proto=model_proto)
+
+
+@dataclasses.dataclass
+class _Block:
+    """What a worker returns for a block of lines."""
+
+    statuses: np.ndarray  # uint8 DropReason per line (KEPT = passed the text filters)
+    kept: np.ndarray  # int32 positions of the lines that passed the text filters
+    hashes: np.ndarray | None  # uint64 per kept line, when de-duplicating
+    tokens: np.ndarray | None  # concatenated ids of the kept lines, when encoding
+    lengths: np.ndarray | None  # token count per kept line, when encoding
+
+
+def _process_block(
+    lines: list[bytes], max_chars: int, dedup: bool, encode: bool, dtype: str
+) -> _Block:
+    statuses = np.empty(len(lines), dtype=np.uint8)
+    texts: list[str] = []
+    kept: list[int] = []
+    for i, raw in enumerate(lines):
+        reason, text = clean_line(raw, max_chars)
+        statuses[i] = reason
+        if reason == DropReason.KEPT:
+            texts.append(text)
+            kept.append(i)
+    hashes = np.fromiter(map(line_hash, texts), np.uint64, len(texts)) if dedup else None
+    tokens = lengths = None
+    if encode:
+        assert _WORKER_SPM is not None, "worker not initialised"
+        ids = _WORKER_SPM.encode(texts, out_type=int)
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum()))
+    return _Block(statuses, np.asarray(kept, dtype=np.int32), hashes, tokens, lengths)
+
+
+# --- main side ---------------------------------------------------------------------------
+
+
+class _Executor:
+    """Runs _process_block in order, inline or on a pool with a bounded number in flight."""
+
+    def __init__(self, jobs: int, model_proto: bytes) -> None:
+        self._pool = None
+        if jobs > 1:
+            # spawn: workers must not inherit the parent's threads or open files.
+            ctx = mp.get_context("spawn")
+            self._pool = ctx.Pool(jobs, initializer=_init_worker, initargs=(model_proto,))
+        else:
+            _init_worker(model_proto)
+        self._in_flight = 2 * jobs
+
+    def map(self, blocks: Iterable[tuple[Any, ...]]) -> Iterator[_Block]:
+        if self._pool is None:
+            for args in blocks:
+                yield _process_block(*args)
+            return
+        pending: collections.deque[Any] = collections.deque()
+        for args in blocks:
+            pending.append(self._pool.apply_async(_process_block, args))
+            if len(pending) >= self._in_flight:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+
+
+def _input_fingerprint(corpus: CorpusSpec) -> list[dict[str, Any]]:
+    out = []
+    for path in corpus.paths:
+        if not path.is_file():
+            raise ShardBuildError(f"{corpus.lang}: corpus file not found: {path}")
+        stat = path.stat()
+        out.append({"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    return out
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Journal:
+    """Append-only record of completed shards and languages; survives kill -9."""
+
+    def __init__(self, path: Path, fingerprint: str) -> None:
+        self.path = path
+        self.fingerprint = fingerprint
+        self.entries: list[dict[str, Any]] = []
+        if path.exists():
+            lines = path.read_text(encoding="utf-8").splitlines()
+            records = []
+            for i, line in enumerate(lines):
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    if i != len(lines) - 1:  # only the last line may be cut by a kill
+                        raise ShardBuildError(f"{path}: line {i + 1} is corrupt") from None
+            if not records or records[0].get("fingerprint") != fingerprint:
+                raise ShardBuildError(
+                    f"{path.parent} holds an unfinished build with other inputs or options; "
+                    "rerun with the original arguments, or pass --overwrite to start again"
+                )
+            self.entries = records[1:]
+        else:
+            self._append({"fingerprint": fingerprint})
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def add(self, record: dict[str, Any]) -> None:
+        self._append(record)
+        self.entries.append(record)
+
+    def shards(self, lang: str) -> list[dict[str, Any]]:
+        return [e for e in self.entries if e.get("kind") == "shard" and e["shard"]["lang"] == lang]
+
+    def language_done(self, lang: str) -> dict[str, Any] | None:
+        for entry in self.entries:
+            if entry.get("kind") == "language" and entry["lang"] == lang:
+                return entry
+        return None
+
+
+class _LanguageBuild:
+    """Builds (or resumes) the shards of one language."""
+
+    def __init__(
+        self,
+        corpus: CorpusSpec,
+        out_dir: Path,
+        config: ShardBuildConfig,
+        journal: _Journal,
+        executor: _Executor,
+        dtype: type[np.unsignedinteger],
+        progress: bool,
+    ) -> None:
+        self.corpus = corpus
+        self.lang = corpus.lang
+        self.out_dir = out_dir
+        self.config = config
+        self.journal = journal
+        self.executor = executor
+        self.dtype = dtype
+        self.progress = progress
+        done = journal.shards(self.lang)
+        self.next_shard = len(done)
+        self.resume_line = done[-1]["end_line"] if done else 0
+        self.counts = np.array(
+            [done[-1]["counts"][r.label] for r in DropReason] if done else [0] * _N_REASONS,
+            dtype=np.int64,
+        )
+        self.hashes = HashSet() if config.dedup else None
+        self.writer: wds.ShardWriter | None = None
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pending_tokens = 0
+        self.samples_written = 0
+        self.shard_sentences = 0
+        self.shard_tokens = 0
+        self.last_sample_end: dict[str, Any] = {}
+
+    # Input ------------------------------------------------------------------------------
+
+    def _blocks(self, reader_progress: Callable[[int], None]) -> Iterator[tuple[int, list[bytes]]]:
+        """Yields (first line index, lines) over all of the language's files, in order."""
+        index = 0
+        size = self.config.lines_per_task
+        for path in self.corpus.paths:
+            with LineReader(path) as reader:
+                iterator = iter(reader)
+                while block := list(itertools.islice(iterator, size)):
+                    yield index, block
+                    index += len(block)
+                    reader_progress(reader.compressed_bytes_read)
+            reader_progress(-1)
+
+    # Output -----------------------------------------------------------------------------
+
+    def _on_shard_closed(self, partial_name: str) -> None:
+        partial = Path(partial_name)
+        final = self.out_dir / partial.name
+        info = ShardInfo(
+            name=final.name,
+            lang=self.lang,
+            samples=self.samples_written - self.next_shard_first_sample,
+            sentences=self.shard_sentences,
+            tokens=self.shard_tokens,
+            bytes=partial.stat().st_size,
+            sha256=_sha256_file(partial),
+        )
+        with open(partial, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(partial, final)
+        _fsync_dir(self.out_dir)
+        self.journal.add(
+            {"kind": "shard", "shard": dataclasses.asdict(info), **self.last_sample_end}
+        )
+        self.next_shard += 1
+        self.next_shard_first_sample = self.samples_written
+        self.shard_sentences = 0
+        self.shard_tokens = 0
+
+    def _write_sample(self, tokens: np.ndarray, lengths: np.ndarray, end: dict[str, Any]) -> None:
+        if self.writer is None:
+            self.next_shard_first_sample = 0
+            self.writer = wds.ShardWriter(
+                str(self.out_dir / PARTIAL / f"{self.lang}-%06d.tar"),
+                maxcount=self.config.samples_per_shard,
+                maxsize=float("inf"),
+                post=self._on_shard_closed,
+                start_shard=self.next_shard,
+                verbose=0,
+                encoder=False,
+                mtime=0.0,  # fixed timestamps: the same input gives the same bytes
+            )
+        sample_in_shard = (self.samples_written - self.next_shard_first_sample) % (
+            self.config.samples_per_shard
+        )
+        shard = self.next_shard + (
+            (self.samples_written - self.next_shard_first_sample) // self.config.samples_per_shard
+        )
+        first_sentence = self.shard_sentences if sample_in_shard else 0
+        key = f"{self.lang}-{shard:06d}-{sample_in_shard:06d}"
+        # ShardWriter closes the previous shard (calling _on_shard_closed) inside write(),
+        # before this sample is counted, so the journal gets the previous sample's end.
+        self.writer.write(encode_sample(key, self.lang, tokens, lengths, first_sentence))
+        self.samples_written += 1
+        self.shard_sentences += len(lengths)
+        self.shard_tokens += len(tokens)
+        self.last_sample_end = end
+
+    def _emit(self, tokens: np.ndarray, lengths: np.ndarray, end: dict[str, Any]) -> None:
+        pieces = [*self.pending, (tokens, lengths)]
+        self.pending, self.pending_tokens = [], 0
+        self._write_sample(
+            np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]), end
+        )
+
+    def _add_sentences(
+        self, tokens: np.ndarray, lengths: np.ndarray, lines: np.ndarray, counts_at: Callable
+    ) -> None:
+        """Packs kept sentences into samples; ``counts_at(i)`` gives counts up to line i."""
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        start = 0
+        while start < len(lengths):
+            need = self.config.tokens_per_sample - self.pending_tokens
+            stop = int(np.searchsorted(offsets, offsets[start] + need, side="left"))
+            if stop > len(lengths):
+                self.pending.append(
+                    (tokens[offsets[start] :], lengths[start:].astype(np.int64, copy=False))
+                )
+                self.pending_tokens += int(offsets[-1] - offsets[start])
+                return
+            stop = max(stop, start + 1)
+            end = {"end_line": int(lines[stop - 1]) + 1, "counts": counts_at(lines[stop - 1])}
+            self._emit(tokens[offsets[start] : offsets[stop]], lengths[start:stop], end)
+            start = stop
+
+    # Driver -----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        total_bytes = sum(p.stat().st_size for p in self.corpus.paths)
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"shards {self.lang}")
+        done_bytes = [0, 0]  # finished files, position in the current file
+
+        def report(position: int) -> None:
+            if position < 0:
+                done_bytes[0] += done_bytes[1]
+                done_bytes[1] = 0
+            else:
+                done_bytes[1] = position
+            if bar is not None:
+                bar.n = done_bytes[0] + done_bytes[1]
+                bar.refresh()
+
+        started, kept_since_start = time.perf_counter(), 0
+        tasks = (
+            (start, (block, cfg.max_chars, cfg.dedup, start >= self.resume_line, self.dtype))
+            for start, block in self._split_at_resume(self._blocks(report))
+        )
+        starts: collections.deque[int] = collections.deque()
+
+        def args_only() -> Iterator[tuple[Any, ...]]:
+            for start, args in tasks:
+                starts.append(start)
+                yield args
+
+        rebuilt = 0
+        for result in self.executor.map(args_only()):
+            start = starts.popleft()
+            if start < self.resume_line:
+                rebuilt += self._replay(result)
+                continue
+            kept_since_start += self._consume(start, result)
+            if bar is not None:
+                rate = kept_since_start / max(time.perf_counter() - started, 1e-9)
+                bar.set_postfix_str(f"{rate:,.0f} sent/s")
+        if bar is not None:
+            bar.close()
+        if self.hashes is not None and self.resume_line:
+            expected = self.counts_at_resume_kept()
+            if rebuilt != expected:
+                raise ShardBuildError(
+                    f"{self.lang}: the input changed since the interrupted build "
+                    f"({rebuilt} distinct lines before line {self.resume_line}, journal says "
+                    f"{expected}); pass --overwrite to rebuild from scratch"
+                )
+        if self.pending:
+            tokens = np.concatenate([p[0] for p in self.pending])
+            lengths = np.concatenate([p[1] for p in self.pending])
+            self.pending, self.pending_tokens = [], 0
+            self._write_sample(tokens, lengths, {"end_line": -1, "counts": {}})
+        if self.writer is not None:
+            self.last_sample_end = {"end_line": self.total_lines, "counts": self.counts_dict()}
+            self.writer.close()
+        counts = self.counts_dict()
+        if counts["kept"] == 0:
+            raise ShardBuildError(
+                f"{self.lang}: no sentence kept from {[str(p) for p in self.corpus.paths]} "
+                f"(dropped: { {k: v for k, v in counts.items() if v} }); check the files and "
+                "the language, or raise --max-chars / --max-tokens"
+            )
+        return {"kind": "language", "lang": self.lang, "lines": self.total_lines, "counts": counts}
+
+    def counts_dict(self) -> dict[str, int]:
+        return {reason.label: int(self.counts[reason]) for reason in DropReason}
+
+    def counts_at_resume_kept(self) -> int:
+        return int(self.counts[DropReason.KEPT] + self.counts[DropReason.TOO_LONG_TOKENS])
+
+    def _split_at_resume(
+        self, blocks: Iterator[tuple[int, list[bytes]]]
+    ) -> Iterator[tuple[int, list[bytes]]]:
+        """Cuts the block that straddles the resume line in two; skips the prefix cheaply."""
+        self.total_lines = 0
+        for start, block in blocks:
+            self.total_lines = start + len(block)
+            if start + len(block) <= self.resume_line:
+                if self.hashes is not None:
+                    yield start, block
+                continue
+            if start < self.resume_line:
+                cut = self.resume_line - start
+                if self.hashes is not None:
+                    yield start, block[:cut]
+                start, block = self.resume_line, block[cut:]
+            yield start, block
+
+    def _replay(self, result: _Block) -> int:
+        """Re-inserts the hashes of lines written before an interruption."""
+        assert self.hashes is not None and result.hashes is not None
+        return int(self.hashes.insert(result.hashes).sum())
+
+    def _consume(self, start: int, result: _Block) -> int:
+        assert result.tokens is not None and result.lengths is not None
+        final = result.statuses.copy()
+        keep = np.ones(len(result.kept), dtype=bool)
+        if self.hashes is not None:
+            assert result.hashes is not None
+            keep = self.hashes.insert(result.hashes)
+            final[result.kept[~keep]] = DropReason.DUPLICATE
+        too_long = result.lengths > self.config.max_tokens
+        final[result.kept[keep & too_long]] = DropReason.TOO_LONG_TOKENS
+        keep &= ~too_long
+        tokens = result.tokens[np.repeat(keep, result.lengths)]
+        lengths = result.lengths[keep]
+        lines = start + result.kept[keep]
+        before = self.counts.copy()
+
+        def counts_at(line: int) -> dict[str, int]:
+            upto = np.bincount(final[: int(line) - start + 1], minlength=_N_REASONS)
+            return {r.label: int(before[r] + upto[r]) for r in DropReason}
+
+        self.counts += np.bincount(final, minlength=_N_REASONS)
+        self._add_sentences(tokens, lengths, lines, counts_at)
+        return int(keep.sum())
+
+
+def _build_fingerprint(
+    corpora: list[CorpusSpec], spm_sha256: str, config: ShardBuildConfig
+) -> tuple[str, dict[str, Any]]:
+    described = {
+        "format_version": FORMAT_VERSION,
+        "spm_sha256": spm_sha256,
+        "config": config.output_fields(),
+        "inputs": {c.lang: _input_fingerprint(c) for c in corpora},
+    }
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+    return digest, described
+
+
+def build_shards(
+    corpora: list[CorpusSpec],
+    spm_model: Path,
+    out_dir: Path,
+    config: ShardBuildConfig,
+    *,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Builds (or completes, or confirms) the shards of every corpus; returns the manifest."""
+    if not corpora:
+        raise ShardBuildError("no input corpora given")
+    spm_model = Path(spm_model)
+    if not spm_model.is_file():
+        raise ShardBuildError(f"SentencePiece model not found: {spm_model}")
+    model_proto = spm_model.read_bytes()
+    try:
+        vocab_size = spm.SentencePieceProcessor(model_proto=model_proto).vocab_size()
+    except Exception as exc:
+        raise ShardBuildError(f"{spm_model} is not a SentencePiece model: {exc}") from exc
+    spm_sha256 = hashlib.sha256(model_proto).hexdigest()
+    fingerprint, described = _build_fingerprint(corpora, spm_sha256, config)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = out_dir / "manifest.json"
+    if manifest_path.exists():
+        existing = json.loads(manifest_path.read_text(encoding="utf-8"))
+        if existing.get("build_fingerprint") == fingerprint and not overwrite:
+            existing["already_built"] = True
+            return existing
+        if not overwrite:
+            raise ShardBuildError(
+                f"{out_dir} already holds shards built from other inputs or options; "
+                "choose another output directory or pass --overwrite"
+            )
+    if overwrite:
+        _remove_build(out_dir)
+    (out_dir / PARTIAL).mkdir(exist_ok=True)
+    for stale in (out_dir / PARTIAL).iterdir():
+        stale.unlink()
+    journal = _Journal(out_dir / JOURNAL, fingerprint)
+    dtype = id_dtype_for(vocab_size)
+    executor = _Executor(config.jobs, model_proto)
+    try:
+        for corpus in corpora:
+            if journal.language_done(corpus.lang) is None:
+                build = _LanguageBuild(corpus, out_dir, config, journal, executor, dtype, progress)
+                journal.add(build.run())
+    finally:
+        executor.close()
+    manifest = _manifest(journal, corpora, described, fingerprint, vocab_size, spm_model, dtype)
+    write_json_atomic(manifest_path, manifest)
+    (out_dir / JOURNAL).unlink()
+    shutil.rmtree(out_dir / PARTIAL, ignore_errors=True)
+    return manifest
+
+
+def _remove_build(out_dir: Path) -> None:
+    """Removes what an earlier build wrote (its shards, journal, manifest), nothing else."""
+    for path in [*out_dir.glob("*-[0-9][0-9][0-9][0-9][0-9][0-9].tar"), out_dir / JOURNAL]:
+        path.unlink(missing_ok=True)
+    (out_dir / "manifest.json").unlink(missing_ok=True)
+    shutil.rmtree(out_dir / PARTIAL, ignore_errors=True)
+
+
+def _manifest(
+    journal: _Journal,
+    corpora: list[CorpusSpec],
+    described: dict[str, Any],
+    fingerprint: str,
+    vocab_size: int,
+    spm_model: Path,
+    dtype: type[np.unsignedinteger],
+) -> dict[str, Any]:
+    shards = [e["shard"] for e in journal.entries if e.get("kind") == "shard"]
+    languages = {}
+    for corpus in corpora:
+        done = journal.language_done(corpus.lang)
+        assert done is not None
+        mine = [s for s in shards if s["lang"] == corpus.lang]
+        languages[corpus.lang] = {
+            "inputs": [str(p) for p in corpus.paths],
+            "lines": done["lines"],
+            "sentences": sum(s["sentences"] for s in mine),
+            "tokens": sum(s["tokens"] for s in mine),
+            "shards": len(mine),
+            "filtered": {k: v for k, v in done["counts"].items() if k != "kept"},
+        }
+    total_tokens = sum(s["tokens"] for s in shards)
+    total_bytes = sum(s["bytes"] for s in shards)
+    return {
+        "format_version": FORMAT_VERSION,
+        "build_fingerprint": fingerprint,
+        "spm": {
+            "sha256": described["spm_sha256"],
+            "vocab_size": vocab_size,
+            "file": spm_model.name,
+        },
+        "id_dtype": np.dtype(dtype).name,
+        "config": described["config"],
+        "languages": languages,
+        "shards": shards,
+        "totals": {
+            "shards": len(shards),
+            "sentences": sum(s["sentences"] for s in shards),
+            "tokens": total_tokens,
+            "bytes": total_bytes,
+            "bytes_per_token": round(total_bytes / max(total_tokens, 1), 4),
+        },
+    }

@@ -1,0 +1,224 @@
+"""The on-disk format of token shards and their manifest.
+
+A shard is a plain webdataset tar file. Each webdataset sample packs many sentences of one
+language, because a tar member per sentence would cost a 512-byte header plus padding to
+512 bytes: about 17x the size of a 30-token sentence stored as uint16. A sample with key
+``<lang>-<shard>-<sample>`` has three members:
+
+- ``tokens.npy``: the token ids of all its sentences concatenated (uint16 when the
+  vocabulary has at most 65,536 ids, else uint32);
+- ``lengths.npy``: the number of tokens of each sentence (uint8, uint16 or uint32, the
+  smallest that fits); sentence offsets are the cumulative sum of the lengths, stored this
+  way because lengths usually fit in one byte, where offsets need four;
+- ``json``: ``{"lang", "sentences", "tokens", "first_sentence"}``, where ``first_sentence``
+  is the index in the shard of the sample's first sentence.
+
+Members are decoded with ``numpy.load(allow_pickle=False)`` and ``json.loads`` only: no
+pickle is ever decoded. ``manifest.json`` beside the shards lists every shard with its
+language, counts and sha256, the SentencePiece model's hash and the filter counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Chunk",
+    "Manifest",
+    "ShardFormatError",
+    "ShardInfo",
+    "decode_sample",
+    "encode_sample",
+    "write_json_atomic",
+]
+
+FORMAT_VERSION = 1
+
+
+class ShardFormatError(ValueError):
+    """A shard sample or manifest does not follow the format."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """The sentences of one shard sample: ``tokens[offsets[i]:offsets[i + 1]]`` is sentence i."""
+
+    lang: str
+    tokens: np.ndarray
+    offsets: np.ndarray
+    first_sentence: int
+
+    @property
+    def num_sentences(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _smallest_uint(max_value: int) -> type[np.unsignedinteger]:
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if max_value <= np.iinfo(dtype).max:
+            return dtype
+    return np.uint64
+
+
+def encode_sample(
+    key: str, lang: str, tokens: np.ndarray, lengths: np.ndarray, first_sentence: int
+) -> dict[str, Any]:
+    """Builds the webdataset sample (a dict of bytes) for sentences of one language."""
+    if "." in key:
+        raise ValueError(f"a sample key must not contain '.', got {key!r}")
+    lengths = np.asarray(lengths)
+    meta = {
+        "lang": lang,
+        "sentences": len(lengths),
+        "tokens": len(tokens),
+        "first_sentence": first_sentence,
+    }
+    return {
+        "__key__": key,
+        "tokens.npy": _npy_bytes(tokens),
+        "lengths.npy": _npy_bytes(lengths.astype(_smallest_uint(int(lengths.max(initial=0))))),
+        "json": json.dumps(meta, sort_keys=True).encode("utf-8"),
+    }
+
+
+def _load_npy(data: Any, field: str) -> np.ndarray:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ShardFormatError(f"member {field} is missing or not raw bytes")
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as exc:  # numpy raises ValueError, OSError or EOFError on bad bytes
+        raise ShardFormatError(f"member {field} is not a valid .npy array: {exc}") from exc
+    if array.ndim != 1 or array.dtype.kind != "u":
+        raise ShardFormatError(f"member {field} must be a 1-D unsigned array, got {array.dtype}")
+    return array
+
+
+def decode_sample(sample: dict[str, Any], vocab_size: int | None = None) -> Chunk:
+    """Decodes and validates a raw webdataset sample (bytes per member) into a Chunk."""
+    key = sample.get("__key__", "?")
+    try:
+        meta = json.loads(bytes(sample["json"]).decode("utf-8"))
+    except KeyError as exc:
+        raise ShardFormatError(f"sample {key}: member json is missing") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ShardFormatError(f"sample {key}: member json is not valid JSON: {exc}") from exc
+    tokens = _load_npy(sample.get("tokens.npy"), "tokens.npy")
+    lengths = _load_npy(sample.get("lengths.npy"), "lengths.npy")
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if (
+        not isinstance(meta, dict)
+        or offsets[-1] != len(tokens)
+        or meta.get("sentences") != len(lengths)
+        or meta.get("tokens") != len(tokens)
+        or not isinstance(meta.get("lang"), str)
+        or not isinstance(meta.get("first_sentence"), int)
+    ):
+        raise ShardFormatError(f"sample {key}: lengths, tokens and json counts disagree")
+    if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
+        raise ShardFormatError(
+            f"sample {key}: token id {int(tokens.max())} >= vocabulary size {vocab_size}; "
+            "the shards were built with another SentencePiece model"
+        )
+    return Chunk(meta["lang"], tokens, offsets, meta["first_sentence"])
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Writes JSON through a temporary file and a rename, so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(obj, handle, indent=1, sort_keys=True, ensure_ascii=False)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """One shard as listed in the manifest."""
+
+    name: str
+    lang: str
+    samples: int
+    sentences: int
+    tokens: int
+    bytes: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What a shard directory holds; written by the shard builder, read by the loader."""
+
+    root: Path
+    shards: tuple[ShardInfo, ...]
+    vocab_size: int
+    spm_sha256: str
+    languages: dict[str, dict[str, Any]]
+    raw: dict[str, Any]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Manifest:
+        """Reads ``manifest.json`` (or the directory holding it) and checks its shards exist."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "manifest.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no shard manifest at {path}; build shards with tools/build_shards.py"
+            )
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            if raw.get("format_version") != FORMAT_VERSION:
+                raise ShardFormatError(
+                    f"{path}: format_version {raw.get('format_version')!r}, "
+                    f"this megasemface reads {FORMAT_VERSION}; rebuild the shards"
+                )
+            shards = tuple(ShardInfo(**entry) for entry in raw["shards"])
+            manifest = cls(
+                root=path.parent,
+                shards=shards,
+                vocab_size=int(raw["spm"]["vocab_size"]),
+                spm_sha256=str(raw["spm"]["sha256"]),
+                languages=dict(raw["languages"]),
+                raw=raw,
+            )
+        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ShardFormatError(f"{path} is not a valid shard manifest: {exc!r}") from exc
+        missing = [s.name for s in shards if not (path.parent / s.name).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{path} lists {len(missing)} shard(s) that do not exist, e.g. {missing[0]}; "
+                "rerun the shard build to complete it"
+            )
+        return manifest
+
+    def shard_paths(self, lang: str) -> list[str]:
+        """The shard files of one language, in build order."""
+        if lang not in self.languages:
+            raise KeyError(
+                f"language {lang!r} not in the manifest; it has {sorted(self.languages)}"
+            )
+        return [str(self.root / s.name) for s in self.shards if s.lang == lang]
+
+    def sentences(self, lang: str) -> int:
+        return sum(s.sentences for s in self.shards if s.lang == lang)
