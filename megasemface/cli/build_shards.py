@@ -79,3 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{totals['bytes_per_token']:.3f} bytes/token, manifest {args.out / 'manifest.json'}"
     )
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

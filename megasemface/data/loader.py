@@ -162,8 +162,8 @@ class TokenBatch:
     """[B] int64 real lengths."""
     sentence_ids: torch.Tensor
     """[B] int64 ids unique across the corpus: language, shard and sentence in the shard."""
-    epoch: int
-    """The epoch of the language's shard sequence this batch comes from."""
+    epochs: torch.Tensor
+    """[B] int64: the epoch of the language's shard sequence each sentence was read in."""
     slot: int
     """The reading slot (rank x workers + worker) that produced it."""
 
@@ -175,12 +175,18 @@ class TokenBatch:
     def padded_tokens(self) -> int:
         return self.tokens.numel()
 
+    @property
+    def epoch(self) -> int:
+        """The latest epoch among the batch's sentences."""
+        return int(self.epochs.max())
+
     def pin_memory(self) -> TokenBatch:
         return dataclasses.replace(
             self,
             tokens=self.tokens.pin_memory(),
             lengths=self.lengths.pin_memory(),
             sentence_ids=self.sentence_ids.pin_memory(),
+            epochs=self.epochs.pin_memory(),
         )
 
 
@@ -190,45 +196,50 @@ def _lang_key(lang: str) -> int:
 
 @dataclasses.dataclass
 class _Pool:
-    """Consecutive samples of one shard, merged for batching."""
+    """Consecutive samples of a slot's shard sequence (possibly several shards), merged."""
 
-    key: tuple[int, int]  # (shard position k, first sample)
+    key: tuple[int, int]  # where it starts: (shard position k, sample in that shard)
+    next_key: tuple[int, int]  # where the next pool starts
     tokens: np.ndarray
     offsets: np.ndarray  # start of each sentence in tokens
     lengths: np.ndarray  # cropped lengths
-    sentence_index: np.ndarray  # index of each sentence in its shard
-    next_sample: int
-    epoch: int
-    shard_index: int
-    batches: list[np.ndarray] = dataclasses.field(default_factory=list)
+    sentence_ids: np.ndarray  # (language << 56) | (shard index << 32) | sentence in shard
+    epochs: np.ndarray  # the epoch each sentence was read in
+    batches: list[np.ndarray]
 
     @classmethod
     def merge(
         cls,
         key: tuple[int, int],
-        chunks: list[Chunk],
-        next_sample: int,
-        epoch: int,
-        shard_index: int,
+        next_key: tuple[int, int],
+        chunks: list[tuple[Chunk, int, int]],
+        lang_index: int,
         max_len: int,
     ) -> _Pool:
+        """Merges (chunk, epoch, shard index) triples; batches are filled in by the caller."""
         if not chunks:
             empty = np.zeros(0, dtype=np.int64)
-            return cls(key, empty, empty, empty, empty, next_sample, epoch, shard_index)
-        sizes = np.cumsum([0] + [len(c.tokens) for c in chunks[:-1]])
+            return cls(key, next_key, empty, empty, empty, empty, empty, [])
+        sizes = np.cumsum([0] + [len(c.tokens) for c, _, _ in chunks[:-1]])
+        prefix = [(lang_index << 56) | (index << 32) for _, _, index in chunks]
         return cls(
             key=key,
-            tokens=np.concatenate([c.tokens for c in chunks]),
+            next_key=next_key,
+            tokens=np.concatenate([c.tokens for c, _, _ in chunks]),
             offsets=np.concatenate(
-                [c.offsets[:-1] + base for c, base in zip(chunks, sizes, strict=True)]
+                [c.offsets[:-1] + base for (c, _, _), base in zip(chunks, sizes, strict=True)]
             ),
-            lengths=np.minimum(np.concatenate([c.lengths for c in chunks]), max_len),
-            sentence_index=np.concatenate(
-                [c.first_sentence + np.arange(c.num_sentences, dtype=np.int64) for c in chunks]
+            lengths=np.minimum(np.concatenate([c.lengths for c, _, _ in chunks]), max_len),
+            sentence_ids=np.concatenate(
+                [
+                    high | (c.first_sentence + np.arange(c.num_sentences, dtype=np.int64))
+                    for (c, _, _), high in zip(chunks, prefix, strict=True)
+                ]
             ),
-            next_sample=next_sample,
-            epoch=epoch,
-            shard_index=shard_index,
+            epochs=np.concatenate(
+                [np.full(c.num_sentences, epoch, dtype=np.int64) for c, epoch, _ in chunks]
+            ),
+            batches=[],
         )
 
 
@@ -323,21 +334,30 @@ class _SlotStream:
                 "(tar tf, sha256 against manifest.json) or rebuild it with tools/build_shards.py"
             )
 
-    def _read_pool(self, lang: str, k: int, sample: int) -> _Pool | None:
-        """The pool of samples starting at ``sample`` of the k-th shard, None past its end."""
+    def _read_pool(self, lang: str, k: int, sample: int) -> _Pool:
+        """The pool that starts at ``sample`` of this slot's k-th shard of a language.
+
+        A pool reads on across shard ends until it holds ``pool_tokens`` tokens, so that
+        length grouping works as well with small shards as with large ones.
+        """
         cached = self._pool.get(lang)
         if cached is not None and cached.key == (k, sample):
             return cached
-        epoch, index = self.shard_at(lang, k)
-        url = self.source.shards[lang][index]
-        chunks: list[Chunk] = []
+        chunks: list[tuple[Chunk, int, int]] = []
         pooled = 0
-        position = sample
+        position = (k, sample)
+        empty_shards = 0  # consecutive shards without a readable sample
+        shard_good = False
         while pooled < self.config.pool_tokens:
-            raw = self._raw_sample(lang, k, position)
-            if raw is None:
-                break
-            position += 1
+            raw = self._raw_sample(lang, *position)
+            if raw is None:  # end of this shard: go on with the slot's next one
+                empty_shards = 0 if shard_good else empty_shards + 1
+                if empty_shards > len(self.source.shards[lang]):
+                    raise DataError(f"no readable sample in any shard of language {lang!r}")
+                position, shard_good = (position[0] + 1, 0), False
+                continue
+            epoch, index = self.shard_at(lang, position[0])
+            position = (position[0], position[1] + 1)
             try:
                 chunk = decode_sample(raw, self.source.vocab_size)
                 if chunk.lang != lang:
@@ -345,14 +365,16 @@ class _SlotStream:
                         f"sample {raw.get('__key__')} is {chunk.lang!r}, not {lang!r}"
                     )
             except ShardFormatError as exc:
-                self._bad(url, exc)
+                self._bad(self.source.shards[lang][index], exc)
                 continue
             self.counters["good"] += 1
-            chunks.append(chunk)
+            shard_good = True
+            chunks.append((chunk, epoch, index))
             pooled += len(chunk.tokens)
-        if position == sample:
-            return None
-        pool = _Pool.merge((k, sample), chunks, position, epoch, index, self.config.max_len)
+        pool = _Pool.merge(
+            (k, sample), position, chunks, self.langs.index(lang), self.config.max_len
+        )
+        epoch, index = self.shard_at(lang, k)
         rng = np.random.default_rng([self.config.seed, _lang_key(lang), epoch, index, sample])
         pool.batches = token_budget_batches(
             pool.lengths, self.config.max_tokens, rng, self.config.max_sentences
@@ -370,21 +392,11 @@ class _SlotStream:
 
     def _next_batch_of(self, lang: str) -> TokenBatch:
         cursor = self.cursors[lang]
-        empty_shards = 0
-        shard_had_data = False
         while True:
             k, sample, batch = cursor
             pool = self._read_pool(lang, k, sample)
-            if pool is None:  # past the end of this shard
-                empty_shards = 0 if shard_had_data else empty_shards + 1
-                if empty_shards > len(self.source.shards[lang]):
-                    raise DataError(f"no readable sample in any shard of language {lang!r}")
-                cursor[:] = [k + 1, 0, 0]
-                shard_had_data = False
-                continue
-            shard_had_data = shard_had_data or bool(pool.batches)
             if batch >= len(pool.batches):
-                cursor[:] = [k, pool.next_sample, 0]
+                cursor[:] = [*pool.next_key, 0]
                 continue
             cursor[2] = batch + 1
             return self._make_batch(lang, pool, pool.batches[batch])
@@ -394,7 +406,6 @@ class _SlotStream:
         tokens = np.full((len(rows), int(lengths.max())), self.pad_id, dtype=np.int64)
         for row, (start, length) in enumerate(zip(pool.offsets[rows], lengths, strict=True)):
             tokens[row, :length] = pool.tokens[start : start + length]
-        prefix = (self.langs.index(lang) << 56) | (pool.shard_index << 32)
         self.counters["sentences"] += len(rows)
         self.counters["tokens"] += int(lengths.sum())
         self.counters["padded"] += tokens.size
@@ -402,8 +413,8 @@ class _SlotStream:
             lang=lang,
             tokens=torch.from_numpy(tokens),
             lengths=torch.from_numpy(lengths.astype(np.int64)),
-            sentence_ids=torch.from_numpy(prefix | pool.sentence_index[rows]),
-            epoch=pool.epoch,
+            sentence_ids=torch.from_numpy(pool.sentence_ids[rows]),
+            epochs=torch.from_numpy(pool.epochs[rows]),
             slot=self.slot,
         )
 

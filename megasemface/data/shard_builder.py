@@ -269,6 +269,10 @@ class _LanguageBuild:
             [done[-1]["counts"][r.label] for r in DropReason] if done else [0] * _N_REASONS,
             dtype=np.int64,
         )
+        # Distinct text lines before the resume point, to check the replayed prefix against.
+        self.resume_distinct = int(
+            self.counts[DropReason.KEPT] + self.counts[DropReason.TOO_LONG_TOKENS]
+        )
         self.hashes = HashSet() if config.dedup else None
         self.writer: wds.ShardWriter | None = None
         self.pending: list[tuple[np.ndarray, np.ndarray]] = []
@@ -379,6 +383,17 @@ class _LanguageBuild:
     # Driver -----------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        try:
+            return self._run()
+        except BaseException:
+            if self.writer is not None:
+                # Abandon the shard being written: it stays in .partial/, unrecorded, and the
+                # next run starts again after the last recorded shard.
+                self.writer.post = None
+                self.writer.close()
+            raise
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.config
         total_bytes = sum(p.stat().st_size for p in self.corpus.paths)
         bar = None
@@ -423,7 +438,7 @@ class _LanguageBuild:
         if bar is not None:
             bar.close()
         if self.hashes is not None and self.resume_line:
-            expected = self.counts_at_resume_kept()
+            expected = self.resume_distinct
             if rebuilt != expected:
                 raise ShardBuildError(
                     f"{self.lang}: the input changed since the interrupted build "
@@ -449,9 +464,6 @@ class _LanguageBuild:
 
     def counts_dict(self) -> dict[str, int]:
         return {reason.label: int(self.counts[reason]) for reason in DropReason}
-
-    def counts_at_resume_kept(self) -> int:
-        return int(self.counts[DropReason.KEPT] + self.counts[DropReason.TOO_LONG_TOKENS])
 
     def _split_at_resume(
         self, blocks: Iterator[tuple[int, list[bytes]]]

@@ -1,0 +1,122 @@
+"""Builds a small, real demo corpus from the gettext catalogs installed on this system.
+
+Example::
+
+    python tools/make_demo_corpus.py --langs de,fr --out demo/corpus
+
+writes mono/<lang>.txt, parallel/en-<xx>/{train,valid,test}.{en,<xx>}, dict/en-<xx>.tsv
+and, last, report.json under the output directory (see megasemface.data.demo_corpus).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from megasemface.data import demo_corpus as dc
+
+_PROG = "make_demo_corpus"
+
+
+def _langs(text: str) -> list[str]:
+    return [lang.strip() for lang in text.split(",") if lang.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; defaults come from megasemface.data.demo_corpus."""
+    parser = argparse.ArgumentParser(prog=_PROG, description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--langs",
+        type=_langs,
+        default=["de"],
+        help="comma-separated target languages; the source is always en (default: de)",
+    )
+    parser.add_argument(
+        "--locale-dir",
+        type=Path,
+        default=dc.DEFAULT_LOCALE_DIR,
+        help="holds <lang>/LC_MESSAGES/*.mo (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("demo/corpus"),
+        help="output directory (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-chars",
+        type=int,
+        default=dc.DEFAULT_MAX_CHARS,
+        help="drop longer messages (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--test-fraction",
+        type=float,
+        default=dc.DEFAULT_TEST_FRACTION,
+        help="share of pairs held out for test, by catalog (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=dc.DEFAULT_VALID_FRACTION,
+        help="share of pairs held out for valid, by catalog (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--min-test-pairs",
+        type=int,
+        default=dc.DEFAULT_MIN_TEST_PAIRS,
+        help="least test pairs per language pair, if that leaves half of its pairs "
+        "(default: %(default)s)",
+    )
+    return parser
+
+
+def _print_summary(report: dict[str, Any], out: Path, seconds: float) -> None:
+    print(f"{'pair':<8}{'catalogs':>9}{'train':>9}{'valid':>8}{'test':>8}{'dict':>7}")
+    for pair, info in report["pairs"].items():
+        lang = pair.split("-", 1)[1]
+        sizes = info["split_sizes"]
+        print(
+            f"{pair:<8}{report['languages'][lang]['catalogs_read']:>9}{sizes['train']:>9,}"
+            f"{sizes['valid']:>8,}{sizes['test']:>8,}{info['dictionary']['entries']:>7,}"
+        )
+        if broken := report["languages"][lang]["catalogs_broken"]:
+            print(f"{'':<8}{broken} broken catalog(s) skipped; see report.json")
+    mono = ", ".join(f"{lang} {info['lines']:,}" for lang, info in report["mono"].items())
+    print(f"mono lines: {mono}")
+    print(f"wrote {out}/{{mono,parallel,dict}} and {out / 'report.json'} in {seconds:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command; returns the exit status (2 for bad input or no catalogs)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    start = time.perf_counter()
+    try:
+        report = dc.build_demo_corpus(
+            args.locale_dir,
+            args.langs,
+            args.out,
+            max_chars=args.max_chars,
+            test_fraction=args.test_fraction,
+            valid_fraction=args.valid_fraction,
+            min_test_pairs=args.min_test_pairs,
+        )
+    except (dc.DemoCorpusError, ValueError) as exc:  # no catalogs, or invalid options
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. an output directory that cannot be written
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    _print_summary(report, args.out, time.perf_counter() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,737 @@
+"""A small, real demo corpus built from the gettext catalogs installed on a system.
+
+Every Linux system ships human translations of short UI and command-line messages as
+compiled gettext catalogs, ``<locale-dir>/<lang>/LC_MESSAGES/<domain>.mo``. Read together
+they give English-to-many parallel text, monolingual text and a one-word dictionary, so the
+project's demo needs no download. Layout written under the output directory::
+
+    mono/<lang>.txt                                 one sentence per line, deduplicated
+    parallel/en-<xx>/{train,valid,test}.{en,<xx>}   line-aligned sentence pairs
+    dict/en-<xx>.tsv                                one-word gold dictionary, ``en<TAB>xx``
+    report.json                                     what was read, dropped and kept (last)
+
+The split is by catalog (domain), so test text comes from programs never seen in training.
+Short strings shared between programs ("Cancel") are then removed from train and valid
+whenever either side occurs in a held-out split of any pair, and every held-out string is
+left out of the monolingual files, so pre-training never sees test text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_LOCALE_DIR",
+    "DEFAULT_MAX_CHARS",
+    "DEFAULT_MIN_TEST_PAIRS",
+    "DEFAULT_TEST_FRACTION",
+    "DEFAULT_VALID_FRACTION",
+    "DROP_CONTROL_CHARS",
+    "DROP_IDENTICAL",
+    "DROP_MULTILINE",
+    "DROP_NO_LETTERS",
+    "DROP_TOO_LONG",
+    "DROP_URL_PATH_EMAIL",
+    "SOURCE_LANG",
+    "SPLITS",
+    "Catalog",
+    "CleanResult",
+    "DemoCorpusError",
+    "Message",
+    "MoFormatError",
+    "NoCatalogsError",
+    "assign_domain_splits",
+    "build_demo_corpus",
+    "build_dictionary",
+    "clean_message",
+    "clean_message_with_reason",
+    "domain_order",
+    "find_catalogs",
+    "is_dictionary_entry",
+    "lowercase_words",
+    "parse_mo",
+    "read_mo",
+    "stable_hash",
+    "strip_accelerators",
+]
+
+SOURCE_LANG = "en"
+DEFAULT_LOCALE_DIR = Path("/usr/share/locale")
+DEFAULT_MAX_CHARS = 200
+DEFAULT_TEST_FRACTION = 0.1
+DEFAULT_VALID_FRACTION = 0.05
+DEFAULT_MIN_TEST_PAIRS = 200
+SPLITS = ("train", "valid", "test")
+
+DROP_MULTILINE = "multiline"
+DROP_NO_LETTERS = "no_letters"
+DROP_CONTROL_CHARS = "control_chars"
+DROP_TOO_LONG = "too_long"
+DROP_URL_PATH_EMAIL = "url_path_email"
+DROP_IDENTICAL = "identical"  # a translation that merely copies its English source
+
+# The test set may take at most this share of a pair, whatever --min-test-pairs asks:
+# a tiny language keeps training data instead of handing it all to evaluation.
+_MAX_TEST_SHARE = 0.5
+
+_MO_MAGIC = 0x950412DE
+_MO_HEADER_SIZE = 28  # magic, revision, count, two table offsets, hash size and offset
+_MO_MAJOR_REVISIONS = (0, 1)
+
+_CHARSET_RE = re.compile(rb"^content-type:[^\n]*?charset\s*=\s*([^\s;]+)", re.I | re.M)
+_LINE_BREAKS = ("\n", "\r", "\x85", "\u2028", "\u2029")
+# Non-breaking spaces are typography (French puts one before ':'), not layout: keep them.
+_SPACE_RUN_RE = re.compile(r"[^\S\u00a0\u202f]+")
+# CJK UIs append the accelerator in brackets: "ファイル(_F)", "打开(&O)...".
+_BRACKETED_ACCEL_RE = re.compile(r"\s*\([_&][^\W_]\)")
+# An accelerator marker starts a word and precedes a letter: "_File", "Save &As".
+_MARKER_RE = re.compile(r"(?<![\w&])[_&](?=[^\W\d_])")
+_ENTITY_RE = re.compile(r"&(?:#[0-9]+|#[xX][0-9a-fA-F]+|[A-Za-z][A-Za-z0-9]*);")
+_WORD_RE = re.compile(r"\w*")
+_URL_PATH_EMAIL_RE = re.compile(
+    r"""
+      \b[a-z][a-z0-9+.-]*://                  # scheme://host (http, ftp, file, ...)
+    | \bwww\.\w                               # bare web address
+    | [\w.+-]+@[\w-]+(?:\.[\w-]+)+            # e-mail address
+    | (?:^|[\s"'(<\[=`])(?:~|\.{1,2})?/[\w.-]  # absolute, home or relative path
+    | \b[a-z]:\\                              # Windows drive path
+    """,
+    re.I | re.X,
+)
+_LETTER_RE = re.compile(r"[^\W\d_]")
+_LETTERS_RE = re.compile(r"[^\W\d_]+")
+_PLACEHOLDER_RE = re.compile(
+    r"%(?:\d+\$|\(\w+\))?[-+ #0']*(?:\*|\d+)?(?:\.(?:\*|\d+))?"  # printf and Python %(name)s
+    r"(?:hh|h|ll|l|L|j|z|t)?[diouxXeEfFgGaAcspm]"
+    r"|\{\w*\}"  # str.format and brace templates
+)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
+_WORD_JOINER_RE = re.compile(r"[-'’]")
+_JOINERS = frozenset("\u200c\u200d")  # ZWNJ/ZWJ shape Indic and Persian words
+_LANG_RE = re.compile(r"[A-Za-z]{2,3}(?:_[A-Za-z0-9]+)?(?:@[A-Za-z0-9]+)?")
+
+
+class DemoCorpusError(Exception):
+    """The demo corpus cannot be built; the message says why and what to do."""
+
+
+class NoCatalogsError(DemoCorpusError):
+    """A requested language has no readable catalog under the locale directory."""
+
+
+class MoFormatError(ValueError):
+    """A file is not a well-formed gettext ``.mo`` catalog."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One catalog entry: context stripped, plural forms reduced to the singular.
+
+    ``msgstr`` is empty when the entry is untranslated.
+    """
+
+    msgid: str
+    msgstr: str
+    context: str | None = None
+    plural: bool = False
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """A parsed ``.mo`` file. The counts are independent: a plural entry may be untranslated.
+
+    ``entries`` counts every entry but the header; entries that do not decode in the
+    catalog's charset are counted in ``undecodable`` and left out of ``messages``.
+    """
+
+    path: Path
+    domain: str
+    charset: str
+    charset_known: bool
+    messages: tuple[Message, ...]
+    entries: int
+    contexts: int
+    plurals: int
+    untranslated: int
+    undecodable: int
+
+
+@dataclass(frozen=True)
+class CleanResult:
+    """The cleaned text, or None and the drop reason (one of the ``DROP_*`` names)."""
+
+    text: str | None
+    reason: str | None = None
+
+
+def read_mo(path: str | os.PathLike[str]) -> Catalog:
+    """Reads a gettext ``.mo`` catalog; raises MoFormatError when it is malformed."""
+    path = Path(path)
+    return parse_mo(path.read_bytes(), path=path)
+
+
+def parse_mo(data: bytes, *, path: str | os.PathLike[str] = "<memory>.mo") -> Catalog:
+    """Parses the bytes of a ``.mo`` catalog in either byte order; the domain is the file stem.
+
+    Every offset and length is checked against the file size before it is used, so a
+    truncated or corrupt file raises MoFormatError instead of yielding garbage.
+    """
+    path = Path(path)
+    size = len(data)
+    if size < _MO_HEADER_SIZE:
+        raise MoFormatError(f"{path}: {size} bytes, shorter than the {_MO_HEADER_SIZE}-byte header")
+    for order in ("<", ">"):
+        if struct.unpack_from(order + "I", data)[0] == _MO_MAGIC:
+            break
+    else:
+        raise MoFormatError(f"{path}: bad magic number 0x{data[:4].hex()}, not a gettext catalog")
+    revision, count, orig_offset, trans_offset, hash_size, hash_offset = struct.unpack_from(
+        order + "6I", data, 4
+    )
+    if revision >> 16 not in _MO_MAJOR_REVISIONS:
+        raise MoFormatError(
+            f"{path}: unsupported format revision {revision >> 16}.{revision & 0xFFFF}"
+        )
+    _check_span(path, "original-string table", orig_offset, 8 * count, size)
+    _check_span(path, "translation table", trans_offset, 8 * count, size)
+    if hash_size:
+        _check_span(path, "hash table", hash_offset, 4 * hash_size, size)
+
+    descriptor = struct.Struct(order + "2I")
+    raw: list[tuple[bytes, bytes]] = []
+    for index in range(count):
+        orig_len, orig_off = descriptor.unpack_from(data, orig_offset + 8 * index)
+        trans_len, trans_off = descriptor.unpack_from(data, trans_offset + 8 * index)
+        _check_span(path, f"original string {index}", orig_off, orig_len, size)
+        _check_span(path, f"translation {index}", trans_off, trans_len, size)
+        raw.append((data[orig_off : orig_off + orig_len], data[trans_off : trans_off + trans_len]))
+
+    header = next((msgstr for msgid, msgstr in raw if msgid == b""), b"")
+    match = _CHARSET_RE.search(header)
+    charset = match.group(1).decode("ascii", "replace") if match else "UTF-8"
+    encoding, charset_known = charset, True
+    try:
+        "".encode(encoding)  # LookupError for unknown names and for non-text codecs (rot13)
+    except LookupError:
+        # Placeholder charsets ("CHARSET") still hold ASCII or UTF-8 in practice; any other
+        # bytes then fail to decode and are counted, which is safer than guessing.
+        encoding, charset_known = "utf-8", False
+
+    messages: list[Message] = []
+    counts: Counter[str] = Counter()
+    for msgid_raw, msgstr_raw in raw:
+        if msgid_raw == b"":
+            continue  # the header entry: metadata, not a message
+        counts["entries"] += 1
+        context_raw: bytes | None = None
+        if b"\x04" in msgid_raw:
+            context_raw, msgid_raw = msgid_raw.split(b"\x04", 1)
+            counts["contexts"] += 1
+        plural = b"\x00" in msgid_raw
+        if plural:
+            counts["plurals"] += 1
+            msgid_raw = msgid_raw.split(b"\x00", 1)[0]
+            msgstr_raw = msgstr_raw.split(b"\x00", 1)[0]
+        try:
+            msgid = msgid_raw.decode(encoding)
+            msgstr = msgstr_raw.decode(encoding)
+            context = None if context_raw is None else context_raw.decode(encoding)
+        except UnicodeDecodeError:
+            counts["undecodable"] += 1
+            continue
+        if not msgstr:
+            counts["untranslated"] += 1
+        messages.append(Message(msgid, msgstr, context, plural))
+    return Catalog(
+        path=path,
+        domain=path.stem,
+        charset=charset,
+        charset_known=charset_known,
+        messages=tuple(messages),
+        entries=counts["entries"],
+        contexts=counts["contexts"],
+        plurals=counts["plurals"],
+        untranslated=counts["untranslated"],
+        undecodable=counts["undecodable"],
+    )
+
+
+def _check_span(path: Path, what: str, offset: int, length: int, size: int) -> None:
+    if offset + length > size:
+        raise MoFormatError(
+            f"{path}: {what} at offset {offset} (+{length} bytes) lies beyond the "
+            f"end of the file ({size} bytes); the catalog is truncated or corrupt"
+        )
+
+
+def strip_accelerators(text: str) -> str:
+    """Removes keyboard-accelerator markers: ``_File``, ``&File``, ``Datei(_F)``.
+
+    A marker is removed only at a word start before a letter and only when the string has
+    exactly one, so identifiers (``file_name``, ``_NET_WM_NAME``), entities (``&amp;``),
+    escaped ampersands (``&&``) and strings with several underscores are left alone.
+    """
+    text = _BRACKETED_ACCEL_RE.sub("", text)
+    markers = [m.start() for m in _MARKER_RE.finditer(text) if _is_marker(text, m.start())]
+    if len(markers) != 1:
+        return text
+    return text[: markers[0]] + text[markers[0] + 1 :]
+
+
+def _is_marker(text: str, pos: int) -> bool:
+    """Whether the ``_``/``&`` found by _MARKER_RE at ``pos`` is not an entity or identifier."""
+    if text[pos] == "&":
+        return _ENTITY_RE.match(text, pos) is None
+    word = _WORD_RE.match(text, pos + 1)
+    return word is None or "_" not in word.group()  # "_NET_WM_NAME" is an identifier
+
+
+def clean_message_with_reason(text: str, *, max_chars: int = DEFAULT_MAX_CHARS) -> CleanResult:
+    """Cleans one side of a message, or says why it is not corpus material.
+
+    Multi-line strings are dropped before spaces are collapsed: they are help texts and
+    tables whose line structure carries meaning that a one-line corpus cannot keep.
+    """
+    if any(brk in text for brk in _LINE_BREAKS):
+        return CleanResult(None, DROP_MULTILINE)
+    text = _SPACE_RUN_RE.sub(" ", strip_accelerators(text)).strip()
+    # Letters inside placeholders ("%s: %d", "{name}") are not text.
+    if not _LETTER_RE.search(_PLACEHOLDER_RE.sub("", text)):
+        return CleanResult(None, DROP_NO_LETTERS)
+    if _CONTROL_RE.search(text):
+        return CleanResult(None, DROP_CONTROL_CHARS)  # terminal escapes, bells
+    if len(text) > max_chars:
+        return CleanResult(None, DROP_TOO_LONG)
+    # The cheap test first: every URL, path and address holds one of these characters.
+    if any(ch in text for ch in "/@\\.") and _URL_PATH_EMAIL_RE.search(text):
+        return CleanResult(None, DROP_URL_PATH_EMAIL)
+    return CleanResult(text)
+
+
+def clean_message(text: str, *, max_chars: int = DEFAULT_MAX_CHARS) -> str | None:
+    """The cleaned text, or None when it is dropped (see clean_message_with_reason)."""
+    return clean_message_with_reason(text, max_chars=max_chars).text
+
+
+def _is_single_word(text: str) -> bool:
+    """Letters and combining marks, joined at most by hyphens or apostrophes.
+
+    Marks count because Indic vowel signs are marks, not letters: "ફાઇલ" is one word, and
+    so are "E-Mail" and "aujourd'hui".
+    """
+    parts = _WORD_JOINER_RE.split(text)
+    return text[:1].isalpha() and all(
+        part and all(ch in _JOINERS or unicodedata.category(ch)[0] in "LM" for ch in part)
+        for part in parts
+    )
+
+
+def is_dictionary_entry(source: str, target: str) -> bool:
+    """True for a one-word pair: an English word of letters only, a one-word translation."""
+    return source.isalpha() and _is_single_word(target) and source.lower() != target.lower()
+
+
+def lowercase_words(texts: Iterable[str]) -> set[str]:
+    """The words written in lower case somewhere in ``texts``."""
+    return {word for text in texts for word in _LETTERS_RE.findall(text) if word.islower()}
+
+
+def build_dictionary(
+    pairs: Iterable[tuple[str, str]], common_words: AbstractSet[str]
+) -> list[tuple[str, str]]:
+    """Lower-cased one-word entries of ``pairs`` whose English is in ``common_words``, sorted.
+
+    Pass lowercase_words() of the English text: a word never written in lower case is taken
+    for a name (language, country, program), and names, transliterated rather than
+    translated, make poor gold entries for lexicon induction.
+    """
+    return sorted(
+        {
+            (source.lower(), target.lower())
+            for source, target in pairs
+            if is_dictionary_entry(source, target) and source.lower() in common_words
+        }
+    )
+
+
+def stable_hash(text: str) -> str:
+    """A hash that, unlike hash(), is the same in every process and on every machine."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def domain_order(domains: Iterable[str]) -> list[str]:
+    """Domains in stable-hash order: pseudo-random, but the same on every run and machine."""
+    return sorted(domains, key=lambda domain: (stable_hash(domain), domain))
+
+
+def assign_domain_splits(
+    sizes_by_pair: Mapping[str, Mapping[str, int]],
+    *,
+    test_fraction: float = DEFAULT_TEST_FRACTION,
+    valid_fraction: float = DEFAULT_VALID_FRACTION,
+    min_test_pairs: int = DEFAULT_MIN_TEST_PAIRS,
+) -> dict[str, str]:
+    """Assigns every domain to ``test``, ``valid`` or ``train``, the same for all pairs.
+
+    ``sizes_by_pair`` maps a pair name to its number of pairs per domain. Domains are
+    taken in domain_order() and offered to test, then to valid. A domain joins a split
+    when, summed over the pairs that have it (each in units of its own target), it fills
+    more of what is still missing than it adds beyond the targets; with one pair: when it
+    overshoots by less than the remaining need. A large program thus cannot swallow the
+    training data, and the sizes reached are close to, not exactly at, the targets.
+
+    The test target is ``test_fraction`` of a pair's pairs but at least ``min_test_pairs``,
+    as long as that leaves half of them to the other splits; to reach that minimum, a
+    domain also joins test while a pair that has it is short of it and no pair would go
+    beyond twice its target. The valid target is ``valid_fraction`` of the pairs.
+
+    One assignment for all pairs, rather than one per pair, is what keeps held-out text
+    rare in training: the English side of a program is the same for every language, so
+    per-pair choices would put it in the test set of one pair and the training set of another.
+    """
+    totals = {pair: sum(sizes.values()) for pair, sizes in sizes_by_pair.items()}
+    minimum = {
+        pair: {"test": min(min_test_pairs, math.floor(total * _MAX_TEST_SHARE)), "valid": 0}
+        for pair, total in totals.items()
+    }
+    targets = {
+        pair: {
+            "test": max(math.ceil(test_fraction * total), minimum[pair]["test"]),
+            "valid": math.ceil(valid_fraction * total),
+        }
+        for pair, total in totals.items()
+    }
+    filled = {pair: {"test": 0, "valid": 0} for pair in sizes_by_pair}
+    assignment: dict[str, str] = {}
+    for domain in domain_order({d for sizes in sizes_by_pair.values() for d in sizes}):
+        present = [(p, sizes[domain]) for p, sizes in sizes_by_pair.items() if sizes.get(domain)]
+        assignment[domain] = "train"
+        for split in ("test", "valid"):
+            gain = excess = 0.0
+            for pair, size in present:
+                target, done = targets[pair][split], filled[pair][split]
+                if target == 0:
+                    excess += 1.0  # a pair that wants no such split at all
+                    continue
+                gain += min(size, max(0, target - done)) / target
+                excess += (max(0, done + size - target) - max(0, done - target)) / target
+            short = any(filled[p][split] < minimum[p][split] for p, _ in present)
+            bounded = all(filled[p][split] + n <= 2 * targets[p][split] for p, n in present)
+            if gain > excess or (short and bounded):
+                assignment[domain] = split
+                for pair, size in present:
+                    filled[pair][split] += size
+                break
+    return assignment
+
+
+def find_catalogs(locale_dir: str | os.PathLike[str], lang: str) -> list[Path]:
+    """The ``.mo`` files of one language, sorted by name."""
+    catalog_dir = Path(locale_dir) / lang / "LC_MESSAGES"
+    if not catalog_dir.is_dir():
+        return []
+    return sorted(p for p in catalog_dir.iterdir() if p.suffix == ".mo" and p.is_file())
+
+
+@dataclass
+class _Harvest:
+    """What one language's catalogs give, cleaned, before the split."""
+
+    report: dict[str, Any]
+    pairs_by_domain: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    source_text: set[str] = field(default_factory=set)
+    target_text: set[str] = field(default_factory=set)
+
+
+def _harvest_language(
+    locale_dir: Path, lang: str, max_chars: int, cache: dict[str, CleanResult]
+) -> _Harvest:
+    """Reads and cleans one language's catalogs; ``cache`` is shared between languages."""
+
+    def clean(text: str) -> CleanResult:
+        # The English of a program is the same in every language: clean it once.
+        result = cache.get(text)
+        if result is None:
+            result = cache[text] = clean_message_with_reason(text, max_chars=max_chars)
+        return result
+
+    paths = find_catalogs(locale_dir, lang)
+    catalog_dir = locale_dir / lang / "LC_MESSAGES"
+    if not paths:
+        raise NoCatalogsError(
+            f"no gettext catalogs (*.mo) for language {lang!r} in {catalog_dir}. Install "
+            f"translations for {lang!r} (on Debian/Ubuntu, e.g. the language packs or "
+            "packages with their locales kept), pick another language with --langs, or "
+            "point --locale-dir at a directory laid out as <dir>/<lang>/LC_MESSAGES/*.mo"
+        )
+    counts: Counter[str] = Counter()
+    pair_drops: Counter[str] = Counter()
+    side_drops: dict[str, Counter[str]] = {"source": Counter(), "target": Counter()}
+    broken: list[dict[str, str]] = []
+    unknown_charset: list[str] = []
+    duplicates: list[dict[str, str]] = []
+    first_by_digest: dict[str, Path] = {}
+    harvest = _Harvest(report={})
+    # Real files before symlinks, so that an alias (iso_639.mo -> iso_639-2.mo) is the
+    # copy skipped below and the domain keeps its canonical name.
+    for path in sorted(paths, key=lambda p: (p.is_symlink(), p.name)):
+        try:
+            data = path.read_bytes()
+            catalog = parse_mo(data, path=path)
+        except (MoFormatError, OSError) as exc:
+            broken.append({"path": str(path), "error": str(exc)})
+            continue
+        # A catalog installed twice under two names would otherwise give two domains with
+        # the same text, which the by-catalog split could send to train and test at once.
+        digest = hashlib.sha256(data).hexdigest()
+        if digest in first_by_digest:
+            duplicates.append({"path": str(path), "same_as": str(first_by_digest[digest])})
+            continue
+        first_by_digest[digest] = path
+        if not catalog.charset_known:
+            unknown_charset.append(str(path))
+        for name in ("entries", "contexts", "plurals", "untranslated", "undecodable"):
+            counts[name] += getattr(catalog, name)
+        pairs = harvest.pairs_by_domain.setdefault(catalog.domain, [])
+        for message in catalog.messages:
+            source = clean(message.msgid)
+            if source.text is None:
+                side_drops["source"][str(source.reason)] += 1
+            else:
+                harvest.source_text.add(source.text)
+            if not message.msgstr:
+                continue  # untranslated: its English still feeds mono/en.txt
+            target = clean(message.msgstr)
+            copied = message.msgstr == message.msgid or target.text == source.text
+            if target.text is None:
+                side_drops["target"][str(target.reason)] += 1
+            elif copied:
+                side_drops["target"][DROP_IDENTICAL] += 1
+            else:
+                harvest.target_text.add(target.text)
+            # Each dropped pair is counted once, under its first cause (source side first).
+            if source.text is None:
+                pair_drops[f"source_{source.reason}"] += 1
+            elif target.text is None:
+                pair_drops[f"target_{target.reason}"] += 1
+            elif copied:
+                pair_drops[DROP_IDENTICAL] += 1
+            else:
+                pairs.append((source.text, target.text))
+    if len(broken) == len(paths):
+        raise NoCatalogsError(
+            f"none of the {len(paths)} catalogs for {lang!r} in {catalog_dir} could be "
+            f"read (first error: {broken[0]['error']}); reinstall them or choose another language"
+        )
+    harvest.report = {
+        "catalog_dir": str(catalog_dir),
+        "catalogs_found": len(paths),
+        "catalogs_read": len(paths) - len(broken) - len(duplicates),
+        "catalogs_broken": len(broken),
+        "broken_catalogs": broken,
+        "duplicate_catalogs": duplicates,
+        "unknown_charset_catalogs": unknown_charset,
+        **{name: counts[name] for name in ("entries", "contexts", "plurals")},
+        **{name: counts[name] for name in ("untranslated", "undecodable")},
+        "pair_drops": dict(sorted(pair_drops.items())),
+        "side_drops": {side: dict(sorted(c.items())) for side, c in side_drops.items()},
+        "pairs_kept": sum(len(p) for p in harvest.pairs_by_domain.values()),
+    }
+    return harvest
+
+
+def _unique_pairs_by_domain(
+    pairs_by_domain: Mapping[str, Sequence[tuple[str, str]]],
+) -> dict[str, list[tuple[str, str]]]:
+    """Each distinct pair, under the first domain (in domain_order) that has it."""
+    # Split sizes are then counted on distinct pairs, and test holds no duplicates.
+    seen: set[tuple[str, str]] = set()
+    unique: dict[str, list[tuple[str, str]]] = {}
+    for domain in domain_order(pairs_by_domain):
+        unique[domain] = [p for p in dict.fromkeys(pairs_by_domain[domain]) if p not in seen]
+        seen.update(unique[domain])
+    return unique
+
+
+def _strings(pairs: Iterable[tuple[str, str]]) -> set[str]:
+    return {text for pair in pairs for text in pair}
+
+
+def _remove_held_out_text(
+    splits: Mapping[str, dict[str, list[tuple[str, str]]]],
+) -> tuple[dict[str, dict[str, int]], set[str]]:
+    """Drops from valid the pairs touching test, and from train those touching either.
+
+    Returns the pairs removed per language and split, and all held-out strings. They are
+    pooled over all pairs: the pairs and mono files are trained on together, so a test
+    sentence of en-fr must not be learnt through en-de either.
+    """
+    removed = {lang: {"train": 0, "valid": 0} for lang in splits}
+    held_out: set[str] = set().union(*(_strings(split["test"]) for split in splits.values()))
+    for name in ("valid", "train"):
+        for lang, split in splits.items():
+            kept = [p for p in split[name] if p[0] not in held_out and p[1] not in held_out]
+            removed[lang][name] = len(split[name]) - len(kept)
+            split[name] = kept
+        if name == "valid":  # valid, once clean of test text, is held out from train too
+            held_out |= set().union(*(_strings(split["valid"]) for split in splits.values()))
+    return removed, held_out
+
+
+def _pair_order(pair: tuple[str, str]) -> tuple[str, tuple[str, str]]:
+    return stable_hash(f"{pair[0]}\t{pair[1]}"), pair
+
+
+def _line_order(line: str) -> tuple[str, str]:
+    return stable_hash(line), line
+
+
+def _write_atomic(path: Path, lines: Iterable[str]) -> None:
+    """Writes lines through a temporary file and os.replace, so a reader never sees half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.writelines(f"{line}\n" for line in lines)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def _check_options(
+    langs: Sequence[str],
+    max_chars: int,
+    test_fraction: float,
+    valid_fraction: float,
+    min_test_pairs: int,
+) -> None:
+    if not langs:
+        raise ValueError("no target language given")
+    for lang in langs:
+        if lang == SOURCE_LANG:
+            raise ValueError(f"{SOURCE_LANG!r} is the source language; list target languages only")
+        if not _LANG_RE.fullmatch(lang):
+            raise ValueError(f"invalid language code {lang!r} (expected e.g. de, pt_BR, sr@latin)")
+    if max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+    if min_test_pairs < 0:
+        raise ValueError(f"min_test_pairs must be >= 0, got {min_test_pairs}")
+    for name, value in (("test_fraction", test_fraction), ("valid_fraction", valid_fraction)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {value}")
+    if test_fraction + valid_fraction >= 1.0:
+        raise ValueError("test_fraction + valid_fraction must leave room for training data")
+
+
+def build_demo_corpus(
+    locale_dir: str | os.PathLike[str],
+    langs: Sequence[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    max_chars: int = DEFAULT_MAX_CHARS,
+    test_fraction: float = DEFAULT_TEST_FRACTION,
+    valid_fraction: float = DEFAULT_VALID_FRACTION,
+    min_test_pairs: int = DEFAULT_MIN_TEST_PAIRS,
+) -> dict[str, Any]:
+    """Builds the demo corpus of en-<lang> pairs under ``out_dir`` and returns its report.
+
+    Raises ValueError for invalid options and NoCatalogsError when a language has no
+    readable catalog, both before anything is written. Every file is replaced atomically
+    and report.json, removed first, is written last: a corpus without it is incomplete.
+    The same inputs and options always give byte-identical files.
+    """
+    langs = list(dict.fromkeys(langs))
+    _check_options(langs, max_chars, test_fraction, valid_fraction, min_test_pairs)
+    locale_dir, out_dir = Path(locale_dir), Path(out_dir)
+    cache: dict[str, CleanResult] = {}
+    harvests = {lang: _harvest_language(locale_dir, lang, max_chars, cache) for lang in langs}
+
+    unique = {lang: _unique_pairs_by_domain(h.pairs_by_domain) for lang, h in harvests.items()}
+    assignment = assign_domain_splits(
+        {
+            lang: {d: len(pairs) for d, pairs in by_domain.items()}
+            for lang, by_domain in unique.items()
+        },
+        test_fraction=test_fraction,
+        valid_fraction=valid_fraction,
+        min_test_pairs=min_test_pairs,
+    )
+    splits: dict[str, dict[str, list[tuple[str, str]]]] = {}
+    split_domains: dict[str, dict[str, list[str]]] = {}
+    for lang, by_domain in unique.items():
+        splits[lang] = {split: [] for split in SPLITS}
+        split_domains[lang] = {split: [] for split in SPLITS}
+        for domain in sorted(by_domain):
+            splits[lang][assignment[domain]].extend(by_domain[domain])
+            split_domains[lang][assignment[domain]].append(domain)
+    removed, held_out = _remove_held_out_text(splits)
+    mono_sets = {SOURCE_LANG: set().union(*(h.source_text for h in harvests.values()))}
+    mono_sets.update({lang: harvest.target_text for lang, harvest in harvests.items()})
+
+    # An existing report would vouch for a corpus this run is about to half-rewrite.
+    (out_dir / "report.json").unlink(missing_ok=True)
+    mono_report: dict[str, Any] = {}
+    for lang, texts in mono_sets.items():
+        lines = sorted(texts - held_out, key=_line_order)
+        path = Path("mono", f"{lang}.txt")
+        _write_atomic(out_dir / path, lines)
+        mono_report[lang] = {
+            "file": str(path),
+            "lines": len(lines),
+            "removed_held_out": len(texts) - len(lines),
+        }
+
+    common_words = lowercase_words(mono_sets[SOURCE_LANG])
+    pair_report: dict[str, Any] = {}
+    for lang, split in splits.items():
+        pair = f"{SOURCE_LANG}-{lang}"
+        for name, pairs in split.items():
+            pairs.sort(key=_pair_order)
+            for side, lang_code in enumerate((SOURCE_LANG, lang)):
+                path = out_dir / "parallel" / pair / f"{name}.{lang_code}"
+                _write_atomic(path, (p[side] for p in pairs))
+        all_pairs = {p for pairs in harvests[lang].pairs_by_domain.values() for p in pairs}
+        entries = build_dictionary(all_pairs, common_words)
+        _write_atomic(out_dir / "dict" / f"{pair}.tsv", (f"{s}\t{t}" for s, t in entries))
+        pair_report[pair] = {
+            "directory": str(Path("parallel", pair)),
+            "unique_pairs": len(all_pairs),
+            "duplicates_removed": harvests[lang].report["pairs_kept"] - len(all_pairs),
+            "split_sizes": {name: len(split[name]) for name in SPLITS},
+            "removed_for_leakage": removed[lang],
+            "split_domains": split_domains[lang],
+            "dictionary": {"file": str(Path("dict", f"{pair}.tsv")), "entries": len(entries)},
+        }
+
+    report: dict[str, Any] = {
+        "locale_dir": str(locale_dir),
+        "source_lang": SOURCE_LANG,
+        "options": {
+            "langs": langs,
+            "max_chars": max_chars,
+            "test_fraction": test_fraction,
+            "valid_fraction": valid_fraction,
+            "min_test_pairs": min_test_pairs,
+        },
+        "languages": {lang: harvest.report for lang, harvest in harvests.items()},
+        "pairs": pair_report,
+        "mono": mono_report,
+    }
+    _write_atomic(out_dir / "report.json", [json.dumps(report, indent=2, ensure_ascii=False)])
+    return report
