@@ -167,7 +167,7 @@ def test_bad_shards_are_skipped_counted_and_fatal_above_the_rate(
     truncated.write_bytes(truncated.read_bytes()[:3000])
     garbled = Path(source.shards["en"][2])
     data = bytearray(garbled.read_bytes())
-    data[1536:1600] = b"\x00" * 64  # the npy header of the first lengths.npy member
+    data[1536:1600] = b"\x00" * 64  # inside the first lengths.npy.gz member
     garbled.write_bytes(bytes(data))
 
     tolerant = config(max_bad_fraction=0.5, languages=("en",), shuffle=False)
@@ -205,7 +205,7 @@ def test_pickled_members_are_never_decoded(tmp_path: Path) -> None:
             {
                 "__key__": "en-000000-000000",
                 "tokens.npy": buffer.getvalue(),
-                "lengths.npy": buffer.getvalue(),
+                "lengths.npy.gz": __import__("gzip").compress(buffer.getvalue()),
                 "json": b'{"lang": "en", "sentences": 1, "tokens": 1, "first_sentence": 0}',
                 "pyd": __import__("pickle").dumps(_Exploit(marker)),
             }

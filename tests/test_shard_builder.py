@@ -136,7 +136,7 @@ def test_format_counts_and_readers(tmp_path: Path, spm_model: Path, demo_corpus:
         assert hashlib.sha256(shard.read_bytes()).hexdigest() == entry["sha256"]
         with tarfile.open(shard) as tar:
             names = tar.getnames()
-        assert names and all(n.endswith((".tokens.npy", ".lengths.npy", ".json")) for n in names)
+        assert names and all(n.endswith((".tokens.npy", ".lengths.npy.gz", ".json")) for n in names)
         assert len(names) == 3 * entry["samples"]
     # Plain webdataset reads the shards with its own decoders.
     dataset = wds.WebDataset(
@@ -144,7 +144,7 @@ def test_format_counts_and_readers(tmp_path: Path, spm_model: Path, demo_corpus:
     ).decode()
     first = next(iter(dataset))
     assert first["tokens.npy"].dtype == np.uint16
-    assert first["json"]["sentences"] == len(first["lengths.npy"])
+    assert first["json"]["sentences"] == len(first["lengths.npy.gz"])
     # What comes back is exactly the cleaned input text (no sentence lost or reordered).
     decoded = read_sentences(out, spm_model)
     for lang, path in files.items():

