@@ -20,7 +20,7 @@ from pathlib import Path
 
 from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, DemoCorpusError, build_demo_corpus
 from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_builder import ShardBuildConfig, ShardBuildError, build_shards
 from megasemface.data.shard_format import Manifest
 from megasemface.data.textio import parse_lang_path
 from megasemface.data.tokenizer import SpmTrainConfig, Tokenizer, train_spm
@@ -37,9 +37,11 @@ def _corpus(args: argparse.Namespace, langs: list[str]) -> Path:
         print(f"reusing {out} (delete it to rebuild)")
         return out
     report = build_demo_corpus(args.locale_dir, langs, out)
-    for pair, info in report.get("pairs", {}).items():
-        sizes = {split: info.get("splits", {}).get(split, {}) for split in ("train", "test")}
-        print(f"{pair}: {sizes}")
+    for pair, info in report["pairs"].items():
+        sizes = ", ".join(f"{split} {n:,}" for split, n in info["split_sizes"].items())
+        print(f"{pair} parallel pairs: {sizes} (split by program, no test text in training)")
+    for lang, info in report["mono"].items():
+        print(f"{lang} monolingual: {info['lines']:,} lines")
     print(f"wrote {out}")
     return out
 
@@ -66,13 +68,16 @@ def _shards(args: argparse.Namespace, corpus: Path, model: Path, langs: list[str
     # Small samples and shards, so the demo's few hundred thousand tokens still make enough
     # shards for several ranks and workers.
     config = ShardBuildConfig(tokens_per_sample=8192, samples_per_shard=8, jobs=args.jobs)
-    manifest = build_shards(parse_lang_path(inputs), model, out, config, progress=True)
+    # The demo owns its directory: shards from an older corpus or model are replaced.
+    corpora = parse_lang_path(inputs)
+    manifest = build_shards(corpora, model, out, config, overwrite=True, progress=True)
     if manifest.get("already_built"):
         print(f"reusing {out}")
     totals = manifest["totals"]
     print(
         f"{totals['shards']} shards, {totals['sentences']:,} sentences, "
-        f"{totals['tokens']:,} tokens, {totals['bytes_per_token']:.2f} bytes/token"
+        f"{totals['tokens']:,} tokens, {totals['bytes_per_token']:.2f} bytes/token "
+        "(small samples for the demo; the default layout stays under 2.2)"
     )
     for lang, info in manifest["languages"].items():
         dropped = {k: v for k, v in info["filtered"].items() if v}
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         shards = _shards(args, corpus, model, langs)
         _step(4, "streaming loader")
         _stream(args, shards, model)
-    except (DemoCorpusError, ValueError, FileNotFoundError) as exc:
+    except (DemoCorpusError, ShardBuildError, ValueError, FileNotFoundError) as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
         return 2
     print(f"\ndone: everything is under {args.out}/")

@@ -14,14 +14,20 @@ LOCALE_DIR = Path(os.environ.get("MEGASEMFACE_LOCALE_DIR", "/usr/share/locale"))
 
 
 @pytest.fixture(scope="session")
-def demo_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def locale_dir() -> Path:
+    """The system's gettext catalogs, which the demo corpus is made from."""
+    if not any((LOCALE_DIR / "de" / "LC_MESSAGES").glob("*.mo")):
+        pytest.skip(f"no German gettext catalogs under {LOCALE_DIR} (set MEGASEMFACE_LOCALE_DIR)")
+    return LOCALE_DIR
+
+
+@pytest.fixture(scope="session")
+def demo_corpus(locale_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real en-de demo corpus, built once per test session from gettext catalogs."""
     from megasemface.data.demo_corpus import build_demo_corpus
 
-    if not any((LOCALE_DIR / "de" / "LC_MESSAGES").glob("*.mo")):
-        pytest.skip(f"no German gettext catalogs under {LOCALE_DIR} (set MEGASEMFACE_LOCALE_DIR)")
     out = tmp_path_factory.mktemp("corpus")
-    build_demo_corpus(LOCALE_DIR, ["de"], out)
+    build_demo_corpus(locale_dir, ["de"], out)
     return out
 
 

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens-per-sample", type=int, default=defaults.tokens_per_sample)
     parser.add_argument("--samples-per-shard", type=int, default=defaults.samples_per_shard)
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace shards built with other options"
+        "--overwrite",
+        action="store_true",
+        help="replace shards (or an unfinished build) made from other inputs or options",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser

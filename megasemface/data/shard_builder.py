@@ -130,12 +130,23 @@ class _Executor:
 
 
 def _input_fingerprint(corpus: CorpusSpec) -> list[dict[str, Any]]:
+    """Identifies each input by its size and the sha256 of its first and last MiB.
+
+    Cheap for any corpus size, independent of timestamps (a regenerated identical file is
+    the same input), and still catches appended, truncated or replaced files.
+    """
     out = []
     for path in corpus.paths:
         if not path.is_file():
             raise ShardBuildError(f"{corpus.lang}: corpus file not found: {path}")
-        stat = path.stat()
-        out.append({"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+        size = path.stat().st_size
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            digest.update(handle.read(1 << 20))
+            if size > 2 << 20:
+                handle.seek(size - (1 << 20))
+            digest.update(handle.read(1 << 20))
+        out.append({"path": str(path), "size": size, "ends_sha256": digest.hexdigest()})
     return out
 
 
@@ -514,7 +525,7 @@ def build_shards(
     manifest_path = out_dir / "manifest.json"
     if manifest_path.exists():
         existing = json.loads(manifest_path.read_text(encoding="utf-8"))
-        if existing.get("build_fingerprint") == fingerprint and not overwrite:
+        if existing.get("build_fingerprint") == fingerprint:
             existing["already_built"] = True
             return existing
         if not overwrite:

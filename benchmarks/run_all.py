@@ -1,0 +1,44 @@
+"""Runs every benchmark and writes one Markdown report (default: runs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("runs/benchmarks.md"))
+    parser.add_argument("--locale-dir", type=Path, default=Path("/usr/share/locale"))
+    args = parser.parse_args(argv)
+    sections = [
+        "# megasemface benchmarks",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M')} on {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}. Each figure stands beside its limit or goal "
+        "measured in the same run.",
+        "",
+        "## Data path (benchmarks/bench_data.py)",
+        "",
+    ]
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        results = bench_data.run(8, args.locale_dir, Path(tmp))
+    sections.append(bench_data.report(results))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(sections) + "\n", encoding="utf-8")
+    print("\n".join(sections))
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
