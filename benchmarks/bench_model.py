@@ -1,0 +1,150 @@
+"""Model benchmark: training-step throughput and FLOP utilisation beside the machine's peak.
+
+For the tiny and the paper preset (batch sized to this machine), one SemFace joint step
+(encoder loss through the VQ interface, decoder loss through the frozen codebook; forward,
+backward and Adam) is timed, and its FLOPs are counted with torch's FlopCounterMode. Beside
+them, the same run measures the machine's fp32 matrix-multiply peak, so that "model FLOPs/s"
+reads as a share of what this machine can do. The VQ layer's share of step time (its calls
+timed in isolation on the same tokens) stands beside its share of the step's FLOPs, for the
+flat and the product codebook.
+
+Run: ``python benchmarks/bench_model.py [--presets tiny,paper] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
+
+from megasemface.interfaces.factory import build_interface
+from megasemface.models.config import build_model_config
+from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
+from megasemface.objectives.stages import SemFaceModel
+
+SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
+SHAPES = {"tiny": (32, 32), "paper": (4, 32)}  # sentences x tokens per batch
+
+
+def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+    """fp32 FLOP/s of a large square matmul: the machine's practical peak."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
+
+
+def _timed(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _batch(vocab: int, sentences: int, length: int) -> SequenceBatch:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(7, vocab, (sentences, length), generator=g)
+    return SequenceBatch(tokens, torch.full((sentences,), length), torch.arange(sentences) % 2)
+
+
+def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
+    config = build_model_config(preset, [f"vq.layout={layout}"])
+    torch.manual_seed(0)
+    model = SemFaceModel(config, build_interface("vq", config), SPECIAL)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    batch = _batch(config.vocab_size, *SHAPES[preset])
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model.joint_loss(batch, generator).loss.backward()
+        optimizer.step()
+
+    step_time = _timed(step, repeats)
+    with FlopCounterMode(display=False) as counter:
+        model.joint_loss(batch, generator).loss.backward()
+    total = counter.get_total_flops()
+    by_module = counter.get_flop_counts()
+    # FlopCounterMode names modules by class; forward and backward are both attributed.
+    vq_flops = sum(by_module.get("GumbelVectorQuantizer", {}).values())
+
+    # The VQ layer's two calls per joint step, timed alone on the same number of tokens.
+    quantizer = model.interface.quantizer
+    tokens = int(batch.lengths_B.sum()) + len(batch.lengths_B)  # with </s>
+    h = torch.randn(tokens, config.d_model, requires_grad=True)
+    fixed = {n: p.detach() for n, p in quantizer.named_parameters()}
+
+    def vq_calls() -> None:
+        out = quantizer(h)
+        (out.quantized.sum() + out.diversity_loss).backward()
+        functional_call(quantizer, fixed, (h,)).quantized.sum().backward()
+
+    vq_time = _timed(vq_calls, repeats)
+    real_tokens = float(batch.lengths_B.sum())
+    return {
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "step_s": step_time,
+        "tokens_per_s": 2 * real_tokens / step_time,  # each sentence feeds both stages
+        "flops_per_step": float(total),
+        "flops_per_s": total / step_time,
+        "vq_time_share": vq_time / step_time,
+        "vq_flop_share": vq_flops / total,
+    }
+
+
+def report(peak: float, results: dict[str, dict[str, float]]) -> str:
+    rows = [
+        f"fp32 matmul peak of this machine: {peak / 1e9:,.1f} GFLOP/s",
+        "",
+        "| preset, codebook | params | step | tokens/s | model FLOP/s (share of peak) "
+        "| VQ time share / FLOP share |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        rows.append(
+            f"| {name} | {r['params_m']:.1f}M | {r['step_s'] * 1e3:,.0f} ms "
+            f"| {r['tokens_per_s']:,.0f} | {r['flops_per_s'] / 1e9:,.1f} G "
+            f"({r['flops_per_s'] / peak:.0%}) | {r['vq_time_share']:.0%} / "
+            f"{r['vq_flop_share']:.0%} |"
+        )
+    return "\n".join(rows)
+
+
+def run(presets: list[str], repeats: int = 3) -> tuple[float, dict[str, dict[str, float]]]:
+    peak = matmul_peak()
+    results = {}
+    for preset in presets:
+        for layout in ("flat", "product"):
+            results[f"{preset}, {layout}"] = bench(preset, layout, repeats)
+    return peak, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="tiny,paper")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    peak, results = run(args.presets.split(","), args.repeats)
+    print(report(peak, results))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"matmul_peak": peak, "results": results}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

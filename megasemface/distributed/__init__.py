@@ -1,0 +1,1 @@
+"""Process groups and collectives; parallelism is passed explicitly, never read from globals."""

@@ -1,0 +1,1 @@
+"""Semantic interfaces between the separately pre-trained encoder and decoder."""

@@ -1,0 +1,93 @@
+"""CL-SemFace: a pre-trained cross-lingual subword embedding table as the interface.
+
+Encoder stage (the paper's Eq. 1): the MLM output layer's weights are the table (tied, kept
+fixed by default), and an MSE loss pulls the last layer's activation before the final
+LayerNorm towards the table row of the ground-truth token, so that encoder outputs live on
+the table's scale. Decoder stage: the memory is the fixed table rows of a noised copy of the
+sentence, E(C(x)), standing in for an encoder that maps every language into that space.
+
+The MSE is the mean over predicted tokens and dimensions of (W_i - h_i)^2: Eq. 1 sums over
+tokens, and averaging instead matches the MLM term, which is a mean over tokens too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megasemface.interfaces.base import (
+    EncoderHeadOutput,
+    InterfaceMemory,
+    SemanticInterface,
+    select_targets,
+    tensor_sha256,
+)
+from megasemface.models.transformer import EncoderOutput, TransformerEncoder
+
+__all__ = ["CrossLingualInterface", "load_embedding_table"]
+
+
+def load_embedding_table(path: str | Path, vocab_size: int, d_model: int) -> torch.Tensor:
+    """Reads a [V, D] table from safetensors (one tensor, or one named "embeddings")."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"cross-lingual embedding table not found: {path}")
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:
+        raise ValueError(f"{path} is not a safetensors file: {exc}") from exc
+    if "embeddings" in tensors:
+        table = tensors["embeddings"]
+    elif len(tensors) == 1:
+        table = next(iter(tensors.values()))
+    else:
+        raise ValueError(f"{path} holds {sorted(tensors)}; expected one tensor or 'embeddings'")
+    if tuple(table.shape) != (vocab_size, d_model):
+        raise ValueError(
+            f"{path}: table of shape {tuple(table.shape)}, but the model needs "
+            f"[{vocab_size}, {d_model}] (vocabulary x d_model); build it for this "
+            "SentencePiece model and hidden size"
+        )
+    if not torch.isfinite(table).all():
+        raise ValueError(f"{path}: the table holds NaN or infinite values")
+    return table.to(torch.float32)
+
+
+class CrossLingualInterface(SemanticInterface):
+    kind = "cl"
+
+    def __init__(self, table_VD: torch.Tensor, trainable: bool = False) -> None:
+        super().__init__()
+        # A Parameter (not a buffer) so that it is checkpointed and can be tuned on request;
+        # frozen by default and then kept out of the optimizer.
+        self.table = nn.Parameter(table_VD.detach().clone(), requires_grad=trainable)
+
+    def encoder_head(self, encoded: EncoderOutput, targets_BT: torch.Tensor) -> EncoderHeadOutput:
+        selected = targets_BT != -100
+        pre_norm_ND = encoded.pre_norm_BTD[selected]
+        wanted_ND = self.table[targets_BT[selected]]
+        mse = (pre_norm_ND.float() - wanted_ND.float()).pow(2).mean()
+        features = select_targets(encoded.hidden_BTD, targets_BT)
+        return EncoderHeadOutput(features, {"mse": mse}, {})
+
+    def output_embeddings(self, encoder: TransformerEncoder) -> torch.Tensor:
+        return self.table
+
+    def decoder_memory(
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
+    ) -> InterfaceMemory:
+        memory = self.table.detach()[tokens_BT]  # fixed: no gradient into the table
+        return InterfaceMemory(memory, mask_BT, {})
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "vocab_size": self.table.shape[0],
+            "d_model": self.table.shape[1],
+            "table_sha256": tensor_sha256(self.table),
+        }

@@ -1,0 +1,91 @@
+"""VQ-SemFace: a Gumbel-softmax vector-quantised codebook as the interface.
+
+Encoder stage: the encoder output passes through the VQ layer before the MLM output layer,
+so every prediction is made from a code vector; the losses add the diversity loss (Eq. 6) and
+an L2 penalty on the last activations before the final LayerNorm. Decoder stage: token
+embeddings pass through a small Transformer (the feature extractor, trained with the
+decoder), whose outputs pick codes of the *fixed* codebook by Eq. 5; the codes' vectors are
+the memory the decoder cross-attends to. The VQ weights receive no gradient from the
+decoder stage, also when both stages train together (Algorithm 1): the decoder pass calls
+the layer with detached weights, so gradients reach only the extractor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces.base import (
+    EncoderHeadOutput,
+    InterfaceMemory,
+    SemanticInterface,
+    tensor_sha256,
+)
+from megasemface.interfaces.vq import GumbelVectorQuantizer, VQOutput
+from megasemface.models.config import ModelConfig
+from megasemface.models.transformer import EncoderOutput, TransformerEncoder
+
+__all__ = ["VectorQuantizedInterface"]
+
+
+def _scatter_tokens(values_ND: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Places the rows for the real tokens back into a zero-padded [B, T, D] tensor."""
+    out = values_ND.new_zeros(*mask_BT.shape, values_ND.shape[-1])
+    out[mask_BT] = values_ND
+    return out
+
+
+class VectorQuantizedInterface(SemanticInterface):
+    kind = "vq"
+
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, seed: int) -> None:
+        super().__init__()
+        self.quantizer = GumbelVectorQuantizer(config.vq, config.d_model, groups, seed)
+        self.extractor = TransformerEncoder(config, num_layers=config.extractor_layers)
+        self.last_output: VQOutput | None = None
+
+    def encoder_head(self, encoded: EncoderOutput, targets_BT: torch.Tensor) -> EncoderHeadOutput:
+        mask = encoded.mask_BT
+        # All real tokens are quantised, so the codebook statistics see the whole batch; only
+        # the positions with a target feed the MLM output layer.
+        out = self.quantizer(encoded.hidden_BTD[mask])
+        self.last_output = out
+        quantized = _scatter_tokens(out.quantized, mask)
+        l2 = encoded.pre_norm_BTD[mask].float().pow(2).mean()
+        losses = {"diversity": out.diversity_loss, "l2": l2}
+        return EncoderHeadOutput(quantized[targets_BT != -100], losses, out.metrics())
+
+    def output_embeddings(self, encoder: TransformerEncoder) -> torch.Tensor:
+        return encoder.embed.tokens.weight  # tied, as for the MLM baseline
+
+    def decoder_memory(
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
+    ) -> InterfaceMemory:
+        features = self.extractor(tokens_BT, mask_BT, langs_B).hidden_BTD
+        fixed = {name: p.detach() for name, p in self.quantizer.named_parameters()}
+        out: VQOutput = functional_call(self.quantizer, fixed, (features[mask_BT],))
+        metrics = {f"dec_{k}": v for k, v in out.metrics().items() if k != "vq_diversity_loss"}
+        return InterfaceMemory(_scatter_tokens(out.quantized, mask_BT), mask_BT, metrics)
+
+    def set_step(self, step: int) -> None:
+        """Advances the Gumbel temperature schedule."""
+        self.quantizer.set_step(step)
+
+    def fingerprint(self) -> dict[str, Any]:
+        vq = self.quantizer.config
+        return {
+            "kind": self.kind,
+            "layout": vq.layout,
+            "codes": vq.combinations,
+            "d_model": self.quantizer.d_model,
+            # Over every VQ weight (logit layers and table): the decoder stage depends on all
+            # of them. A flat table split over model-parallel ranks hashes the local shard, so
+            # stages must be compared at the same model-parallel size (or after gathering).
+            "quantizer_sha256": tensor_sha256(
+                torch.cat([p.detach().float().reshape(-1) for p in self.quantizer.parameters()])
+            ),
+            "mp_rank": self.quantizer.groups.mp_rank,
+        }

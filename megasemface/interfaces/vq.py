@@ -1,0 +1,821 @@
+"""The vector-quantised semantic interface of VQ-SemFace (paper section 2.3).
+
+A hidden state ``h`` goes through Linear(d, H) -> ReLU -> Linear(H, K) to code logits ``l``. In
+training a code is drawn with the Gumbel-softmax (Eq. 5), ``p = softmax((l + v) / tau)`` with
+Gumbel noise ``v``; the forward output is exactly the chosen code's vector (the argmax of ``p``)
+and the backward passes the gradient to all of ``p`` (straight-through estimator). In evaluation
+the code is the argmax of ``l``, without noise. The diversity loss (Eq. 6) is
+``L_d = (1/K) sum_k pbar_k log pbar_k`` with ``pbar`` the average code distribution over the
+global batch.
+
+Two layouts (``VQConfig.layout``):
+
+* ``flat``: one table of K codes of size d, e.g. the paper's 102,400 x 1024. The table and the
+  second Linear are split over the model-parallel group in contiguous shards (rank r holds codes
+  ``[r K/p, (r+1) K/p)``), and everything is computed shard-locally on the pattern of Megatron's
+  vocab-parallel cross entropy: the only collectives are all-reduces of a few scalars per token
+  (max, sum of exps, smallest index among maxima) and ONE all-reduce of the [N, d] output. The
+  full [N, K] logits are never gathered, [N, K, d] is never formed (logits are a GEMM; the
+  output is a row gather, its gradient a GEMM with the table), and the [n, K/p] logits exist only
+  for one chunk of ``chunk_tokens`` tokens at a time, in forward and again (recomputed) in
+  backward by :class:`_FlatQuantize`, so activation memory is O(N (H + d) + chunk K/p).
+* ``product`` (wav2vec 2.0): G tables of V entries of size d/G; logits G*V, a softmax per
+  group, the output is the concatenation of the G chosen entries and the code id
+  ``sum_g idx_g V**(G-g-1)``. Small (640 logits per token for 320 x 2), so it is replicated on
+  model-parallel ranks and uses plain autograd.
+
+Randomness. Gumbel noise is a pure function of (seed, step, call, dp rank, token index, global
+code index), computed by a counter-based hash (SplitMix64) rather than a stateful generator:
+every rank draws exactly the noise the unsplit layer would draw for its codes, whatever the
+model-parallel split or the token chunking, and backward regenerates it instead of storing it.
+Initial weights are generated per block of 1024 global rows from generators seeded by the
+layer's seed, so a split layer starts from exactly the shard of the unsplit layer's weights.
+
+Diversity statistics. ``pbar`` averages over all real tokens of the global batch: the per-code
+probability sums and the token count are summed over the data-parallel group (the probability
+sums by :func:`global_batch_sum`, whose backward multiplies by dp_size so DeepSpeed's gradient
+averaging yields the exact global gradient), and, for the flat layout, the per-shard entropy
+terms are summed over the model-parallel group by :func:`reduce_from_model_parallel`. By default
+``pbar`` averages the noise-free softmax ``softmax(l)`` (wav2vec 2.0's code and fairseq's
+``prob_perplexity``); with ``diversity_from_gumbel`` it averages Eq. 5's Gumbel probabilities
+(the paper's text: "pk is calculated by Eq.(5)"); in evaluation those are noise-free too.
+
+Numerics. Logits, softmaxes and their gradients are fp32 whatever the autocast state and the
+parameter dtype; the output is cast back to the input's dtype (a code vector is then exact).
+
+Shape legend: N tokens (real, flattened, no padding), n tokens of one chunk, d model width,
+H ``hidden_dim``, K ``num_codes``, p model-parallel size, Kl = K/p codes held by this rank,
+G ``groups``, V ``entries``, dg = d/G.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megasemface.distributed.groups import (
+    ParallelGroups,
+    all_reduce_data_parallel,
+    all_reduce_model_parallel,
+    copy_to_model_parallel,
+    global_batch_sum,
+    mark_model_parallel_parameter,
+    reduce_from_model_parallel,
+)
+from megasemface.models.config import VQConfig
+
+__all__ = [
+    "SPLIT_PARAMETERS",
+    "CodeUsageWindow",
+    "GumbelVectorQuantizer",
+    "VQOutput",
+    "gather_codebook",
+    "gather_state_dicts",
+    "gumbel_noise",
+    "shard_state_dict",
+    "split_codebook",
+]
+
+SPLIT_PARAMETERS: tuple[str, ...] = ("logits_weight", "logits_bias", "codebook")
+"""State-dict keys of a flat layer that are split along dim 0 across model-parallel ranks."""
+
+_INIT_BLOCK_ROWS = 1024
+"""Initial weights are drawn per block of this many global rows (split-independent)."""
+
+_NOISE_ELEMENTS = 1 << 20
+"""Noise is hashed in column blocks of about this many elements: cache-sized int64 temporaries
+(a performance knob only; the values do not depend on it)."""
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based randomness
+# ---------------------------------------------------------------------------------------------
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MUL1 = 0xBF58476D1CE4E5B9
+_MUL2 = 0x94D049BB133111EB
+
+
+def _signed(x: int) -> int:
+    """A uint64 as the int64 with the same bits (torch has no full uint64 arithmetic)."""
+    x &= _M64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _fmix64(z: int) -> int:
+    """SplitMix64's finaliser on Python ints (reference for the tensor version)."""
+    z &= _M64
+    z = ((z ^ (z >> 30)) * _MUL1) & _M64
+    z = ((z ^ (z >> 27)) * _MUL2) & _M64
+    return z ^ (z >> 31)
+
+
+def _mix_key(*parts: int) -> int:
+    """Hashes non-negative integers to a 64-bit key; stable across processes and runs."""
+    h = 0
+    for part in parts:
+        h = _fmix64((h + _GOLDEN) ^ (part & _M64))
+    return h
+
+
+def _fmix64_(z: Tensor) -> Tensor:
+    """In-place SplitMix64 finaliser on an int64 tensor with wrap-around multiplication.
+
+    torch's ``>>`` on int64 is arithmetic, so the logical shift is an arithmetic one followed
+    by a mask of the low 64 - s bits.
+    """
+    tmp = torch.empty_like(z)
+    for shift, mul in ((30, _MUL1), (27, _MUL2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp.bitwise_and_((1 << (64 - shift)) - 1)
+        z.bitwise_xor_(tmp)
+        if mul is not None:
+            z.mul_(_signed(mul))
+    return z
+
+
+def gumbel_noise(
+    key: int,
+    token_start: int,
+    num_tokens: int,
+    code_start: int,
+    num_codes: int,
+    device: torch.device | str = "cpu",
+) -> Tensor:
+    """Gumbel(0, 1) noise [num_tokens, num_codes] (fp32) for a block of (token, code) indices.
+
+    Element (t, c) depends only on ``key`` and the absolute indices, so any tiling of the
+    (token, code) plane, by chunks, by model-parallel shards or both, reproduces the same
+    values. Token t's row seed is SplitMix64 output t of a stream seeded by ``key``; element c
+    is output c of the stream seeded by the row seed. The top 23 bits of the hash give
+    ``u = (b + 0.5) / 2**23``, strictly inside (0, 1) in fp32, so ``-log(-log(u))`` is finite
+    (the tails are cut at about -2.8 and 16.6, probability 6e-8).
+    """
+    device = torch.device(device)
+    out = torch.empty(num_tokens, num_codes, dtype=torch.float32, device=device)
+    if num_tokens == 0 or num_codes == 0:
+        return out
+    rows = torch.arange(token_start + 1, token_start + num_tokens + 1, device=device)
+    rows = _fmix64_(rows.mul_(_signed(_GOLDEN)).add_(_signed(key)))
+    cols = torch.arange(code_start + 1, code_start + num_codes + 1, device=device)
+    cols.mul_(_signed(_GOLDEN))
+    step = max(64, _NOISE_ELEMENTS // num_tokens)
+    for c0 in range(0, num_codes, step):
+        c1 = min(num_codes, c0 + step)
+        z = _fmix64_(rows[:, None] + cols[None, c0:c1])
+        z.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)
+        u = z.to(torch.float32).add_(0.5).mul_(2.0**-23)
+        out[:, c0:c1] = u.log_().neg_().log_().neg_()
+    return out
+
+
+def _init_rows(
+    seed: int, tag: int, start: int, stop: int, cols: int, kind: str, scale: float
+) -> Tensor:
+    """Rows ``[start, stop)`` of a global [rows, cols] fp32 init, drawn per fixed row block.
+
+    Each block of ``_INIT_BLOCK_ROWS`` global rows comes from its own generator, always drawn in
+    full, so a shard gets exactly the unsplit table's rows without materialising the table.
+    """
+    pieces = []
+    first, last = start // _INIT_BLOCK_ROWS, (stop - 1) // _INIT_BLOCK_ROWS
+    for block in range(first, last + 1):
+        gen = torch.Generator().manual_seed(_mix_key(seed, tag, block) >> 1)
+        b0 = block * _INIT_BLOCK_ROWS
+        values = torch.empty(_INIT_BLOCK_ROWS, cols)
+        if kind == "normal":
+            values.normal_(0.0, scale, generator=gen)
+        else:
+            values.uniform_(-scale, scale, generator=gen)
+        pieces.append(values[max(start, b0) - b0 : min(stop, b0 + _INIT_BLOCK_ROWS) - b0])
+    return torch.cat(pieces) if pieces else torch.empty(0, cols)
+
+
+_TAG_HIDDEN_W, _TAG_HIDDEN_B, _TAG_LOGITS_W, _TAG_LOGITS_B, _TAG_CODEBOOK = range(5)
+_TAG_NOISE = 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Output and code-usage window
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class VQOutput:
+    """What the VQ layer returns for N real tokens.
+
+    ``code_counts`` is the global-batch histogram (summed over data parallelism) of this rank's
+    codes: its Kl-code shard for the flat layout, the G*V table entries (group-major) for the
+    product layout. Perplexities follow fairseq: ``exp`` of the entropy of a global-batch
+    distribution, summed over groups for the product layout (maximum G*V).
+    """
+
+    quantized: Tensor
+    """[N, d] chosen code vectors (straight-through in training), the input's dtype."""
+    codes: Tensor
+    """[N] int64 global code ids (product: sum_g idx_g * V**(G-g-1))."""
+    diversity_loss: Tensor
+    """Scalar fp32, Eq. 6 over the global batch; differentiable. Product: mean over groups."""
+    code_perplexity: Tensor
+    """Scalar, perplexity of the hard-code histogram over the global batch (no gradient)."""
+    prob_perplexity: Tensor
+    """Scalar, perplexity of pbar, the distribution the diversity loss uses (no gradient)."""
+    temperature: float
+    """Gumbel-softmax temperature used."""
+    codes_used: Tensor
+    """Scalar, fraction of codes (product: table entries) chosen at least once in the batch."""
+    code_counts: Tensor
+    """[Kl] (flat) or [G*V] (product) int64 hard-code counts over the global batch."""
+
+    def metrics(self) -> dict[str, float]:
+        """Plain floats for logging."""
+        return {
+            "vq_diversity_loss": float(self.diversity_loss.detach()),
+            "vq_code_perplexity": float(self.code_perplexity.detach()),
+            "vq_prob_perplexity": float(self.prob_perplexity.detach()),
+            "vq_temperature": self.temperature,
+            "vq_codes_used": float(self.codes_used.detach()),
+        }
+
+
+class CodeUsageWindow:
+    """Fraction of codes chosen at least once over the last ``window`` batches.
+
+    Keeps one "last batch seen" counter per local code (O(Kl) memory, no history of batches).
+    Feed it :attr:`VQOutput.code_counts`; those are already summed over data parallelism, so all
+    dp ranks agree. For a split flat layer :meth:`fraction` sums the shards' counts over the
+    model-parallel group, a collective every mp rank must enter.
+    """
+
+    def __init__(
+        self, num_local: int, num_total: int, window: int, groups: ParallelGroups, split: bool
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.num_total = num_total
+        self.groups = groups
+        self.split = split
+        self.batches = 0
+        self._last_seen = torch.full((num_local,), -(1 << 62), dtype=torch.int64)
+
+    def update(self, code_counts: Tensor) -> None:
+        """Records one batch's counts."""
+        self.batches += 1
+        used = code_counts.detach().to(self._last_seen.device) > 0
+        self._last_seen[used] = self.batches
+
+    def fraction(self) -> float:
+        """Fraction of all codes used in the last ``window`` batches (0 before any update)."""
+        used = (self._last_seen > self.batches - self.window).sum().to(torch.float64)
+        if self.split:
+            used = all_reduce_model_parallel(used.reshape(1), self.groups).reshape(())
+        return float(used) / self.num_total
+
+
+# ---------------------------------------------------------------------------------------------
+# Flat layout: shard-local Gumbel softmax, chunked, recomputed in backward
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _FlatSpec:
+    """Non-tensor arguments of :class:`_FlatQuantize`."""
+
+    groups: ParallelGroups
+    code_offset: int
+    num_codes: int
+    chunk_tokens: int
+    temperature: float
+    sample: bool
+    noise_key: int
+    from_gumbel: bool
+    need_soft: bool
+    """Whether Eq. 5's probabilities are needed (straight-through gradient or diversity)."""
+    out_dtype: torch.dtype
+
+
+def _chunk_logits(
+    a: Tensor, w32: Tensor, b32: Tensor, spec: _FlatSpec, t0: int
+) -> tuple[Tensor, Tensor]:
+    """Local logits l [n, Kl] and selection scores s = l + v (training) or l itself (eval)."""
+    logits = torch.addmm(b32, a.float(), w32.t())
+    if not spec.sample:
+        return logits, logits
+    noise = gumbel_noise(
+        spec.noise_key, t0, a.shape[0], spec.code_offset, w32.shape[0], device=a.device
+    )
+    return logits, noise.add_(logits)
+
+
+class _FlatQuantize(torch.autograd.Function):
+    """Shard-local Gumbel-softmax quantisation of all N tokens, chunk by chunk.
+
+    Inputs: ``a`` [N, H] (ReLU output, already through copy_to_model_parallel), the local
+    ``weight`` [Kl, H], ``bias`` [Kl] and ``codebook`` [Kl, d]. Outputs: this rank's part of the
+    output [N, d] (the chosen rows it owns, zeros elsewhere; summed over mp by the caller), the
+    local column sums [Kl] of the diversity distribution (differentiable), and the codes [N].
+
+    Saved for backward: the inputs and 5 scalars per token (codes, the two global maxima, the
+    two partition sums); per chunk, backward recomputes the logits and the noise. Peak
+    transient memory is a few [chunk, Kl] fp32 buffers in forward and in backward.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, a: Tensor, weight: Tensor, bias: Tensor, codebook: Tensor, spec: _FlatSpec
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        groups, tau = spec.groups, spec.temperature
+        n_tok, n_local = a.shape[0], weight.shape[0]
+        device = a.device
+        codes = torch.empty(n_tok, dtype=torch.int64, device=device)
+        # Per token: global max of s, global max of l, sum exp for Eq. 5, sum exp for softmax(l).
+        stats = torch.zeros(n_tok, 4, dtype=torch.float32, device=device)
+        psum = torch.zeros(n_local, dtype=torch.float32, device=device)
+        with torch.autocast(device.type, enabled=False):
+            w32, b32 = weight.float(), bias.float()
+            for t0 in range(0, n_tok, spec.chunk_tokens):
+                t1 = min(n_tok, t0 + spec.chunk_tokens)
+                logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
+                # Local maxima and the first (smallest) local index attaining them.
+                local_max, local_idx = scores.max(dim=1)
+                maxes = torch.stack(
+                    [local_max, logits.amax(dim=1) if spec.sample else local_max], dim=1
+                )
+                all_reduce_model_parallel(maxes, groups, "max")
+                # The global argmax: among ranks holding the global maximum, the smallest global
+                # index, so ties resolve exactly as torch.argmax does on the unsplit logits.
+                candidate = torch.where(
+                    local_max == maxes[:, 0],
+                    local_idx + spec.code_offset,
+                    torch.full_like(local_idx, spec.num_codes),
+                )
+                all_reduce_model_parallel(candidate, groups, "min")
+                # NaN logits leave no candidate; keep the index valid, the NaN reaches the loss.
+                codes[t0:t1] = candidate.clamp_(max=spec.num_codes - 1)
+                sums = torch.zeros(t1 - t0, 2, dtype=torch.float32, device=device)
+                soft = None
+                if spec.need_soft:
+                    # fl(max(s) / tau) == max(fl(s / tau)): rounding is monotone.
+                    y = scores.div_(tau) if spec.sample else scores / tau
+                    soft = y.sub_((maxes[:, 0] / tau)[:, None]).exp_()
+                    sums[:, 0] = soft.sum(dim=1)
+                plain = None
+                if not spec.from_gumbel:
+                    plain = logits.sub_(maxes[:, 1:]).exp_()
+                    sums[:, 1] = plain.sum(dim=1)
+                all_reduce_model_parallel(sums, groups, "sum")
+                stats[t0:t1, :2] = maxes
+                stats[t0:t1, 2:] = sums
+                if spec.from_gumbel:
+                    assert soft is not None
+                    psum.addmv_(soft.t(), sums[:, 0].reciprocal())
+                else:
+                    assert plain is not None
+                    psum.addmv_(plain.t(), sums[:, 1].reciprocal())
+                del logits, scores, soft, plain
+        owned, local = _owned(codes, spec.code_offset, n_local)
+        quantized = torch.zeros(n_tok, codebook.shape[1], dtype=spec.out_dtype, device=device)
+        quantized[owned] = codebook[local[owned]].to(spec.out_dtype)
+        ctx.spec = spec
+        ctx.save_for_backward(a, weight, bias, codebook, codes, stats)
+        ctx.mark_non_differentiable(codes)
+        return quantized, psum, codes
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_quantized: Tensor | None, grad_psum: Tensor | None, _grad_codes: Any
+    ) -> tuple[Tensor | None, ...]:
+        spec: _FlatSpec = ctx.spec
+        a, weight, bias, codebook, codes, stats = ctx.saved_tensors
+        need_a, need_w, need_b, need_c = ctx.needs_input_grad[:4]
+        n_local = weight.shape[0]
+        grad_a = grad_w = grad_b = grad_c = None
+        with torch.autocast(a.device.type, enabled=False):
+            if need_c and grad_quantized is not None:
+                # Straight-through: d out / d codebook is the forward value of the weights,
+                # i.e. the one-hot, so only the chosen rows receive the output gradient.
+                owned, local = _owned(codes, spec.code_offset, n_local)
+                grad_c = torch.zeros(codebook.shape, dtype=torch.float32, device=a.device)
+                grad_c.index_add_(0, local[owned], grad_quantized[owned].float())
+                grad_c = grad_c.to(codebook.dtype)
+            if need_a or need_w or need_b:
+                grad_a, grad_w, grad_b = _flat_logit_backward(
+                    a,
+                    weight,
+                    bias,
+                    codebook,
+                    stats,
+                    grad_quantized,
+                    grad_psum,
+                    spec,
+                    (need_a, need_w, need_b),
+                )
+        return grad_a, grad_w, grad_b, grad_c, None
+
+
+def _owned(codes: Tensor, offset: int, n_local: int) -> tuple[Tensor, Tensor]:
+    """Mask of codes held by this shard and their local indices (clamped where not owned)."""
+    local = codes - offset
+    owned = (local >= 0) & (local < n_local)
+    return owned, local.clamp(0, n_local - 1)
+
+
+def _flat_logit_backward(
+    a: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    codebook: Tensor,
+    stats: Tensor,
+    grad_quantized: Tensor | None,
+    grad_psum: Tensor | None,
+    spec: _FlatSpec,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of the local logits, chunk by chunk, then of ``a``, ``weight`` and ``bias``.
+
+    With q = softmax(s / tau) (Eq. 5) and r = softmax(l), both over all K codes:
+    dL/dl = q * (gq - <q, gq>) / tau + r * (gr - <r, gr>), where gq = grad_out @ codebook^T
+    (straight-through: d out / d q_k = code k) plus the diversity gradient when it uses q, and
+    gr the diversity gradient when it uses r. The dot products run over all codes: one
+    all-reduce of 2 scalars per token per chunk. ``needs`` says which of the three gradients
+    to compute (a frozen layer needs only ``a``'s).
+    """
+    groups, tau = spec.groups, spec.temperature
+    need_a, need_w, need_b = needs
+    n_tok = a.shape[0]
+    w32, b32 = weight.float(), bias.float()
+    c32 = codebook.float() if grad_quantized is not None else None
+    g_div = grad_psum.float() if grad_psum is not None else None
+    grad_a = torch.empty_like(a) if need_a else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=a.device) if need_w else None
+    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=a.device) if need_b else None
+    soft_used = c32 is not None or (spec.from_gumbel and g_div is not None)
+    plain_used = not spec.from_gumbel and g_div is not None
+    for t0 in range(0, n_tok, spec.chunk_tokens):
+        t1 = min(n_tok, t0 + spec.chunk_tokens)
+        st = stats[t0:t1]
+        logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
+        dots = torch.zeros(t1 - t0, 2, dtype=torch.float32, device=a.device)
+        grad_soft = soft = None
+        if soft_used:
+            y = scores.div_(tau) if spec.sample else scores / tau
+            soft = y.sub_((st[:, 0] / tau)[:, None]).exp_().div_(st[:, 2:3])
+            if c32 is not None:
+                assert grad_quantized is not None
+                grad_soft = grad_quantized[t0:t1].float() @ c32.t()
+            else:
+                grad_soft = torch.zeros_like(soft)
+            if spec.from_gumbel and g_div is not None:
+                grad_soft.add_(g_div)
+            dots[:, 0] = (soft * grad_soft).sum(dim=1)
+        plain = None
+        if plain_used:
+            assert g_div is not None
+            plain = logits.sub_(st[:, 1:2]).exp_().div_(st[:, 3:4])
+            dots[:, 1] = plain @ g_div
+        all_reduce_model_parallel(dots, groups, "sum")
+        if soft is not None:
+            assert grad_soft is not None
+            grad_logits = grad_soft.sub_(dots[:, 0:1]).mul_(soft).div_(tau)
+        else:
+            grad_logits = torch.zeros(t1 - t0, weight.shape[0], device=a.device)
+        if plain is not None:
+            assert g_div is not None
+            grad_logits.add_((g_div - dots[:, 1:2]).mul_(plain))
+        if grad_a is not None:
+            grad_a[t0:t1] = (grad_logits @ w32).to(a.dtype)
+        if grad_w is not None:
+            grad_w.addmm_(grad_logits.t(), a[t0:t1].float())
+        if grad_b is not None:
+            grad_b.add_(grad_logits.sum(dim=0))
+        del logits, scores, soft, plain, grad_soft, grad_logits
+    return (
+        grad_a,
+        grad_w.to(weight.dtype) if grad_w is not None else None,
+        grad_b.to(bias.dtype) if grad_b is not None else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------
+
+
+class GumbelVectorQuantizer(nn.Module):
+    """Gumbel-softmax vector quantiser with a flat (model-parallel) or product codebook.
+
+    ``forward(h)`` takes the real tokens only, flattened ([N, d], padding removed), so padding
+    never enters the statistics; all ranks of one model-parallel group must pass the same ``h``.
+    Parameters: ``hidden`` (Linear d -> H, replicated), ``logits_weight`` [Kl, H] and
+    ``logits_bias`` [Kl] (flat: this rank's shard; product: [G*V, H], [G*V]) and ``codebook``
+    ([Kl, d] flat shard; [G, V, dg] product). :data:`SPLIT_PARAMETERS` lists the split keys.
+
+    Randomness is keyed by ``seed``, the step set by :meth:`set_step` (which also sets the
+    temperature, ``max(start * decay**step, end)``), a per-step call counter (so gradient-
+    accumulation micro-batches draw different noise) and the dp rank. A caller that runs the
+    forward twice for one batch (outer activation checkpointing) must pass the same
+    ``noise_key`` both times.
+
+    Frozen use (decoder pre-training): :meth:`freeze` sets ``requires_grad=False`` on every
+    parameter; the straight-through gradient still reaches ``h`` (the feature extractor's
+    output) while no gradient is computed for the VQ weights. Training mode samples codes by
+    Eq. 5; ``forward(h, sample=False)`` picks the noise-free argmax instead and still passes
+    the straight-through gradient, through ``softmax(l / tau)``, whenever gradients are enabled.
+    """
+
+    def __init__(self, vq: VQConfig, d_model: int, groups: ParallelGroups, seed: int) -> None:
+        super().__init__()
+        self.config = vq
+        self.d_model = d_model
+        self.groups = groups
+        self.seed = seed
+        self.layout = vq.layout
+        self._step = 0
+        self._calls = 0
+        self.hidden = nn.Linear(d_model, vq.hidden_dim)
+        if vq.layout == "flat":
+            if vq.num_codes % groups.mp_size:
+                raise ValueError(
+                    f"vq.num_codes {vq.num_codes} is not divisible by the model-parallel size "
+                    f"{groups.mp_size}"
+                )
+            self.num_codes = vq.num_codes
+            self.num_local = vq.num_codes // groups.mp_size
+            self.code_offset = groups.mp_rank * self.num_local
+            rows, width = self.num_local, d_model
+        else:
+            if d_model % vq.groups:
+                raise ValueError(f"d_model {d_model} is not divisible by vq.groups {vq.groups}")
+            self.num_codes = vq.entries**vq.groups
+            self.num_local = vq.groups * vq.entries
+            self.code_offset = 0
+            rows, width = self.num_local, d_model // vq.groups
+        self.logits_weight = nn.Parameter(torch.empty(rows, vq.hidden_dim))
+        self.logits_bias = nn.Parameter(torch.empty(rows))
+        if vq.layout == "flat":
+            self.codebook = nn.Parameter(torch.empty(rows, width))
+            for param in (self.logits_weight, self.logits_bias, self.codebook):
+                mark_model_parallel_parameter(param, 0)
+        else:
+            self.codebook = nn.Parameter(torch.empty(vq.groups, vq.entries, width))
+        self.reset_parameters()
+
+    @property
+    def split(self) -> bool:
+        """Whether the parameters are shards (flat layout over more than one mp rank)."""
+        return self.layout == "flat" and self.groups.mp_size > 1
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Deterministic, split-independent init from ``seed``.
+
+        Linears: PyTorch's default bound 1/sqrt(fan_in). Codebook: N(0, 1), the per-element
+        scale of the LayerNorm'd encoder output that the codes stand in for.
+        """
+        vq, d = self.config, self.d_model
+        seed = self.seed
+        bound_h = 1.0 / math.sqrt(d)
+        self.hidden.weight.copy_(
+            _init_rows(seed, _TAG_HIDDEN_W, 0, vq.hidden_dim, d, "uniform", bound_h)
+        )
+        self.hidden.bias.copy_(
+            _init_rows(seed, _TAG_HIDDEN_B, 0, vq.hidden_dim, 1, "uniform", bound_h)[:, 0]
+        )
+        start, stop = self.code_offset, self.code_offset + self.num_local
+        bound_l = 1.0 / math.sqrt(vq.hidden_dim)
+        self.logits_weight.copy_(
+            _init_rows(seed, _TAG_LOGITS_W, start, stop, vq.hidden_dim, "uniform", bound_l)
+        )
+        self.logits_bias.copy_(
+            _init_rows(seed, _TAG_LOGITS_B, start, stop, 1, "uniform", bound_l)[:, 0]
+        )
+        table = _init_rows(seed, _TAG_CODEBOOK, start, stop, self.codebook.shape[-1], "normal", 1)
+        self.codebook.copy_(table.view_as(self.codebook))
+
+    # -- schedule ----------------------------------------------------------------------------
+
+    def set_step(self, step: int) -> None:
+        """Sets the training step: temperature and noise stream (resets the call counter)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self._step = step
+        self._calls = 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def temperature(self) -> float:
+        """``max(start * decay**step, end)`` (wav2vec 2.0's schedule)."""
+        vq = self.config
+        return max(vq.temperature_start * vq.temperature_decay**self._step, vq.temperature_end)
+
+    def _noise_key(self, noise_key: int | None) -> int:
+        if noise_key is None:
+            noise_key = self._calls
+            self._calls += 1
+        return _mix_key(self.seed, _TAG_NOISE, self._step, noise_key, self.groups.dp_rank)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def forward(
+        self, h: Tensor, *, sample: bool | None = None, noise_key: int | None = None
+    ) -> VQOutput:
+        """Quantises the real tokens ``h`` [N, d].
+
+        ``sample`` (default: ``self.training``) draws Gumbel noise (Eq. 5); without it the code
+        is the argmax of the logits. The straight-through gradient is computed whenever
+        gradients are enabled, in either case.
+        """
+        if h.dim() != 2 or h.shape[1] != self.d_model:
+            raise ValueError(f"expected h of shape [N, {self.d_model}], got {tuple(h.shape)}")
+        sample = self.training if sample is None else sample
+        key = self._noise_key(noise_key) if sample else 0
+        # Match the weights' dtype (bf16 features into an fp32 layer) unless autocast decides.
+        x = h if torch.is_autocast_enabled(h.device.type) else h.to(self.hidden.weight.dtype)
+        act = F.relu(self.hidden(x))  # [N, H]
+        if self.layout == "flat":
+            return self._forward_flat(h, act, sample, key)
+        return self._forward_product(h, act, sample, key)
+
+    def _forward_flat(self, h: Tensor, act: Tensor, sample: bool, key: int) -> VQOutput:
+        act = copy_to_model_parallel(act, self.groups)
+        params = (act, self.logits_weight, self.logits_bias, self.codebook)
+        need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+        spec = _FlatSpec(
+            groups=self.groups,
+            code_offset=self.code_offset,
+            num_codes=self.num_codes,
+            chunk_tokens=self.config.chunk_tokens,
+            temperature=self.temperature,
+            sample=sample,
+            noise_key=key,
+            from_gumbel=self.config.diversity_from_gumbel,
+            need_soft=need_grad or self.config.diversity_from_gumbel,
+            out_dtype=h.dtype,
+        )
+        local_out, psum, codes = _FlatQuantize.apply(*params, spec)
+        quantized = reduce_from_model_parallel(local_out, self.groups)
+        owned, local = _owned(codes, self.code_offset, self.num_local)
+        counts = torch.bincount(local[owned], minlength=self.num_local)
+        return self._finish(quantized, codes, psum, counts, h.shape[0])
+
+    def _forward_product(self, h: Tensor, act: Tensor, sample: bool, key: int) -> VQOutput:
+        vq = self.config
+        n_tok, groups, entries = h.shape[0], vq.groups, vq.entries
+        with torch.autocast(h.device.type, enabled=False):
+            logits = F.linear(act.float(), self.logits_weight.float(), self.logits_bias.float())
+            scores = logits
+            if sample:
+                noise = gumbel_noise(key, 0, n_tok, 0, groups * entries, device=h.device)
+                scores = logits + noise
+            scores = scores.view(n_tok, groups, entries)
+            idx = scores.argmax(dim=-1)  # [N, G], first maximum on ties
+            weights = F.one_hot(idx, entries).float()
+            soft = None
+            if torch.is_grad_enabled() or vq.diversity_from_gumbel:
+                soft = torch.softmax(scores / self.temperature, dim=-1)
+                # Straight-through: forward value exactly the one-hot, gradient of the softmax.
+                weights = weights + (soft - soft.detach())
+            table = self.codebook.float()  # [G, V, dg]
+            out = torch.einsum("ngv,gvk->ngk", weights, table).reshape(n_tok, self.d_model)
+            if vq.diversity_from_gumbel:
+                assert soft is not None
+                dist_probs = soft
+            else:
+                dist_probs = torch.softmax(logits.view(n_tok, groups, entries), dim=-1)
+            psum = dist_probs.sum(dim=0).reshape(groups * entries)
+        place = entries ** torch.arange(groups - 1, -1, -1, device=h.device)
+        codes = (idx * place).sum(dim=1)
+        flat_idx = (idx + torch.arange(groups, device=h.device) * entries).reshape(-1)
+        counts = torch.bincount(flat_idx, minlength=groups * entries)
+        return self._finish(out.to(h.dtype), codes, psum, counts, n_tok)
+
+    def _finish(
+        self, quantized: Tensor, codes: Tensor, psum: Tensor, counts: Tensor, n_tok: int
+    ) -> VQOutput:
+        """Global-batch statistics: dp sums, entropies, mp sums of the shard entropies."""
+        groups = self.groups
+        psum = global_batch_sum(psum, groups)
+        counts_n = torch.cat([counts, counts.new_tensor([n_tok])])
+        all_reduce_data_parallel(counts_n, groups)
+        counts, total = counts_n[:-1], counts_n[-1].clamp(min=1).to(torch.float32)
+        pbar = psum / total
+        hbar = counts.to(torch.float32) / total
+        tiny = torch.finfo(torch.float32).tiny
+        # x log x with x = 0 -> 0, and a finite gradient there (underflowed probabilities).
+        ent_p = -(pbar * pbar.clamp(min=tiny).log())
+        ent_h = -(hbar * hbar.clamp(min=tiny).log())
+        used = (counts > 0).to(torch.float32)
+        if self.layout == "flat":
+            pieces = torch.stack([ent_p.sum(), ent_h.sum().detach(), used.sum()])
+            # The shards' entropy terms add up to the global entropy; the diversity gradient
+            # of each shard flows back through its own terms only (backward identity).
+            pieces = reduce_from_model_parallel(pieces, groups)
+            diversity = -pieces[0] / self.num_codes
+            stats = pieces.detach()
+            prob_ppl, code_ppl = stats[0].exp(), stats[1].exp()
+            used_frac = stats[2] / self.num_codes
+        else:
+            vq = self.config
+            ent_p = ent_p.view(vq.groups, vq.entries).sum(dim=1)
+            ent_h = ent_h.view(vq.groups, vq.entries).sum(dim=1)
+            diversity = -(ent_p / vq.entries).mean()
+            prob_ppl, code_ppl = ent_p.detach().exp().sum(), ent_h.detach().exp().sum()
+            used_frac = used.mean()
+        return VQOutput(
+            quantized=quantized,
+            codes=codes,
+            diversity_loss=diversity,
+            code_perplexity=code_ppl,
+            prob_perplexity=prob_ppl,
+            temperature=self.temperature,
+            codes_used=used_frac,
+            code_counts=counts,
+        )
+
+    # -- codebook access ----------------------------------------------------------------------
+
+    def lookup(self, codes: Tensor) -> Tensor:
+        """Code vectors [N, d] for global code ids [N] (flat: the owner's row, summed over mp).
+
+        In the codebook's dtype; differentiable with respect to the codebook unless frozen.
+        Every mp rank must call it with the same codes (it is a collective when split).
+        """
+        codes = codes.reshape(-1)
+        if self.layout == "flat":
+            owned, local = _owned(codes, self.code_offset, self.num_local)
+            rows = F.embedding(local, self.codebook).masked_fill(~owned[:, None], 0.0)
+            return reduce_from_model_parallel(rows, self.groups)
+        vq = self.config
+        place = vq.entries ** torch.arange(vq.groups - 1, -1, -1, device=codes.device)
+        idx = (codes[:, None] // place) % vq.entries  # [N, G]
+        parts = [self.codebook[g, idx[:, g]] for g in range(vq.groups)]
+        return torch.cat(parts, dim=1)
+
+    def freeze(self) -> GumbelVectorQuantizer:
+        """Stops gradients into every VQ weight (decoder stage); returns ``self``."""
+        self.requires_grad_(False)
+        return self
+
+    def usage_window(self, window: int) -> CodeUsageWindow:
+        """A :class:`CodeUsageWindow` sized for this layer (fed with ``code_counts``)."""
+        total = self.num_codes if self.layout == "flat" else self.num_local
+        return CodeUsageWindow(self.num_local, total, window, self.groups, self.split)
+
+    def extra_repr(self) -> str:
+        vq = self.config
+        if self.layout == "flat":
+            shape = f"codes={self.num_codes}, local=[{self.code_offset}, "
+            shape += f"{self.code_offset + self.num_local})"
+        else:
+            shape = f"groups={vq.groups}, entries={vq.entries}"
+        return f"layout={self.layout}, {shape}, d={self.d_model}, hidden={vq.hidden_dim}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard helpers for checkpoint tools (pure tensor functions)
+# ---------------------------------------------------------------------------------------------
+
+
+def split_codebook(full: Tensor, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s contiguous shard (dim 0) of a flat-layer tensor split ``size`` ways."""
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"invalid rank {rank} of size {size}")
+    if full.shape[0] % size:
+        raise ValueError(f"{full.shape[0]} rows are not divisible by {size} shards")
+    rows = full.shape[0] // size
+    return full[rank * rows : (rank + 1) * rows].clone()
+
+
+def gather_codebook(shards: Sequence[Tensor]) -> Tensor:
+    """The full tensor from shards listed in model-parallel rank order."""
+    if not shards:
+        raise ValueError("no shards")
+    return torch.cat(list(shards), dim=0)
+
+
+def shard_state_dict(full: Mapping[str, Tensor], rank: int, size: int) -> dict[str, Tensor]:
+    """A flat layer's full state dict cut to rank ``rank``'s shard (other keys copied)."""
+    return {
+        key: split_codebook(value, rank, size) if key in SPLIT_PARAMETERS else value
+        for key, value in full.items()
+    }
+
+
+def gather_state_dicts(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The full state dict from the ranks' state dicts (replicated keys from rank 0)."""
+    if not shards:
+        raise ValueError("no shards")
+    return {
+        key: gather_codebook([s[key] for s in shards]) if key in SPLIT_PARAMETERS else value
+        for key, value in shards[0].items()
+    }

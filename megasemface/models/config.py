@@ -1,0 +1,226 @@
+"""Typed model configuration, named presets and command-line or file overrides.
+
+A preset is a function returning a fresh ModelConfig; ``build_model_config("tiny",
+["d_model=128", "vq.layout=product"])`` applies dotted ``key=value`` overrides on top of it,
+and ``--model-config file.json`` style files are dicts of the same keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "VQConfig",
+    "apply_overrides",
+    "build_model_config",
+    "config_from_dict",
+]
+
+
+@dataclasses.dataclass(kw_only=True)
+class VQConfig:
+    """The vector-quantised interface (VQ-SemFace)."""
+
+    layout: Literal["flat", "product"] = "flat"
+    """flat: one table of ``num_codes`` codes of size d_model, splittable across model-parallel
+    ranks; product: ``groups`` tables of ``entries`` codes of size d_model / groups, whose
+    concatenations give entries ** groups combinations (wav2vec 2.0: 320 ** 2 = 102,400)."""
+    num_codes: int = 102_400
+    """Codes in the flat table."""
+    groups: int = 2
+    """Product layout: number of tables."""
+    entries: int = 320
+    """Product layout: codes per table."""
+    hidden_dim: int = 1024
+    """Width of the Linear-ReLU-Linear that turns a hidden state into code logits."""
+    temperature_start: float = 2.0
+    """Gumbel-softmax temperature at step 0 (wav2vec 2.0's schedule)..."""
+    temperature_end: float = 0.5
+    """...decayed geometrically per step down to this floor..."""
+    temperature_decay: float = 0.999995
+    """...by this factor per step."""
+    chunk_tokens: int = 2048
+    """Logits are computed for this many tokens at a time and recomputed in backward, so the
+    layer's activation memory is bounded by chunk_tokens x codes per rank."""
+    diversity_from_gumbel: bool = False
+    """Average Eq. 5's Gumbel probabilities for the diversity loss (the paper's text) instead
+    of the noise-free softmax (wav2vec 2.0's code); see interfaces/vq.py."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("flat", "product"):
+            raise ValueError(f"vq.layout must be 'flat' or 'product', got {self.layout!r}")
+        for name in ("num_codes", "groups", "entries", "hidden_dim", "chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"vq.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.temperature_end <= self.temperature_start:
+            raise ValueError("need 0 < vq.temperature_end <= vq.temperature_start")
+
+    @property
+    def combinations(self) -> int:
+        """Distinct code vectors the layout can express."""
+        return self.num_codes if self.layout == "flat" else self.entries**self.groups
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """Shapes of the encoder, decoder and semantic interfaces."""
+
+    vocab_size: int = 60_000
+    """SentencePiece vocabulary size (the paper: 60,000 joint BPE codes)."""
+    num_langs: int = 2
+    """Language embeddings; language i is the i-th language of the tokenizer."""
+    d_model: int = 1024
+    """Embedding and hidden size."""
+    num_heads: int = 8
+    ffn_dim: int = 4096
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    extractor_layers: int = 2
+    """VQ-SemFace decoder stage: the Transformer that turns token embeddings into features."""
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    max_len: int = 256
+    """Longest sequence, special tokens included (position embeddings)."""
+    pad_id: int = 3
+    mask_id: int = 4
+    vq: VQConfig = dataclasses.field(default_factory=VQConfig)
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by {self.num_heads} heads")
+        for name in ("vocab_size", "num_langs", "d_model", "ffn_dim", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.dropout < 1 or not 0 <= self.attention_dropout < 1:
+            raise ValueError("dropout rates must be in [0, 1)")
+        if self.vq.layout == "product" and self.d_model % self.vq.groups:
+            raise ValueError(
+                f"d_model {self.d_model} is not divisible by vq.groups {self.vq.groups}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _paper() -> ModelConfig:
+    """The paper's shapes: 6+6 layers, hidden 1024, 8 heads, codebook 102,400 x 1024."""
+    return ModelConfig()
+
+
+def _tiny() -> ModelConfig:
+    """Trains in minutes on a 2-core CPU; for tests, CI and the demo."""
+    return ModelConfig(
+        vocab_size=8000,
+        d_model=64,
+        num_heads=4,
+        ffn_dim=256,
+        encoder_layers=2,
+        decoder_layers=2,
+        extractor_layers=1,
+        dropout=0.1,
+        attention_dropout=0.0,
+        max_len=128,
+        vq=VQConfig(
+            num_codes=512,
+            entries=32,
+            hidden_dim=64,
+            temperature_start=2.0,
+            temperature_end=0.5,
+            temperature_decay=0.999,
+            chunk_tokens=1024,
+        ),
+    )
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {"paper": _paper, "tiny": _tiny}
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ValueError(f"{key} must be one of {typing.get_args(hint)}, got {value!r}")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes"):
+            return True
+        if str(value).lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if hint in (int, float, str):
+        try:
+            return hint(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be {hint.__name__}, got {value!r}") from None
+    raise ValueError(f"{key} cannot be set from {value!r}")
+
+
+def _set(config: Any, dotted: str, value: Any) -> None:
+    head, _, rest = dotted.partition(".")
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    if head not in fields:
+        raise ValueError(f"unknown model option {dotted!r}; known: {sorted(fields)}")
+    hints = typing.get_type_hints(type(config))
+    current = getattr(config, head)
+    if rest:
+        if not dataclasses.is_dataclass(current):
+            raise ValueError(f"{head} has no sub-options (in {dotted!r})")
+        _set(current, rest, value)
+    elif dataclasses.is_dataclass(current):
+        if not isinstance(value, dict):
+            raise ValueError(f"{head} takes a dict of sub-options, got {value!r}")
+        for key, sub in value.items():
+            _set(current, key, sub)
+    else:
+        setattr(config, head, _coerce(value, hints[head], dotted))
+
+
+def apply_overrides(config: ModelConfig, overrides: Iterable[str | tuple[str, Any]]) -> ModelConfig:
+    """Returns a copy with ``key=value`` (or (key, value)) overrides applied and validated."""
+    config = dataclasses.replace(config, vq=dataclasses.replace(config.vq))
+    for item in overrides:
+        if isinstance(item, str):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"expected key=value, got {item!r}")
+            item = (key.strip(), value.strip())
+        _set(config, *item)
+    # Re-run validation on the result.
+    config.vq.__post_init__()
+    config.__post_init__()
+    return config
+
+
+def config_from_dict(data: dict[str, Any], preset: str = "paper") -> ModelConfig:
+    """A config from a preset and a (possibly partial, nested) dict, e.g. a saved config."""
+    return apply_overrides(_preset(preset), list(data.items()))
+
+
+def _preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def build_model_config(
+    preset: str = "tiny",
+    overrides: Iterable[str] = (),
+    config_file: str | Path | None = None,
+) -> ModelConfig:
+    """The preset, then a JSON file's options, then ``key=value`` overrides, validated."""
+    config = _preset(preset)
+    if config_file is not None:
+        data = json.loads(Path(config_file).read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"{config_file}: expected a JSON object of model options")
+        config = apply_overrides(config, list(data.items()))
+    return apply_overrides(config, overrides)

@@ -1,0 +1,109 @@
+"""The encoder and decoder stacks, and the sequence-to-sequence model they form.
+
+Shapes: B batch, T target/input length, S source (memory) length, D model size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from megasemface.models.config import ModelConfig
+from megasemface.models.layers import Embeddings, TransformerLayer, attention_mask
+
+__all__ = ["EncoderOutput", "Seq2SeqModel", "TransformerDecoder", "TransformerEncoder"]
+
+
+@dataclasses.dataclass
+class EncoderOutput:
+    hidden_BTD: torch.Tensor
+    """After the final LayerNorm: what cross-attention and output heads read."""
+    pre_norm_BTD: torch.Tensor
+    """The last layer's activation before the final LayerNorm (the paper's h_i in Eq. 1)."""
+    mask_BT: torch.Tensor
+    """True for real tokens."""
+
+
+class TransformerEncoder(nn.Module):
+    """Bidirectional stack; also the VQ-SemFace feature extractor with fewer layers."""
+
+    def __init__(self, config: ModelConfig, num_layers: int | None = None) -> None:
+        super().__init__()
+        layers = config.encoder_layers if num_layers is None else num_layers
+        self.embed = Embeddings(config)
+        self.layers = nn.ModuleList(TransformerLayer(config, False) for _ in range(layers))
+        self.final_norm = nn.LayerNorm(config.d_model)
+
+    def forward(
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
+    ) -> EncoderOutput:
+        x = self.embed(tokens_BT, langs_B)
+        self_mask = attention_mask(mask_BT, tokens_BT.shape[1], causal=False)
+        for layer in self.layers:
+            x = layer(x, self_mask)
+        return EncoderOutput(self.final_norm(x), x, mask_BT)
+
+
+class TransformerDecoder(nn.Module):
+    """Self-attention (causal for CLM, bidirectional for MLM), cross-attention, tied output."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed = Embeddings(config)
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, True) for _ in range(config.decoder_layers)
+        )
+        self.final_norm = nn.LayerNorm(config.d_model)
+        self.output_bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        langs_B: torch.Tensor,
+        memory_BSD: torch.Tensor,
+        memory_mask_BS: torch.Tensor,
+        causal: bool = True,
+    ) -> torch.Tensor:
+        """Returns the final hidden states [B, T, D]; ``logits`` projects them."""
+        length = tokens_BT.shape[1]
+        x = self.embed(tokens_BT, langs_B)
+        self_mask = attention_mask(mask_BT, length, causal=causal)
+        cross_mask = attention_mask(memory_mask_BS, length, causal=False)
+        for layer in self.layers:
+            x = layer(x, self_mask, memory_BSD, cross_mask)
+        return self.final_norm(x)
+
+    def logits(self, hidden_ND: torch.Tensor) -> torch.Tensor:
+        """Output projection tied to the input token embeddings."""
+        return hidden_ND @ self.embed.tokens.weight.t() + self.output_bias
+
+
+class Seq2SeqModel(nn.Module):
+    """The translation model: encoder and decoder joined by the pre-trained cross-attention."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.encoder = TransformerEncoder(config)
+        self.decoder = TransformerDecoder(config)
+
+    def encode(self, src_BS: torch.Tensor, src_mask_BS: torch.Tensor, src_langs_B: torch.Tensor):
+        return self.encoder(src_BS, src_mask_BS, src_langs_B)
+
+    def forward(
+        self,
+        src_BS: torch.Tensor,
+        src_mask_BS: torch.Tensor,
+        src_langs_B: torch.Tensor,
+        tgt_in_BT: torch.Tensor,
+        tgt_mask_BT: torch.Tensor,
+        tgt_langs_B: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decoder hidden states [B, T, D] for teacher-forced target inputs."""
+        memory = self.encoder(src_BS, src_mask_BS, src_langs_B)
+        return self.decoder(
+            tgt_in_BT, tgt_mask_BT, tgt_langs_B, memory.hidden_BTD, src_mask_BS, causal=True
+        )

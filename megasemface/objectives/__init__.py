@@ -1,0 +1,1 @@
+"""Pre-training objectives: noising functions, losses and the stage units that combine them."""

@@ -1,0 +1,292 @@
+"""Pre-training units: the SemFace encoder and decoder stages, and the mBART-style baseline.
+
+``SemFaceModel`` holds the encoder, the semantic interface and (except for the XLM-style
+baseline) the decoder. Its encoder loss touches only encoder and interface parameters, its
+decoder loss only decoder parameters (plus the VQ feature extractor), so one backward pass
+over their sum updates each part with its own loss, which is Algorithm 1 of the paper; the
+separate stages run either loss alone.
+
+Shapes: B batch, T length, N predicted tokens, D model size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megasemface.interfaces.base import SemanticInterface
+from megasemface.models.config import ModelConfig
+from megasemface.models.transformer import Seq2SeqModel, TransformerDecoder, TransformerEncoder
+from megasemface.objectives.noising import (
+    drop_and_shuffle,
+    infill_spans,
+    mask_for_mlm,
+    permute_sentences,
+)
+from megasemface.objectives.sequences import (
+    SequenceBatch,
+    SpecialTokens,
+    append_token,
+    lengths_to_mask,
+    prepend_tokens,
+)
+
+__all__ = ["DenoisingSeq2Seq", "ObjectiveConfig", "SemFaceModel", "StageOutput"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class ObjectiveConfig:
+    """Pre-training objectives and loss weights."""
+
+    mlm_prob: float = 0.15
+    """Share of tokens predicted by MLM (80% masked, 10% random, 10% kept)."""
+    decoder_objective: Literal["clm", "mlm"] = "clm"
+    """Decoder stage loss: causal LM (Eq. 3) or masked LM over a bidirectional decoder (Eq. 2)."""
+    decoder_noise: bool = True
+    """Feed the interface a noised copy C(x) (word drop, local shuffle) in the decoder stage."""
+    word_drop: float = 0.1
+    shuffle_window: int = 3
+    mse_weight: float = 1.0
+    """CL-SemFace: weight of the MSE term of Eq. 1 (0 for the 'without MSE' ablation)."""
+    diversity_weight: float = 1.0
+    """VQ-SemFace: weight of the diversity loss of Eq. 6."""
+    l2_weight: float = 1.0
+    """VQ-SemFace: weight of the L2 penalty on the encoder's last activations."""
+    infill_ratio: float = 0.35
+    """mBART baseline: share of tokens masked in Poisson spans."""
+    poisson_lambda: float = 3.5
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.decoder_objective not in ("clm", "mlm"):
+            raise ValueError(f"decoder_objective must be clm or mlm, got {self.decoder_objective}")
+        if not 0 < self.mlm_prob < 1:
+            raise ValueError(f"mlm_prob must be in (0, 1), got {self.mlm_prob}")
+
+    def weight_of(self, loss_name: str) -> float:
+        weights = {"mse": self.mse_weight, "diversity": self.diversity_weight, "l2": self.l2_weight}
+        return weights[loss_name]
+
+
+@dataclasses.dataclass
+class StageOutput:
+    """A loss to back-propagate, its detached components and metrics."""
+
+    loss: torch.Tensor
+    components: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+    num_targets: int
+
+    def __add__(self, other: StageOutput) -> StageOutput:
+        return StageOutput(
+            self.loss + other.loss,
+            {**self.components, **other.components},
+            {**self.metrics, **other.metrics},
+            self.num_targets + other.num_targets,
+        )
+
+
+def _cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor, smoothing: float):
+    # fp32 softmax: a 60k-way softmax in bf16 loses the small probabilities.
+    return F.cross_entropy(logits_NV.float(), targets_N, label_smoothing=smoothing)
+
+
+class SemFaceModel(nn.Module):
+    """Encoder, semantic interface and decoder for SemFace pre-training."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        interface: SemanticInterface,
+        special: SpecialTokens,
+        objective: ObjectiveConfig | None = None,
+    ) -> None:
+        super().__init__()
+        if len(special.lang_tags) != config.num_langs:
+            raise ValueError(
+                f"the tokenizer has {len(special.lang_tags)} languages, the model config "
+                f"{config.num_langs}"
+            )
+        self.config = config
+        self.special = special
+        self.objective = objective or ObjectiveConfig()
+        self.encoder = TransformerEncoder(config)
+        self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.interface = interface
+        self.decoder = TransformerDecoder(config) if interface.has_decoder_stage else None
+
+    # Encoder stage ------------------------------------------------------------------------
+
+    def encoder_loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
+        """MLM through the interface, plus the interface's weighted auxiliary losses."""
+        sp = self.special
+        inputs, targets = mask_for_mlm(
+            batch.tokens_BT,
+            batch.lengths_B,
+            mask_id=sp.mask,
+            vocab_size=self.config.vocab_size,
+            special_ids=sp.all,
+            generator=generator,
+            prob=self.objective.mlm_prob,
+        )
+        inputs, lengths = append_token(inputs, batch.lengths_B, sp.eos, sp.pad)
+        targets, _ = append_token(targets, batch.lengths_B, -100, -100)
+        encoded = self.encoder(inputs, lengths_to_mask(lengths, inputs.shape[1]), batch.langs_B)
+        head = self.interface.encoder_head(encoded, targets)
+        weight_VD = self.interface.output_embeddings(self.encoder)
+        logits = head.features_ND @ weight_VD.t().to(head.features_ND.dtype) + self.mlm_bias
+        wanted = targets[targets != -100]
+        mlm = _cross_entropy(logits, wanted, self.objective.label_smoothing)
+        loss = mlm
+        components = {"enc_mlm": mlm.detach()}
+        for name, value in head.losses.items():
+            loss = loss + self.objective.weight_of(name) * value
+            components[f"enc_{name}"] = value.detach()
+        accuracy = (logits.detach().argmax(-1) == wanted).float().mean().item()
+        metrics = {**head.metrics, "enc_mlm_accuracy": accuracy}
+        return StageOutput(loss, components, metrics, int(wanted.numel()))
+
+    # Decoder stage ------------------------------------------------------------------------
+
+    def decoder_loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
+        """Generate the sentence from the interface's memory of a noised copy (Eq. 2 or 3)."""
+        if self.decoder is None:
+            raise ValueError(f"interface {self.interface.kind!r} has no decoder stage")
+        obj, sp = self.objective, self.special
+        source, source_lengths = batch.tokens_BT, batch.lengths_B
+        if obj.decoder_noise:
+            source, source_lengths = drop_and_shuffle(
+                source,
+                source_lengths,
+                pad_id=sp.pad,
+                generator=generator,
+                drop_prob=obj.word_drop,
+                shuffle_window=obj.shuffle_window,
+            )
+        memory = self.interface.decoder_memory(
+            source, lengths_to_mask(source_lengths, source.shape[1]), batch.langs_B
+        )
+        if obj.decoder_objective == "clm":
+            tags = torch.tensor(sp.lang_tags, device=batch.langs_B.device)[batch.langs_B]
+            inputs, lengths = prepend_tokens(batch.tokens_BT, batch.lengths_B, tags)
+            targets, _ = append_token(batch.tokens_BT, batch.lengths_B, sp.eos, sp.pad)
+            targets = targets.masked_fill(~lengths_to_mask(lengths, targets.shape[1]), -100)
+            causal = True
+        else:
+            inputs, targets = mask_for_mlm(
+                batch.tokens_BT,
+                batch.lengths_B,
+                mask_id=sp.mask,
+                vocab_size=self.config.vocab_size,
+                special_ids=sp.all,
+                generator=generator,
+                prob=obj.mlm_prob,
+            )
+            inputs, lengths = append_token(inputs, batch.lengths_B, sp.eos, sp.pad)
+            targets, _ = append_token(targets, batch.lengths_B, -100, -100)
+            causal = False
+        hidden = self.decoder(
+            inputs,
+            lengths_to_mask(lengths, inputs.shape[1]),
+            batch.langs_B,
+            memory.memory_BSD,
+            memory.mask_BS,
+            causal=causal,
+        )
+        selected = targets != -100
+        logits = self.decoder.logits(hidden[selected])
+        wanted = targets[selected]
+        loss = _cross_entropy(logits, wanted, obj.label_smoothing)
+        accuracy = (logits.detach().argmax(-1) == wanted).float().mean().item()
+        metrics = {**memory.metrics, "dec_accuracy": accuracy}
+        return StageOutput(
+            loss, {f"dec_{obj.decoder_objective}": loss.detach()}, metrics, int(wanted.numel())
+        )
+
+    def joint_loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
+        """Algorithm 1: the same batch through both stages; their parameters are disjoint."""
+        return self.encoder_loss(batch, generator) + self.decoder_loss(batch, generator)
+
+    # Parameter groups ---------------------------------------------------------------------
+
+    def encoder_stage_parameters(self) -> list[nn.Parameter]:
+        """What the encoder loss trains: encoder, MLM bias, encoder-side interface."""
+        decoder_side = {id(p) for p in self.decoder_stage_parameters()}
+        return [
+            p
+            for name, p in self.named_parameters()
+            if not name.startswith("decoder.") and id(p) not in decoder_side
+        ]
+
+    def decoder_stage_parameters(self) -> list[nn.Parameter]:
+        """What the decoder loss trains: decoder and decoder-side interface (VQ extractor)."""
+        params = list(self.decoder.parameters()) if self.decoder is not None else []
+        extractor = getattr(self.interface, "extractor", None)
+        if extractor is not None:
+            params += list(extractor.parameters())
+        return params
+
+
+class DenoisingSeq2Seq(nn.Module):
+    """The mBART-style baseline: the whole encoder-decoder trained to reconstruct a sentence
+    from a copy with Poisson(3.5) spans over 35% of tokens infilled (one mask per span) and
+    sentences permuted, with the language tag starting the decoder."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        special: SpecialTokens,
+        objective: ObjectiveConfig | None = None,
+        boundary_ids: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.special = special
+        self.objective = objective or ObjectiveConfig()
+        self.boundary_ids = boundary_ids
+        self.model = Seq2SeqModel(config)
+
+    def loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
+        sp, obj = self.special, self.objective
+        source, source_lengths = batch.tokens_BT, batch.lengths_B
+        if self.boundary_ids:
+            source, source_lengths = permute_sentences(
+                source,
+                source_lengths,
+                boundary_ids=self.boundary_ids,
+                pad_id=sp.pad,
+                generator=generator,
+            )
+        source, source_lengths = infill_spans(
+            source,
+            source_lengths,
+            mask_id=sp.mask,
+            pad_id=sp.pad,
+            generator=generator,
+            ratio=obj.infill_ratio,
+            poisson_lambda=obj.poisson_lambda,
+        )
+        source, source_lengths = append_token(source, source_lengths, sp.eos, sp.pad)
+        tags = torch.tensor(sp.lang_tags, device=batch.langs_B.device)[batch.langs_B]
+        inputs, lengths = prepend_tokens(batch.tokens_BT, batch.lengths_B, tags)
+        targets, _ = append_token(batch.tokens_BT, batch.lengths_B, sp.eos, sp.pad)
+        target_mask = lengths_to_mask(lengths, targets.shape[1])
+        hidden = self.model(
+            source,
+            lengths_to_mask(source_lengths, source.shape[1]),
+            batch.langs_B,
+            inputs,
+            target_mask,
+            batch.langs_B,
+        )
+        logits = self.model.decoder.logits(hidden[target_mask])
+        wanted = targets[target_mask]
+        loss = _cross_entropy(logits, wanted, obj.label_smoothing)
+        accuracy = (logits.detach().argmax(-1) == wanted).float().mean().item()
+        return StageOutput(
+            loss, {"denoise": loss.detach()}, {"denoise_accuracy": accuracy}, int(wanted.numel())
+        )

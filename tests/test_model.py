@@ -1,0 +1,155 @@
+"""Transformer layers against a naive reference, presets and overrides, connecting stages."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megasemface.models.config import (
+    PRESETS,
+    ModelConfig,
+    VQConfig,
+    apply_overrides,
+    build_model_config,
+)
+from megasemface.models.connect import ConnectError, connect_stages
+from megasemface.models.layers import MultiHeadAttention, attention_mask
+from megasemface.models.transformer import Seq2SeqModel, TransformerEncoder
+
+
+def naive_attention(
+    attn: MultiHeadAttention, x: torch.Tensor, src: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
+    """Head by head, position by position: the textbook formula."""
+    batch, length, dim = x.shape
+    heads = attn.num_heads
+    size = dim // heads
+    q = attn.q_proj(x)
+    k, v = attn.kv_proj(src).split(dim, dim=-1)
+    out = torch.zeros(batch, length, dim)
+    for b in range(batch):
+        for h in range(heads):
+            cols = slice(h * size, (h + 1) * size)
+            scores = q[b, :, cols] @ k[b, :, cols].t() / math.sqrt(size)
+            scores = scores.masked_fill(~allowed[b, 0], float("-inf"))
+            out[b, :, cols] = torch.softmax(scores, -1) @ v[b, :, cols]
+    return attn.out_proj(out)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_matches_the_formula(causal: bool) -> None:
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, dropout=0.0).eval()
+    x = torch.randn(3, 5, 16)
+    key_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    allowed = attention_mask(key_mask, 5, causal)
+    torch.testing.assert_close(attn(x, x, allowed), naive_attention(attn, x, x, allowed))
+    memory = torch.randn(3, 7, 16)
+    cross = attention_mask(torch.ones(3, 7, dtype=torch.bool), 5, causal=False)
+    torch.testing.assert_close(attn(x, memory, cross), naive_attention(attn, x, memory, cross))
+
+
+def test_padding_does_not_change_real_positions() -> None:
+    torch.manual_seed(0)
+    config = build_model_config("tiny", ["vocab_size=50", "dropout=0.0"])
+    encoder = TransformerEncoder(config).eval()
+    tokens = torch.randint(5, 50, (1, 6))
+    langs = torch.zeros(1, dtype=torch.long)
+    short = encoder(tokens, torch.ones(1, 6, dtype=torch.bool), langs).hidden_BTD
+    padded_tokens = torch.cat([tokens, torch.full((1, 4), config.pad_id)], dim=1)
+    mask = torch.arange(10)[None] < 6
+    padded = encoder(padded_tokens, mask, langs).hidden_BTD
+    torch.testing.assert_close(padded[:, :6], short)
+
+
+def test_presets_and_overrides() -> None:
+    paper = PRESETS["paper"]()
+    assert (paper.encoder_layers, paper.decoder_layers, paper.d_model, paper.num_heads) == (
+        6,
+        6,
+        1024,
+        8,
+    )
+    assert (paper.ffn_dim, paper.max_len, paper.vocab_size) == (4096, 256, 60_000)
+    assert paper.vq.num_codes == 102_400 and paper.vq.combinations == 102_400
+    assert VQConfig(layout="product", groups=2, entries=320).combinations == 102_400
+    tiny = build_model_config("tiny", ["d_model=32", "vq.layout=product", "dropout=0"])
+    assert tiny.d_model == 32 and tiny.vq.layout == "product" and tiny.dropout == 0.0
+    with pytest.raises(ValueError, match="unknown model option"):
+        build_model_config("tiny", ["depth=3"])
+    with pytest.raises(ValueError, match="divisible"):
+        build_model_config("tiny", ["d_model=30"])
+    with pytest.raises(ValueError, match="one of"):
+        apply_overrides(ModelConfig(), ["vq.layout=tree"])
+    with pytest.raises(ValueError, match="unknown preset"):
+        build_model_config("huge")
+
+
+def test_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.json"
+    path.write_text('{"d_model": 48, "num_heads": 4, "vq": {"num_codes": 64}}')
+    config = build_model_config("tiny", ["num_heads=6"], config_file=path)
+    assert (config.d_model, config.num_heads, config.vq.num_codes) == (48, 6, 64)
+
+
+def _stage_states(config: ModelConfig) -> tuple[dict, dict]:
+    torch.manual_seed(1)
+    encoder_stage = {f"encoder.{k}": v for k, v in TransformerEncoder(config).state_dict().items()}
+    encoder_stage["mlm_bias"] = torch.randn(config.vocab_size)
+    encoder_stage["interface.table"] = torch.randn(config.vocab_size, config.d_model)
+    torch.manual_seed(2)
+    decoder_stage = {
+        k: v for k, v in Seq2SeqModel(config).state_dict().items() if k.startswith("decoder.")
+    }
+    return encoder_stage, decoder_stage
+
+
+def _meta(config: ModelConfig, **extra: object) -> dict:
+    return {"model": config.to_dict(), "languages": ["en", "de"], "interface": {"kind": "cl"},
+            **extra}  # fmt: skip
+
+
+def test_connect_keeps_pretrained_cross_attention_and_reports_provenance() -> None:
+    config = build_model_config("tiny", ["vocab_size=100"])
+    enc, dec = _stage_states(config)
+    model, provenance = connect_stages(config, enc, _meta(config), dec, _meta(config))
+    state = model.state_dict()
+    torch.testing.assert_close(state["encoder.layers.0.self_attn.q_proj.weight"],
+                               enc["encoder.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    key = "decoder.layers.1.cross_attn.kv_proj.weight"
+    torch.testing.assert_close(state[key], dec[key])
+    assert provenance[key] == "decoder-stage:layers.1.cross_attn.kv_proj.weight"
+    assert set(provenance) == set(state) and "random" not in provenance.values()
+    assert not any("interface" in k or "mlm_bias" in k for k in state)
+
+
+def test_connect_without_decoder_stage_is_the_xlm_initialisation() -> None:
+    config = build_model_config("tiny", ["vocab_size=100"])
+    enc, _ = _stage_states(config)
+    model, provenance = connect_stages(config, enc, _meta(config, interface={"kind": "none"}))
+    state = model.state_dict()
+    torch.testing.assert_close(state["decoder.layers.0.ffn.fc1.weight"],
+                               enc["encoder.layers.0.ffn.fc1.weight"])  # fmt: skip
+    torch.testing.assert_close(state["decoder.output_bias"], enc["mlm_bias"])
+    assert provenance["decoder.layers.0.cross_attn.q_proj.weight"] == "random"
+    assert provenance["decoder.embed.tokens.weight"] == "encoder-stage:embed.tokens.weight"
+
+
+def test_connect_refuses_mismatches() -> None:
+    config = build_model_config("tiny", ["vocab_size=100"])
+    enc, dec = _stage_states(config)
+    other_vocab = build_model_config("tiny", ["vocab_size=120"])
+    with pytest.raises(ConnectError, match="vocab_size=120"):
+        connect_stages(config, enc, _meta(other_vocab), dec, _meta(config))
+    with pytest.raises(ConnectError, match="languages"):
+        connect_stages(config, enc, _meta(config), dec,
+                       {**_meta(config), "languages": ["en", "fr"]})  # fmt: skip
+    with pytest.raises(ConnectError, match="different semantic interfaces"):
+        connect_stages(config, enc, _meta(config), dec,
+                       _meta(config, interface={"kind": "cl", "table_sha256": "x"}))  # fmt: skip
+    shrunk = {k: v for k, v in dec.items() if "layers.1" not in k}
+    with pytest.raises(ConnectError, match="missing"):
+        connect_stages(config, enc, _meta(config), shrunk, _meta(config))

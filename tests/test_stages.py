@@ -1,0 +1,203 @@
+"""Pre-training stages: losses against their formulas, gradient routing, and smoke runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
+from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_format import Manifest
+from megasemface.data.textio import parse_lang_path
+from megasemface.data.tokenizer import Tokenizer
+from megasemface.interfaces.factory import build_interface
+from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.models.transformer import EncoderOutput
+from megasemface.objectives.noising import drop_and_shuffle, mask_for_mlm
+from megasemface.objectives.sequences import SequenceBatch, SpecialTokens, append_token
+from megasemface.objectives.stages import DenoisingSeq2Seq, ObjectiveConfig, SemFaceModel
+
+SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
+
+
+def tiny(**overrides: object) -> ModelConfig:
+    items = [f"{k}={v}" for k, v in {"vocab_size": 120, "dropout": 0.0, **overrides}.items()]
+    return build_model_config("tiny", items)
+
+
+def random_batch(config: ModelConfig, seed: int = 0, batch: int = 6, length: int = 9):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(7, config.vocab_size, (batch, length), generator=g)
+    lengths = torch.randint(2, length + 1, (batch,), generator=g)
+    tokens[torch.arange(length)[None] >= lengths[:, None]] = SPECIAL.pad
+    return SequenceBatch(tokens, lengths, torch.randint(0, 2, (batch,), generator=g))
+
+
+def model_for(kind: str, config: ModelConfig, **objective: object) -> SemFaceModel:
+    torch.manual_seed(0)
+    table = torch.randn(config.vocab_size, config.d_model) * 0.3
+    interface = build_interface(kind, config, cl_table=table if kind == "cl" else None)
+    return SemFaceModel(config, interface, SPECIAL, ObjectiveConfig(**objective))  # type: ignore[arg-type]
+
+
+def test_cl_encoder_loss_is_eq_1() -> None:
+    """MLM on LN(h) with the tied table, plus the MSE between h (before LN) and W_target."""
+    config = tiny()
+    model = model_for("cl", config).eval()
+    batch = random_batch(config)
+    out = model.encoder_loss(batch, torch.Generator().manual_seed(5))
+
+    inputs, targets = mask_for_mlm(batch.tokens_BT, batch.lengths_B, mask_id=SPECIAL.mask,
+                                   vocab_size=config.vocab_size, special_ids=SPECIAL.all,
+                                   generator=torch.Generator().manual_seed(5))  # fmt: skip
+    inputs, lengths = append_token(inputs, batch.lengths_B, SPECIAL.eos, SPECIAL.pad)
+    targets, _ = append_token(targets, batch.lengths_B, -100, -100)
+    mask = torch.arange(inputs.shape[1])[None] < lengths[:, None]
+    encoded: EncoderOutput = model.encoder(inputs, mask, batch.langs_B)
+    table = model.interface.table
+    nll, sq, count = 0.0, 0.0, 0
+    for b, t in (targets != -100).nonzero().tolist():
+        x = int(targets[b, t])
+        logits = encoded.hidden_BTD[b, t] @ table.t() + model.mlm_bias
+        nll += -torch.log_softmax(logits, -1)[x]
+        sq += ((table[x] - encoded.pre_norm_BTD[b, t]) ** 2).mean()
+        count += 1
+    torch.testing.assert_close(out.components["enc_mlm"], nll / count)
+    torch.testing.assert_close(out.components["enc_mse"], sq / count)
+    torch.testing.assert_close(out.loss, (nll + sq) / count)
+
+
+def test_clm_decoder_loss_is_eq_3_and_causal() -> None:
+    """-log p(y_j | y_<j, E(C(x))): each position scored from its prefix alone."""
+    config = tiny()
+    model = model_for("cl", config, decoder_objective="clm").eval()
+    batch = random_batch(config, batch=3)
+    out = model.decoder_loss(batch, torch.Generator().manual_seed(9))
+    noisy, noisy_lengths = drop_and_shuffle(batch.tokens_BT, batch.lengths_B, pad_id=SPECIAL.pad,
+                                            generator=torch.Generator().manual_seed(9))  # fmt: skip
+    memory = model.interface.table[noisy]
+    memory_mask = torch.arange(noisy.shape[1])[None] < noisy_lengths[:, None]
+    total, count = 0.0, 0
+    for b in range(3):
+        n = int(batch.lengths_B[b])
+        sentence = batch.tokens_BT[b, :n].tolist()
+        inputs = [SPECIAL.lang_tags[int(batch.langs_B[b])], *sentence]
+        targets = [*sentence, SPECIAL.eos]
+        for j in range(len(targets)):
+            prefix = torch.tensor([inputs[: j + 1]])
+            hidden = model.decoder(prefix, torch.ones_like(prefix, dtype=torch.bool),
+                                   batch.langs_B[b : b + 1], memory[b : b + 1],
+                                   memory_mask[b : b + 1])  # fmt: skip
+            logits = model.decoder.logits(hidden[0, -1])
+            total += -torch.log_softmax(logits, -1)[targets[j]]
+            count += 1
+    torch.testing.assert_close(out.loss, total / count)
+
+
+def _grads(params: list[torch.nn.Parameter]) -> list[bool]:
+    return [p.grad is not None and bool(p.grad.abs().sum() > 0) for p in params]
+
+
+@pytest.mark.parametrize("kind", ["cl", "vq"])
+def test_each_stage_only_trains_its_own_parameters(kind: str) -> None:
+    config = tiny()
+    model = model_for(kind, config)
+    batch = random_batch(config)
+    decoder_side = model.decoder_stage_parameters()
+    encoder_side = model.encoder_stage_parameters()
+    assert {id(p) for p in decoder_side}.isdisjoint({id(p) for p in encoder_side})
+
+    model.decoder_loss(batch, torch.Generator().manual_seed(0)).loss.backward()
+    assert not any(_grads(encoder_side)), "the decoder pass reached encoder-side parameters"
+    assert any(_grads(list(model.decoder.parameters())))
+    if kind == "vq":
+        assert any(_grads(list(model.interface.extractor.parameters())))
+        assert all(p.grad is None for p in model.interface.quantizer.parameters())
+    else:
+        assert model.interface.table.grad is None
+
+    model.zero_grad(set_to_none=True)
+    model.encoder_loss(batch, torch.Generator().manual_seed(0)).loss.backward()
+    assert not any(_grads(decoder_side)), "the encoder pass reached decoder-side parameters"
+    assert any(_grads(list(model.encoder.parameters())))
+    if kind == "vq":
+        assert any(_grads(list(model.interface.quantizer.parameters())))
+
+
+def test_xlm_baseline_has_no_decoder_stage() -> None:
+    model = model_for("none", tiny())
+    assert model.decoder is None
+    with pytest.raises(ValueError, match="no decoder stage"):
+        model.decoder_loss(random_batch(tiny()), torch.Generator())
+
+
+def test_mlm_decoder_objective_is_bidirectional_eq_2() -> None:
+    config = tiny()
+    model = model_for("cl", config, decoder_objective="mlm").eval()
+    batch = random_batch(config)
+    out = model.decoder_loss(batch, torch.Generator().manual_seed(1))
+    assert "dec_mlm" in out.components
+    # Roughly 15% of the tokens are predicted.
+    assert 0 < out.num_targets <= int(batch.lengths_B.sum())
+
+
+@pytest.fixture(scope="module")
+def real_batches(
+    tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path
+) -> tuple[list[SequenceBatch], Tokenizer]:
+    out = tmp_path_factory.mktemp("stage-shards")
+    inputs = [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
+    build_shards(parse_lang_path(inputs), spm_model, out, ShardBuildConfig())
+    tokenizer = Tokenizer.load(spm_model)
+    source = ShardSource.from_manifest(Manifest.load(out))
+    loader = ShardLoader(source, LoaderConfig(max_tokens=1024, max_len=30, seed=3),
+                         pad_id=tokenizer.pad_id)  # fmt: skip
+    langs = tokenizer.languages
+    batches = []
+    for _, batch in zip(range(6), loader, strict=False):
+        lang = torch.full((len(batch.lengths),), langs.index(batch.lang))
+        batches.append(SequenceBatch(batch.tokens, batch.lengths, lang))
+    return batches, tokenizer
+
+
+@pytest.mark.parametrize("kind", ["none", "cl", "vq", "mbart"])
+def test_tiny_preset_loss_falls_on_real_text(
+    kind: str, real_batches: tuple[list[SequenceBatch], Tokenizer]
+) -> None:
+    batches, tokenizer = real_batches
+    special = SpecialTokens.from_tokenizer(tokenizer)
+    config = build_model_config("tiny", [f"vocab_size={tokenizer.vocab_size}", "num_langs=2",
+                                         f"pad_id={tokenizer.pad_id}"])  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "mbart":
+        model: torch.nn.Module = DenoisingSeq2Seq(config, special)
+        step_loss = model.loss
+    else:
+        table = torch.randn(config.vocab_size, config.d_model) * 0.3
+        interface = build_interface(kind, config, cl_table=table if kind == "cl" else None)
+        model = SemFaceModel(config, interface, special)
+        step_loss = model.encoder_loss if kind == "none" else model.joint_loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for step in range(40):
+        out = step_loss(batches[step % len(batches)], generator)
+        assert math.isfinite(out.loss.item())
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        losses.append(out.loss.item())
+    first, last = sum(losses[:6]) / 6, sum(losses[-6:]) / 6
+    assert last < 0.85 * first, (kind, losses)
+
+
+def test_bf16_model_gives_a_finite_fp32_loss() -> None:
+    config = tiny()
+    model = model_for("cl", config).to(torch.bfloat16)
+    out = model.joint_loss(random_batch(config), torch.Generator().manual_seed(0))
+    assert out.loss.dtype == torch.float32 and math.isfinite(out.loss.item())
+    out.loss.backward()

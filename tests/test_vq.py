@@ -1,0 +1,416 @@
+"""The VQ layer on one process: straight-through, Eq. 5/6 by hand, layouts, chunking, dtypes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups
+from megasemface.interfaces.vq import (
+    SPLIT_PARAMETERS,
+    GumbelVectorQuantizer,
+    gather_codebook,
+    gather_state_dicts,
+    gumbel_noise,
+    shard_state_dict,
+    split_codebook,
+)
+from megasemface.models.config import VQConfig
+
+D = 8
+
+
+def make_vq(layout: str = "flat", seed: int = 3, **overrides: object) -> GumbelVectorQuantizer:
+    options: dict[str, object] = {
+        "layout": layout,
+        "num_codes": 40,
+        "groups": 2,
+        "entries": 5,
+        "hidden_dim": 16,
+        "chunk_tokens": 5,
+        "temperature_start": 1.5,
+        "temperature_end": 0.5,
+        "temperature_decay": 0.9,
+    }
+    options.update(overrides)
+    return GumbelVectorQuantizer(VQConfig(**options), D, ParallelGroups.single(), seed=seed)
+
+
+def features(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, D, generator=gen).to(dtype).requires_grad_()
+
+
+def dense_flat(vq: GumbelVectorQuantizer, h: torch.Tensor, key: int, sample: bool):
+    """Eq. 5 and Eq. 6 written out densely with plain autograd: the reference."""
+    act = F.relu(vq.hidden(h))
+    logits = act @ vq.logits_weight.t() + vq.logits_bias
+    scores = logits + gumbel_noise(key, 0, h.shape[0], 0, vq.num_codes) if sample else logits
+    soft = torch.softmax(scores / vq.temperature, dim=-1)
+    hard = F.one_hot(scores.argmax(-1), vq.num_codes).float()
+    out = (hard + (soft - soft.detach())) @ vq.codebook
+    pbar = (soft if vq.config.diversity_from_gumbel else torch.softmax(logits, -1)).mean(0)
+    diversity = (pbar * pbar.log()).sum() / vq.num_codes
+    return out, scores.argmax(-1), diversity
+
+
+def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("layout", ["flat", "product"])
+def test_straight_through_forward_is_exactly_the_chosen_code(layout: str) -> None:
+    vq = make_vq(layout)
+    vq.train()
+    out = vq(features(13))
+    assert out.quantized.shape == (13, D) and out.codes.dtype == torch.int64
+    assert torch.equal(out.quantized, vq.lookup(out.codes))
+    if layout == "flat":
+        assert torch.equal(out.quantized, vq.codebook[out.codes])
+
+
+@pytest.mark.parametrize("from_gumbel", [False, True])
+@pytest.mark.parametrize("sample", [True, False])
+def test_flat_gradients_match_dense_reference(from_gumbel: bool, sample: bool) -> None:
+    vq = make_vq(diversity_from_gumbel=from_gumbel)
+    vq.set_step(2)
+    h = features(13)
+    target = torch.randn(13, D, generator=torch.Generator().manual_seed(1))
+    out = vq(h, sample=sample, noise_key=7)
+    ((out.quantized * target).sum() + 3 * out.diversity_loss).backward()
+    got, got_h = grads_of(vq), h.grad.clone()
+    assert set(got) == {name for name, _ in vq.named_parameters()}  # logits layer and table
+    assert all(g.abs().sum() > 0 for g in got.values())
+
+    vq.zero_grad()
+    h_ref = h.detach().clone().requires_grad_()
+    ref_out, ref_codes, ref_div = dense_flat(vq, h_ref, vq._noise_key(7), sample)
+    ((ref_out * target).sum() + 3 * ref_div).backward()
+    assert torch.equal(out.codes, ref_codes)
+    torch.testing.assert_close(out.quantized, ref_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.diversity_loss, ref_div, rtol=1e-6, atol=1e-7)
+    for name, grad in grads_of(vq).items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(got_h, h_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["flat", "product"])
+def test_eval_is_the_noise_free_argmax(layout: str) -> None:
+    vq = make_vq(layout).eval()
+    h = features(17)
+    with torch.no_grad():
+        first, second = vq(h), vq(h)
+        logits = F.relu(vq.hidden(h)) @ vq.logits_weight.t() + vq.logits_bias
+    assert torch.equal(first.codes, second.codes)
+    if layout == "flat":
+        assert torch.equal(first.codes, logits.argmax(-1))
+    else:
+        idx = logits.view(17, 2, 5).argmax(-1)
+        assert torch.equal(first.codes, idx[:, 0] * 5 + idx[:, 1])
+    # Training draws noise: different codes for some token, different from call to call.
+    vq.train()
+    noisy = [vq(h).codes for _ in range(3)]
+    assert any(not torch.equal(c, first.codes) for c in noisy)
+    assert not torch.equal(noisy[0], noisy[1])
+
+
+def test_ties_resolve_to_the_smallest_index() -> None:
+    vq = make_vq().eval()
+    with torch.no_grad():
+        vq.logits_weight.zero_()
+        vq.logits_bias.zero_()
+        vq.logits_bias[[7, 12, 30]] = 2.0
+    assert vq(features(4)).codes.tolist() == [7, 7, 7, 7]
+
+
+def test_temperature_schedule() -> None:
+    vq = make_vq(temperature_start=2.0, temperature_end=0.5, temperature_decay=0.9)
+    assert vq.temperature == 2.0
+    vq.set_step(3)
+    assert vq.temperature == pytest.approx(2.0 * 0.9**3)
+    vq.set_step(100)
+    assert vq.temperature == 0.5
+    out = vq(features(3))
+    assert out.temperature == 0.5
+    with pytest.raises(ValueError):
+        vq.set_step(-1)
+
+
+def test_noise_keys_differ_by_call_and_step_and_reset() -> None:
+    vq = make_vq()
+    vq.set_step(4)
+    keys = [vq._noise_key(None), vq._noise_key(None)]
+    vq.set_step(4)
+    assert vq._noise_key(None) == keys[0] != keys[1]
+    vq.set_step(5)
+    assert vq._noise_key(None) not in keys
+
+
+def test_diversity_and_perplexities_by_hand() -> None:
+    vq = make_vq(num_codes=4, hidden_dim=3).eval()
+    with torch.no_grad():
+        vq.hidden.weight.copy_(torch.eye(3, D))
+        vq.hidden.bias.zero_()
+        vq.logits_weight.copy_(torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 1], [0, 0, 0]]))
+        vq.logits_bias.zero_()
+    h = torch.zeros(3, D)
+    h[0, 0], h[1, 1], h[2, :3] = 2.0, 1.0, torch.tensor([0.5, 0.0, 3.0])
+    # Logits by hand: [2,0,0,0], [0,1,0,0], [0.5,0,3,0]; codes 0, 1, 2.
+    rows = [[2.0, 0, 0, 0], [0, 1.0, 0, 0], [0.5, 0, 3.0, 0]]
+    probs = [[math.exp(v) / sum(math.exp(x) for x in row) for v in row] for row in rows]
+    pbar = [sum(p[k] for p in probs) / 3 for k in range(4)]
+    entropy = -sum(p * math.log(p) for p in pbar)
+    out = vq(h)
+    assert out.codes.tolist() == [0, 1, 2]
+    assert out.metrics()["vq_diversity_loss"] == pytest.approx(-entropy / 4, rel=1e-6)
+    assert float(out.prob_perplexity) == pytest.approx(math.exp(entropy), rel=1e-6)
+    assert float(out.code_perplexity) == pytest.approx(3.0, rel=1e-6)  # 3 codes, once each
+    assert float(out.codes_used) == pytest.approx(0.75)
+    assert out.code_counts.tolist() == [1, 1, 1, 0]
+    h[1] = h[0]  # codes 0, 0, 2: histogram (2/3, 1/3)
+    hist_entropy = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
+    assert float(vq(h).code_perplexity) == pytest.approx(math.exp(hist_entropy), rel=1e-6)
+
+
+def test_product_layout_shapes_codes_and_diversity() -> None:
+    vq = make_vq("product", groups=2, entries=5).eval()
+    h = features(9)
+    out = vq(h)
+    assert out.quantized.shape == (9, D) and out.code_counts.shape == (10,)
+    with torch.no_grad():
+        logits = (F.relu(vq.hidden(h)) @ vq.logits_weight.t() + vq.logits_bias).view(9, 2, 5)
+    idx = logits.argmax(-1)
+    assert torch.equal(out.codes, idx[:, 0] * 5 + idx[:, 1])
+    expected = torch.cat([vq.codebook[0, idx[:, 0]], vq.codebook[1, idx[:, 1]]], dim=1)
+    assert torch.equal(out.quantized, expected)
+    pbar = torch.softmax(logits, -1).mean(0)  # [G, V]
+    ref = ((pbar * pbar.log()).sum(-1) / 5).mean()
+    torch.testing.assert_close(out.diversity_loss, ref, rtol=1e-6, atol=1e-7)
+    ppl = torch.exp(-(pbar * pbar.log()).sum(-1)).sum()
+    torch.testing.assert_close(out.prob_perplexity, ppl, rtol=1e-6, atol=1e-6)
+    assert vq.num_codes == 25 and vq(h, sample=True).codes.max() < 25
+
+
+def test_product_gradients_reach_everything() -> None:
+    vq = make_vq("product").train()
+    h = features(11)
+    out = vq(h)
+    (out.quantized.square().sum() + out.diversity_loss).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in vq.parameters())
+    assert h.grad is not None and h.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("layout", ["flat", "product"])
+def test_frozen_weights_pass_gradient_to_the_input_only(layout: str) -> None:
+    vq = make_vq(layout).train().freeze()
+    h = features(12)
+    out = vq(h)
+    out.quantized.square().sum().backward()
+    assert all(p.grad is None for p in vq.parameters())
+    assert h.grad is not None and h.grad.abs().sum() > 0
+    # The same gradient reaches h as with trainable weights.
+    live = make_vq(layout).train()
+    h2 = h.detach().clone().requires_grad_()
+    live(h2, noise_key=0).quantized.square().sum().backward()
+    frozen_h = h.detach().clone().requires_grad_()
+    vq(frozen_h, noise_key=0).quantized.square().sum().backward()
+    torch.testing.assert_close(frozen_h.grad, h2.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("from_gumbel", [False, True])
+def test_chunking_gives_identical_results(from_gumbel: bool) -> None:
+    results = []
+    for chunk in (3, 7, 1000):
+        vq = make_vq(num_codes=48, chunk_tokens=chunk, diversity_from_gumbel=from_gumbel)
+        h = features(29)
+        out = vq(h, noise_key=5)
+        (out.quantized.sin().sum() + 2 * out.diversity_loss).backward()
+        results.append((out, grads_of(vq), h.grad))
+    (ref, ref_grads, ref_h) = results[-1]
+    for out, grads, grad_h in results[:-1]:
+        assert torch.equal(out.codes, ref.codes)
+        assert torch.equal(out.quantized, ref.quantized)
+        torch.testing.assert_close(out.diversity_loss, ref.diversity_loss, rtol=1e-6, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad_h, ref_h, rtol=1e-5, atol=1e-6)
+
+
+def _peak_bytes(fn) -> int:
+    """Peak of tensor bytes allocated while ``fn`` runs (CPU allocator events)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    current = peak = 0
+    for _, nbytes in events:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+def test_activation_memory_is_bounded_by_the_chunk() -> None:
+    n_tok, n_codes, hidden = 1024, 4096, 16
+    h = features(n_tok)
+    vq = make_vq(num_codes=n_codes, hidden_dim=hidden, chunk_tokens=16)
+    params = {p.data_ptr() for p in vq.parameters()}
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = vq(h)
+    # Activations kept for backward: O(N (H + d)) plus a few O(K) statistics, no [N, K].
+    assert all(t.numel() < n_tok * n_codes // 8 for t in saved)
+    assert sum(t.numel() for t in saved) <= n_tok * (2 * hidden + 2 * D + 8) + 8 * n_codes
+    out.quantized.sum().backward()
+
+    def run(chunk: int) -> int:
+        vq = make_vq(num_codes=n_codes, hidden_dim=hidden, chunk_tokens=chunk)
+        vq(h).quantized.sum()  # warm up allocations outside the measurement
+
+        def step() -> None:
+            out = vq(h)
+            (out.quantized.sum() + out.diversity_loss).backward()
+
+        return _peak_bytes(step)
+
+    small, large = run(16), run(n_tok)
+    logits_bytes = n_tok * n_codes * 4
+    assert large > logits_bytes  # the unchunked run holds [N, K] fp32 at least once
+    assert small < large / 3
+    # Chunked: a few [chunk, K] buffers plus the O(K) gradients, far below one [N, K].
+    assert small < logits_bytes / 4
+
+
+def test_bf16_inputs_weights_and_autocast() -> None:
+    h = features(10, dtype=torch.bfloat16)
+    vq = make_vq().train()
+    out = vq(h)
+    assert out.quantized.dtype == torch.bfloat16
+    assert torch.equal(out.quantized, vq.codebook[out.codes].to(torch.bfloat16))
+    (out.quantized.float().square().sum() + out.diversity_loss).backward()
+    assert h.grad is not None and h.grad.dtype == torch.bfloat16 and h.grad.abs().sum() > 0
+    assert out.diversity_loss.dtype == torch.float32
+
+    for layout in ("flat", "product"):
+        vq16 = make_vq(layout).to(torch.bfloat16).train()
+        h16 = features(10, dtype=torch.bfloat16)
+        out16 = vq16(h16)
+        assert out16.quantized.dtype == torch.bfloat16
+        assert torch.equal(out16.quantized, vq16.lookup(out16.codes))
+        (out16.quantized.float().sum() + out16.diversity_loss).backward()
+        assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in vq16.parameters())
+
+    # Under autocast the logits stay fp32: the codes equal an fp32 recomputation from the
+    # (autocast) bf16 ReLU activations.
+    vq = make_vq().eval()
+    h32 = features(10)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = vq(h32)
+        act = F.relu(vq.hidden(h32))
+    assert out.quantized.dtype == torch.float32
+    logits = act.float() @ vq.logits_weight.t() + vq.logits_bias
+    assert torch.equal(out.codes, logits.argmax(-1))
+
+
+def test_gumbel_noise_is_tiling_independent_and_gumbel_distributed() -> None:
+    full = gumbel_noise(1234, 0, 40, 0, 300)
+    assert torch.equal(gumbel_noise(1234, 10, 7, 0, 300), full[10:17])
+    assert torch.equal(gumbel_noise(1234, 0, 40, 150, 150), full[:, 150:])
+    assert torch.equal(gumbel_noise(1234, 33, 7, 77, 100), full[33:, 77:177])
+    assert not torch.equal(gumbel_noise(1235, 0, 40, 0, 300), full)
+    big = gumbel_noise(7, 0, 200, 0, 5000)
+    assert torch.isfinite(big).all()
+    assert float(big.mean()) == pytest.approx(0.5772, abs=0.01)  # Euler-Mascheroni
+    assert float(big.std()) == pytest.approx(math.pi / math.sqrt(6), abs=0.01)
+    # Rows and columns are not copies of each other.
+    assert float(torch.corrcoef(big[:2])[0, 1]).__abs__() < 0.05
+
+
+def test_flat_split_checks_divisibility_and_init_is_split_independent() -> None:
+    cfg = VQConfig(num_codes=41, hidden_dim=16)
+    fake = ParallelGroups(
+        mp_group=None, dp_group=None, mp_rank=1, mp_size=2, dp_rank=0, dp_size=1, mp_ranks=(0, 1)
+    )
+    with pytest.raises(ValueError, match="divisible"):
+        GumbelVectorQuantizer(cfg, D, fake, seed=0)
+    full = make_vq(num_codes=3000)  # spans several init blocks of 1024 rows
+    cfg = VQConfig(num_codes=3000, hidden_dim=16)
+    shards = []
+    for rank in range(3):
+        groups = ParallelGroups(
+            mp_group=None,
+            dp_group=None,
+            mp_rank=rank,
+            mp_size=3,
+            dp_rank=0,
+            dp_size=1,
+            mp_ranks=(0, 1, 2),
+        )
+        part = GumbelVectorQuantizer(cfg, D, groups, seed=3)
+        assert part.codebook.shape == (1000, D) and part.code_offset == 1000 * rank
+        assert getattr(part.codebook, "tensor_model_parallel", False)
+        shards.append(part.state_dict())
+    merged = gather_state_dicts(shards)
+    for key, value in full.state_dict().items():
+        assert torch.equal(merged[key], value), key
+
+
+def test_shard_helpers_round_trip() -> None:
+    table = torch.arange(24.0).view(6, 4)
+    parts = [split_codebook(table, r, 3) for r in range(3)]
+    assert torch.equal(parts[1], table[2:4])
+    assert torch.equal(gather_codebook(parts), table)
+    with pytest.raises(ValueError):
+        split_codebook(table, 0, 4)
+    state = make_vq().state_dict()
+    shards = [shard_state_dict(state, r, 2) for r in range(2)]
+    assert shards[1]["codebook"].shape == (20, D)
+    assert torch.equal(shards[1]["hidden.weight"], state["hidden.weight"])
+    restored = gather_state_dicts(shards)
+    assert all(torch.equal(restored[k], state[k]) for k in state)
+    assert set(SPLIT_PARAMETERS) <= set(state)
+
+
+def test_code_usage_window() -> None:
+    vq = make_vq(num_codes=4)
+    window = vq.usage_window(2)
+    assert window.fraction() == 0.0
+    window.update(torch.tensor([1, 0, 0, 0]))
+    window.update(torch.tensor([0, 2, 0, 0]))
+    assert window.fraction() == 0.5
+    window.update(torch.tensor([0, 0, 0, 3]))  # code 0 falls out of the window
+    assert window.fraction() == 0.5
+    window.update(torch.tensor([0, 0, 0, 0]))
+    assert window.fraction() == 0.25
+    product = make_vq("product").usage_window(1)
+    product.update(torch.tensor([1] * 5 + [0] * 5))
+    assert product.fraction() == 0.5
+
+
+def test_empty_batch_and_input_checks() -> None:
+    vq = make_vq()
+    out = vq(torch.zeros(0, D))
+    assert out.quantized.shape == (0, D) and out.metrics()["vq_diversity_loss"] == 0.0
+    with pytest.raises(ValueError):
+        vq(torch.zeros(3, D + 1))
+
+
+def test_single_groups_and_mpu_answer_without_distributed() -> None:
+    groups = ParallelGroups.single()
+    mpu = DeepSpeedMpu(groups)
+    assert groups.is_single and mpu.get_model_parallel_world_size() == 1
+    assert mpu.get_data_parallel_rank() == 0 and mpu.get_data_parallel_group_ranks() == [0]
+    assert mpu.get_tensor_model_parallel_src_rank() == 0
+    assert not hasattr(mpu, "initialize_sequence_parallel")
