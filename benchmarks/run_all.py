@@ -33,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         results = bench_data.run(8, args.locale_dir, Path(tmp))
     sections.append(bench_data.report(results))
+    peak, model_results = bench_model.run(["tiny", "paper"])
+    sections += ["", "## Training step (benchmarks/bench_model.py)", ""]
+    sections.append(bench_model.report(peak, model_results))
+    vq_results = bench_vq.run(256, 102_400, 1024, 1024, 128, 3)
+    sections += ["", "## VQ layer (benchmarks/bench_vq.py)", ""]
+    sections.append(bench_vq.report(vq_results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(sections) + "\n", encoding="utf-8")
     print("\n".join(sections))

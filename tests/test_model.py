@@ -108,8 +108,12 @@ def _stage_states(config: ModelConfig) -> tuple[dict, dict]:
 
 
 def _meta(config: ModelConfig, **extra: object) -> dict:
-    return {"model": config.to_dict(), "languages": ["en", "de"], "interface": {"kind": "cl"},
-            **extra}  # fmt: skip
+    return {
+        "model": config.to_dict(),
+        "languages": ["en", "de"],
+        "interface": {"kind": "cl"},
+        **extra,
+    }
 
 
 def test_connect_keeps_pretrained_cross_attention_and_reports_provenance() -> None:
@@ -117,8 +121,10 @@ def test_connect_keeps_pretrained_cross_attention_and_reports_provenance() -> No
     enc, dec = _stage_states(config)
     model, provenance = connect_stages(config, enc, _meta(config), dec, _meta(config))
     state = model.state_dict()
-    torch.testing.assert_close(state["encoder.layers.0.self_attn.q_proj.weight"],
-                               enc["encoder.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    torch.testing.assert_close(
+        state["encoder.layers.0.self_attn.q_proj.weight"],
+        enc["encoder.layers.0.self_attn.q_proj.weight"],
+    )
     key = "decoder.layers.1.cross_attn.kv_proj.weight"
     torch.testing.assert_close(state[key], dec[key])
     assert provenance[key] == "decoder-stage:layers.1.cross_attn.kv_proj.weight"
@@ -131,8 +137,9 @@ def test_connect_without_decoder_stage_is_the_xlm_initialisation() -> None:
     enc, _ = _stage_states(config)
     model, provenance = connect_stages(config, enc, _meta(config, interface={"kind": "none"}))
     state = model.state_dict()
-    torch.testing.assert_close(state["decoder.layers.0.ffn.fc1.weight"],
-                               enc["encoder.layers.0.ffn.fc1.weight"])  # fmt: skip
+    torch.testing.assert_close(
+        state["decoder.layers.0.ffn.fc1.weight"], enc["encoder.layers.0.ffn.fc1.weight"]
+    )
     torch.testing.assert_close(state["decoder.output_bias"], enc["mlm_bias"])
     assert provenance["decoder.layers.0.cross_attn.q_proj.weight"] == "random"
     assert provenance["decoder.embed.tokens.weight"] == "encoder-stage:embed.tokens.weight"
@@ -145,11 +152,17 @@ def test_connect_refuses_mismatches() -> None:
     with pytest.raises(ConnectError, match="vocab_size=120"):
         connect_stages(config, enc, _meta(other_vocab), dec, _meta(config))
     with pytest.raises(ConnectError, match="languages"):
-        connect_stages(config, enc, _meta(config), dec,
-                       {**_meta(config), "languages": ["en", "fr"]})  # fmt: skip
+        connect_stages(
+            config, enc, _meta(config), dec, {**_meta(config), "languages": ["en", "fr"]}
+        )
     with pytest.raises(ConnectError, match="different semantic interfaces"):
-        connect_stages(config, enc, _meta(config), dec,
-                       _meta(config, interface={"kind": "cl", "table_sha256": "x"}))  # fmt: skip
+        connect_stages(
+            config,
+            enc,
+            _meta(config),
+            dec,
+            _meta(config, interface={"kind": "cl", "table_sha256": "x"}),
+        )
     shrunk = {k: v for k, v in dec.items() if "layers.1" not in k}
     with pytest.raises(ConnectError, match="missing"):
         connect_stages(config, enc, _meta(config), shrunk, _meta(config))

@@ -446,9 +446,25 @@ def test_permute_sentences_single_segment_and_no_boundaries() -> None:
 
 def test_sentence_boundary_ids() -> None:
     pieces = [
-        "<unk>", "<s>", "</s>", "▁.", ".", '."', "▁Hello", "?)", "。", "！", "▁", "।",
-        "▁Dr.", "▁a", "...", "؟", ",", "<0x2E>",
-    ]  # fmt: skip
+        "<unk>",
+        "<s>",
+        "</s>",
+        "▁.",
+        ".",
+        '."',
+        "▁Hello",
+        "?)",
+        "。",
+        "！",
+        "▁",
+        "।",
+        "▁Dr.",
+        "▁a",
+        "...",
+        "؟",
+        ",",
+        "<0x2E>",
+    ]
     assert sentence_boundary_ids(pieces) == [3, 4, 5, 7, 8, 9, 11, 12, 14, 15]
 
 

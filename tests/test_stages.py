@@ -50,9 +50,14 @@ def test_cl_encoder_loss_is_eq_1() -> None:
     batch = random_batch(config)
     out = model.encoder_loss(batch, torch.Generator().manual_seed(5))
 
-    inputs, targets = mask_for_mlm(batch.tokens_BT, batch.lengths_B, mask_id=SPECIAL.mask,
-                                   vocab_size=config.vocab_size, special_ids=SPECIAL.all,
-                                   generator=torch.Generator().manual_seed(5))  # fmt: skip
+    inputs, targets = mask_for_mlm(
+        batch.tokens_BT,
+        batch.lengths_B,
+        mask_id=SPECIAL.mask,
+        vocab_size=config.vocab_size,
+        special_ids=SPECIAL.all,
+        generator=torch.Generator().manual_seed(5),
+    )
     inputs, lengths = append_token(inputs, batch.lengths_B, SPECIAL.eos, SPECIAL.pad)
     targets, _ = append_token(targets, batch.lengths_B, -100, -100)
     mask = torch.arange(inputs.shape[1])[None] < lengths[:, None]
@@ -76,8 +81,12 @@ def test_clm_decoder_loss_is_eq_3_and_causal() -> None:
     model = model_for("cl", config, decoder_objective="clm").eval()
     batch = random_batch(config, batch=3)
     out = model.decoder_loss(batch, torch.Generator().manual_seed(9))
-    noisy, noisy_lengths = drop_and_shuffle(batch.tokens_BT, batch.lengths_B, pad_id=SPECIAL.pad,
-                                            generator=torch.Generator().manual_seed(9))  # fmt: skip
+    noisy, noisy_lengths = drop_and_shuffle(
+        batch.tokens_BT,
+        batch.lengths_B,
+        pad_id=SPECIAL.pad,
+        generator=torch.Generator().manual_seed(9),
+    )
     memory = model.interface.table[noisy]
     memory_mask = torch.arange(noisy.shape[1])[None] < noisy_lengths[:, None]
     total, count = 0.0, 0
@@ -88,9 +97,13 @@ def test_clm_decoder_loss_is_eq_3_and_causal() -> None:
         targets = [*sentence, SPECIAL.eos]
         for j in range(len(targets)):
             prefix = torch.tensor([inputs[: j + 1]])
-            hidden = model.decoder(prefix, torch.ones_like(prefix, dtype=torch.bool),
-                                   batch.langs_B[b : b + 1], memory[b : b + 1],
-                                   memory_mask[b : b + 1])  # fmt: skip
+            hidden = model.decoder(
+                prefix,
+                torch.ones_like(prefix, dtype=torch.bool),
+                batch.langs_B[b : b + 1],
+                memory[b : b + 1],
+                memory_mask[b : b + 1],
+            )
             logits = model.decoder.logits(hidden[0, -1])
             total += -torch.log_softmax(logits, -1)[targets[j]]
             count += 1
@@ -134,14 +147,46 @@ def test_xlm_baseline_has_no_decoder_stage() -> None:
         model.decoder_loss(random_batch(tiny()), torch.Generator())
 
 
-def test_mlm_decoder_objective_is_bidirectional_eq_2() -> None:
+def test_mlm_decoder_loss_is_eq_2() -> None:
+    """-log p(y_j | s_j, E(C(x))) at masked positions of a bidirectional decoder."""
     config = tiny()
     model = model_for("cl", config, decoder_objective="mlm").eval()
     batch = random_batch(config)
     out = model.decoder_loss(batch, torch.Generator().manual_seed(1))
-    assert "dec_mlm" in out.components
-    # Roughly 15% of the tokens are predicted.
-    assert 0 < out.num_targets <= int(batch.lengths_B.sum())
+    generator = torch.Generator().manual_seed(1)  # the same draws, in the same order
+    noisy, noisy_lengths = drop_and_shuffle(
+        batch.tokens_BT, batch.lengths_B, pad_id=SPECIAL.pad, generator=generator
+    )
+    inputs, targets = mask_for_mlm(
+        batch.tokens_BT,
+        batch.lengths_B,
+        mask_id=SPECIAL.mask,
+        vocab_size=config.vocab_size,
+        special_ids=SPECIAL.all,
+        generator=generator,
+    )
+    inputs, lengths = append_token(inputs, batch.lengths_B, SPECIAL.eos, SPECIAL.pad)
+    targets, _ = append_token(targets, batch.lengths_B, -100, -100)
+    memory = model.interface.table[noisy]
+    memory_mask = torch.arange(noisy.shape[1])[None] < noisy_lengths[:, None]
+    total, count = 0.0, 0
+    for b in range(len(inputs)):
+        n = int(lengths[b])
+        row = inputs[b : b + 1, :n]
+        hidden = model.decoder(
+            row,
+            torch.ones_like(row, dtype=torch.bool),
+            batch.langs_B[b : b + 1],
+            memory[b : b + 1],
+            memory_mask[b : b + 1],
+            causal=False,
+        )
+        for t in (targets[b, :n] != -100).nonzero().flatten().tolist():
+            logits = model.decoder.logits(hidden[0, t])
+            total += -torch.log_softmax(logits, -1)[targets[b, t]]
+            count += 1
+    assert out.num_targets == count > 0
+    torch.testing.assert_close(out.loss, total / count)
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +198,9 @@ def real_batches(
     build_shards(parse_lang_path(inputs), spm_model, out, ShardBuildConfig())
     tokenizer = Tokenizer.load(spm_model)
     source = ShardSource.from_manifest(Manifest.load(out))
-    loader = ShardLoader(source, LoaderConfig(max_tokens=1024, max_len=30, seed=3),
-                         pad_id=tokenizer.pad_id)  # fmt: skip
+    loader = ShardLoader(
+        source, LoaderConfig(max_tokens=1024, max_len=30, seed=3), pad_id=tokenizer.pad_id
+    )
     langs = tokenizer.languages
     batches = []
     for _, batch in zip(range(6), loader, strict=False):
@@ -169,8 +215,9 @@ def test_tiny_preset_loss_falls_on_real_text(
 ) -> None:
     batches, tokenizer = real_batches
     special = SpecialTokens.from_tokenizer(tokenizer)
-    config = build_model_config("tiny", [f"vocab_size={tokenizer.vocab_size}", "num_langs=2",
-                                         f"pad_id={tokenizer.pad_id}"])  # fmt: skip
+    config = build_model_config(
+        "tiny", [f"vocab_size={tokenizer.vocab_size}", "num_langs=2", f"pad_id={tokenizer.pad_id}"]
+    )
     torch.manual_seed(0)
     if kind == "mbart":
         model: torch.nn.Module = DenoisingSeq2Seq(config, special)

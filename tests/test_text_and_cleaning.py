@@ -77,9 +77,25 @@ def test_clean_line_reasons() -> None:
 def test_block_cleaning_equals_line_cleaning() -> None:
     """The whole-block fast path must agree with the line-by-line rules on any input."""
     rng = random.Random(0)
-    pieces = [b"a", b"xyz", b" ", b"  ", b"\t", b"\n", b"\r", b"\xff", b"\xc3\xa9",
-              "\u2028".encode(), b"\x07", "\u0085".encode(), "\u00a0".encode(),
-              "\u3000".encode(), "\u2003".encode(), b"\x0c", b"\x1c"]  # fmt: skip
+    pieces = [
+        b"a",
+        b"xyz",
+        b" ",
+        b"  ",
+        b"\t",
+        b"\n",
+        b"\r",
+        b"\xff",
+        b"\xc3\xa9",
+        "\u2028".encode(),
+        b"\x07",
+        "\u0085".encode(),
+        "\u00a0".encode(),
+        "\u3000".encode(),
+        "\u2003".encode(),
+        b"\x0c",
+        b"\x1c",
+    ]
     for _ in range(5000):
         block = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
         if rng.random() < 0.5:

@@ -26,12 +26,28 @@ def tool(name: str, *args: str) -> str:
 
 def test_documented_data_commands(tmp_path: Path, locale_dir: Path) -> None:
     corpus, model, shards = tmp_path / "corpus", tmp_path / "spm" / "joint", tmp_path / "shards"
-    tool("make_demo_corpus.py", "--langs", "de", "--out", str(corpus), "--locale-dir",
-         str(locale_dir))  # fmt: skip
+    tool(
+        "make_demo_corpus.py",
+        "--langs",
+        "de",
+        "--out",
+        str(corpus),
+        "--locale-dir",
+        str(locale_dir),
+    )
     mono = [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
     inputs = [arg for spec in mono for arg in ("--input", spec)]
-    tool("train_spm.py", *inputs, "--output", str(model), "--vocab-size", "2000",
-         "--threads", "1", "--quiet")  # fmt: skip
+    tool(
+        "train_spm.py",
+        *inputs,
+        "--output",
+        str(model),
+        "--vocab-size",
+        "2000",
+        "--threads",
+        "1",
+        "--quiet",
+    )
     tokenizer = Tokenizer.load(model.with_suffix(".model"))
     assert tokenizer.languages == ["en", "de"]
     args = [*inputs, "--spm-model", str(model.with_suffix(".model")), "--out", str(shards)]
@@ -42,8 +58,12 @@ def test_documented_data_commands(tmp_path: Path, locale_dir: Path) -> None:
 
     manifest = Manifest.load(shards)
     assert manifest.spm_sha256 == tokenizer.sha256
-    listing = subprocess.run(["tar", "tf", str(shards / manifest.shards[0].name)],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    listing = subprocess.run(
+        ["tar", "tf", str(shards / manifest.shards[0].name)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert ".tokens.npy" in listing
     loader = ShardLoader(ShardSource.from_manifest(manifest), LoaderConfig(), pad_id=3)
     batch = next(iter(loader))
