@@ -12,7 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_data
+import bench_data  # sibling scripts, not package modules
+import bench_model
+import bench_vq
 
 
 def main(argv: list[str] | None = None) -> int:
