@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.func import functional_call
 
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.base import (
@@ -65,8 +64,7 @@ class VectorQuantizedInterface(SemanticInterface):
         self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
     ) -> InterfaceMemory:
         features = self.extractor(tokens_BT, mask_BT, langs_B).hidden_BTD
-        fixed = {name: p.detach() for name, p in self.quantizer.named_parameters()}
-        out: VQOutput = functional_call(self.quantizer, fixed, (features[mask_BT],))
+        out: VQOutput = self.quantizer(features[mask_BT], detach_weights=True)
         metrics = {f"dec_{k}": v for k, v in out.metrics().items() if k != "vq_diversity_loss"}
         return InterfaceMemory(_scatter_tokens(out.quantized, mask_BT), mask_BT, metrics)
 

@@ -627,13 +627,20 @@ class GumbelVectorQuantizer(nn.Module):
     # -- forward ------------------------------------------------------------------------------
 
     def forward(
-        self, h: Tensor, *, sample: bool | None = None, noise_key: int | None = None
+        self,
+        h: Tensor,
+        *,
+        sample: bool | None = None,
+        noise_key: int | None = None,
+        detach_weights: bool = False,
     ) -> VQOutput:
         """Quantises the real tokens ``h`` [N, d].
 
         ``sample`` (default: ``self.training``) draws Gumbel noise (Eq. 5); without it the code
         is the argmax of the logits. The straight-through gradient is computed whenever
-        gradients are enabled, in either case.
+        gradients are enabled, in either case. ``detach_weights`` uses the weights as
+        constants: gradients reach ``h`` only, even when the weights require grad (the
+        decoder stage of a joint run reads the codebook the encoder stage trains).
         """
         if h.dim() != 2 or h.shape[1] != self.d_model:
             raise ValueError(f"expected h of shape [N, {self.d_model}], got {tuple(h.shape)}")
@@ -641,14 +648,25 @@ class GumbelVectorQuantizer(nn.Module):
         key = self._noise_key(noise_key) if sample else 0
         # Match the weights' dtype (bf16 features into an fp32 layer) unless autocast decides.
         x = h if torch.is_autocast_enabled(h.device.type) else h.to(self.hidden.weight.dtype)
-        act = F.relu(self.hidden(x))  # [N, H]
+        weights = (
+            self.hidden.weight,
+            self.hidden.bias,
+            self.logits_weight,
+            self.logits_bias,
+            self.codebook,
+        )
+        if detach_weights:
+            weights = tuple(w.detach() for w in weights)
+        act = F.relu(F.linear(x, weights[0], weights[1]))  # [N, H]
         if self.layout == "flat":
-            return self._forward_flat(h, act, sample, key)
-        return self._forward_product(h, act, sample, key)
+            return self._forward_flat(h, act, sample, key, weights[2:])
+        return self._forward_product(h, act, sample, key, weights[2:])
 
-    def _forward_flat(self, h: Tensor, act: Tensor, sample: bool, key: int) -> VQOutput:
+    def _forward_flat(
+        self, h: Tensor, act: Tensor, sample: bool, key: int, weights: tuple[Tensor, ...]
+    ) -> VQOutput:
         act = copy_to_model_parallel(act, self.groups)
-        params = (act, self.logits_weight, self.logits_bias, self.codebook)
+        params = (act, *weights)
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
         spec = _FlatSpec(
             groups=self.groups,
@@ -668,11 +686,14 @@ class GumbelVectorQuantizer(nn.Module):
         counts = torch.bincount(local[owned], minlength=self.num_local)
         return self._finish(quantized, codes, psum, counts, h.shape[0])
 
-    def _forward_product(self, h: Tensor, act: Tensor, sample: bool, key: int) -> VQOutput:
+    def _forward_product(
+        self, h: Tensor, act: Tensor, sample: bool, key: int, weights: tuple[Tensor, ...]
+    ) -> VQOutput:
+        logits_weight, logits_bias, codebook = weights
         vq = self.config
         n_tok, groups, entries = h.shape[0], vq.groups, vq.entries
         with torch.autocast(h.device.type, enabled=False):
-            logits = F.linear(act.float(), self.logits_weight.float(), self.logits_bias.float())
+            logits = F.linear(act.float(), logits_weight.float(), logits_bias.float())
             scores = logits
             if sample:
                 noise = gumbel_noise(key, 0, n_tok, 0, groups * entries, device=h.device)
@@ -685,7 +706,7 @@ class GumbelVectorQuantizer(nn.Module):
                 soft = torch.softmax(scores / self.temperature, dim=-1)
                 # Straight-through: forward value exactly the one-hot, gradient of the softmax.
                 weights = weights + (soft - soft.detach())
-            table = self.codebook.float()  # [G, V, dg]
+            table = codebook.float()  # [G, V, dg]
             out = torch.einsum("ngv,gvk->ngk", weights, table).reshape(n_tok, self.d_model)
             if vq.diversity_from_gumbel:
                 assert soft is not None

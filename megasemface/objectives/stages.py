@@ -118,6 +118,25 @@ class SemFaceModel(nn.Module):
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.interface = interface
         self.decoder = TransformerDecoder(config) if interface.has_decoder_stage else None
+        self.stage: Literal["encoder", "decoder", "joint"] = "joint"
+        """Which loss ``forward`` computes (the trainer sets it)."""
+
+    def forward(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
+        """The loss of ``self.stage``; a module call, so ZeRO-3 gathers what it needs."""
+        if self.stage == "encoder":
+            return self.encoder_loss(batch, generator)
+        if self.stage == "decoder":
+            return self.decoder_loss(batch, generator)
+        return self.joint_loss(batch, generator)
+
+    def external_parameters(self) -> list[nn.Parameter]:
+        """Parameters read outside the forward of the module that owns them: the tied
+        output layers and the interface's weights (read by interface methods). ZeRO-3 must
+        gather them for the whole of ``forward``; the engine registers them."""
+        params = [self.encoder.embed.tokens.weight, *self.interface.parameters()]
+        if self.decoder is not None:
+            params += [self.decoder.embed.tokens.weight, self.decoder.output_bias]
+        return params
 
     # Encoder stage ------------------------------------------------------------------------
 
@@ -249,6 +268,13 @@ class DenoisingSeq2Seq(nn.Module):
         self.objective = objective or ObjectiveConfig()
         self.boundary_ids = boundary_ids
         self.model = Seq2SeqModel(config)
+
+    def forward(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
+        return self.loss(batch, generator)
+
+    def external_parameters(self) -> list[nn.Parameter]:
+        """The tied output layer, read outside the decoder's forward (see SemFaceModel)."""
+        return [self.model.decoder.embed.tokens.weight, self.model.decoder.output_bias]
 
     def loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
         sp, obj = self.special, self.objective

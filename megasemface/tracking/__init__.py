@@ -1,0 +1,1 @@
+"""Experiment tracking (MLflow) for the trainer; see :mod:`megasemface.tracking.mlflow_tracker`."""

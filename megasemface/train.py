@@ -1,0 +1,64 @@
+"""Pre-training entry point, run through DeepSpeed's launcher::
+
+    deepspeed megasemface/train.py --deepspeed_config ds_configs/zero2_bf16.json \\
+        --stage encoder --interface vq --data shards/demo --spm-model spm/joint.model \\
+        --output-dir runs/vq-encoder --steps 1000
+
+Started again with the same output directory, a run resumes from its newest complete
+checkpoint. SIGTERM or SIGINT on any rank: every rank saves after the current step and the
+run exits 0. ``python -m megasemface.train --help`` lists every option.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a script, this file's directory would come first on sys.path and the package's
+# sub-packages (data, models, ...) could shadow top-level modules of the same names.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import argparse
+import logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import deepspeed
+
+    from megasemface.training.options import add_train_arguments
+
+    parser = argparse.ArgumentParser(
+        description="megasemface pre-training (SemFace encoder/decoder stages and baselines)"
+    )
+    add_train_arguments(parser)
+    return deepspeed.add_config_arguments(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args, unknown = build_parser().parse_known_args(argv)
+    from megasemface.training.engine import init_distributed, load_ds_config
+    from megasemface.training.options import train_config_from_args
+    from megasemface.training.trainer import Trainer
+
+    try:
+        config = train_config_from_args(args)
+        if args.deepspeed_config is None:
+            raise ValueError("--deepspeed_config is required (see ds_configs/)")
+        ds_config = load_ds_config(args.deepspeed_config)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"train: error: {exc}", file=sys.stderr)
+        return 2
+    if unknown:
+        print(f"train: ignoring unknown arguments {unknown}", file=sys.stderr)
+    groups = init_distributed(config.mp_size)
+    try:
+        return Trainer(config, ds_config, groups).run()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"train: error (rank {os.environ.get('RANK', '0')}): {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Training: the DeepSpeed engine facade, checkpoints, signals and the training loop."""

@@ -1,0 +1,104 @@
+"""Checkpoint directories: atomic completion, discovery of the newest, pruning.
+
+Layout under ``<output>/checkpoints/``::
+
+    step-00000100/            DeepSpeed's files (model and ZeRO-sharded optimizer states,
+                              client_state with step counters, run ids and the configuration)
+    step-00000100/rank-00001.json   this rank's loader position and RNG states (JSON: no pickle)
+    step-00000100/COMPLETE    written by rank 0 after every rank has finished writing
+
+A checkpoint without ``COMPLETE`` (the run was killed while writing it) is never resumed from
+and is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CheckpointManager"]
+
+_TAG = re.compile(r"^step-(\d{8})$")
+MARKER = "COMPLETE"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class CheckpointManager:
+    def __init__(self, output_dir: Path, keep_last: int, rank: int) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.root = Path(output_dir) / "checkpoints"
+        self.keep_last = keep_last
+        self.rank = rank
+
+    @staticmethod
+    def tag(step: int) -> str:
+        return f"step-{step:08d}"
+
+    def _tags(self) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            match = _TAG.match(path.name)
+            if match and path.is_dir():
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def complete(self) -> list[tuple[int, Path]]:
+        return [(step, path) for step, path in self._tags() if (path / MARKER).is_file()]
+
+    def newest(self) -> tuple[int, str] | None:
+        """(step, tag) of the newest complete checkpoint, or None."""
+        done = self.complete()
+        return (done[-1][0], done[-1][1].name) if done else None
+
+    def save(
+        self,
+        step: int,
+        write_engine_state: Callable[[Path, str], None],
+        rank_state: dict[str, Any],
+        barrier: Callable[[], None],
+    ) -> Path:
+        """Writes checkpoint ``step`` on every rank, then marks it complete (rank 0)."""
+        tag = self.tag(step)
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_engine_state(self.root, tag)
+        _write_json(self.root / tag / f"rank-{self.rank:05d}.json", rank_state)
+        barrier()
+        if self.rank == 0:
+            _write_json(self.root / tag / MARKER, {"step": step})
+            self._prune()
+        barrier()
+        return self.root / tag
+
+    def rank_state(self, tag: str) -> dict[str, Any]:
+        path = self.root / tag / f"rank-{self.rank:05d}.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: checkpoint {tag} was written by fewer ranks than this run "
+                "has; resume with the same number of processes"
+            )
+        return json.loads(path.read_text(encoding="utf-8"))
+
+    def _prune(self) -> None:
+        done = self.complete()
+        keep = {path for _, path in done[-self.keep_last :]}
+        newest = done[-1][0] if done else -1
+        for step, path in self._tags():
+            # Older complete ones beyond keep_last, and incomplete ones a newer save replaced.
+            if path not in keep and (step < newest or (path / MARKER).is_file()):
+                shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,160 @@
+"""The one module that drives DeepSpeed: distributed start-up, the engine, checkpoints.
+
+Model code never imports DeepSpeed; the trainer talks to this facade.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups, build_parallel_groups
+
+__all__ = ["DeepSpeedEngine", "consolidated_state", "init_distributed", "load_ds_config"]
+
+
+def init_distributed(mp_size: int) -> ParallelGroups:
+    """Starts torch.distributed through DeepSpeed (gloo on CPU) and builds the groups."""
+    import deepspeed
+
+    backend = None if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:  # plain `python train.py`: a one-process world
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend=backend)
+    return build_parallel_groups(mp_size)
+
+
+def load_ds_config(path: str | Path, *, accumulation: int | None = None) -> dict[str, Any]:
+    """Reads a DeepSpeed config and fixes what megasemface owns.
+
+    Batches are token budgets from megasemface's loader, so one "micro batch" is one loader
+    batch; ``train_batch_size`` is derived by DeepSpeed from the micro batch, the
+    accumulation steps and the data-parallel size.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config not found: {path}")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if config.get("train_micro_batch_size_per_gpu", 1) != 1:
+        raise ValueError(
+            f"{path}: train_micro_batch_size_per_gpu must be 1 (one token-budget batch of the "
+            "loader); set the batch size with --max-tokens"
+        )
+    config["train_micro_batch_size_per_gpu"] = 1
+    config.pop("train_batch_size", None)
+    if accumulation is not None:
+        config["gradient_accumulation_steps"] = accumulation
+    if config.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
+        raise ValueError(f"{path} enables fp16, which DeepSpeed refuses on CPU; use bf16 or fp32")
+    if "gradient_clipping" not in config:
+        raise ValueError(
+            f"{path}: set gradient_clipping explicitly (defaults changed over releases)"
+        )
+    scheduler = config.get("scheduler", {}).get("params", {})
+    if scheduler and scheduler.get("warmup_type", "log") != "linear":
+        raise ValueError(f'{path}: set scheduler.params.warmup_type to "linear" (default: log)')
+    return config
+
+
+class DeepSpeedEngine:
+    """Wraps ``deepspeed.initialize`` and the calls the trainer needs."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: dict[str, Any],
+        groups: ParallelGroups,
+        parameters: list[nn.Parameter],
+    ) -> None:
+        import deepspeed
+
+        self.groups = groups
+        self.zero_stage = int(config.get("zero_optimization", {}).get("stage", 0))
+        if self.zero_stage == 3:
+            external = getattr(model, "external_parameters", lambda: [])()
+            for param in external:
+                deepspeed.zero.register_external_parameter(model, param)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in parameters if p.requires_grad],
+            config=config,
+            mpu=DeepSpeedMpu(groups),
+        )
+
+    def forward(self, *args: Any) -> Any:
+        return self.engine(*args)
+
+    @contextlib.contextmanager
+    def gathered(self, params: Iterable[nn.Parameter]) -> Iterator[None]:
+        """Full values of ZeRO-3 partitioned parameters inside the block (a collective)."""
+        if self.zero_stage != 3:
+            yield
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params), modifier_rank=None):
+            yield
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps DeepSpeed itself skipped (fp16/bf16 overflow), which it may not log."""
+        return int(self.engine.skipped_steps)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def is_boundary(self) -> bool:
+        return bool(self.engine.is_gradient_accumulation_boundary())
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def save(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+        """Every rank must call this (ZeRO state is sharded)."""
+        self.engine.save_checkpoint(
+            str(directory), tag=tag, client_state=client_state, save_latest=False
+        )
+
+    def load(self, directory: Path, tag: str) -> dict[str, Any]:
+        path, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag} under {directory}")
+        return client_state or {}
+
+
+def consolidated_state(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    """fp32 weights of a (ZeRO-sharded) checkpoint, through DeepSpeed's own consolidation."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)

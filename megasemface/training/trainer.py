@@ -1,0 +1,448 @@
+"""The training loop shared by every pre-training stage.
+
+Per step: one token-budget batch per rank (micro-batch), the stage's loss, a check that the
+loss is finite on every rank (if not, the step is skipped everywhere and nothing changes),
+backward and optimizer step through the DeepSpeed facade, metrics, a stop-signal check
+agreed by all ranks, and checkpoints every ``save_interval`` steps and at the end.
+
+Exact resume: every random draw of a step is seeded from (seed, step, rank) and the loader
+position is restored from the checkpoint, so a run resumed from checkpoint k repeats the
+uninterrupted run's steps k+1... exactly in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource, TokenBatch
+from megasemface.data.shard_format import Manifest
+from megasemface.data.tokenizer import Tokenizer
+from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces.factory import build_interface
+from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.objectives.noising import sentence_boundary_ids
+from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
+from megasemface.objectives.stages import DenoisingSeq2Seq, ObjectiveConfig, SemFaceModel
+from megasemface.tracking.mlflow_tracker import MLflowTracker, NullTracker, Tracker
+from megasemface.training.checkpoint import CheckpointManager
+from megasemface.training.engine import DeepSpeedEngine, consolidated_state
+from megasemface.training.options import TrainConfig
+from megasemface.training.signals import StopRequest
+
+__all__ = ["NonFiniteError", "Trainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss."""
+
+
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**63 - 1)
+
+
+def _seed_everything(seed: int) -> torch.Generator:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # dropout
+    return torch.Generator().manual_seed(seed)  # masking and noising
+
+
+def _all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, ds_config: dict[str, Any], groups: ParallelGroups):
+        self.config = config
+        self.groups = groups
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.is_main = self.rank == 0
+        config.output_dir.mkdir(parents=True, exist_ok=True)
+
+        self.manifest = Manifest.load(config.data)
+        self.tokenizer = Tokenizer.load(config.spm_model)
+        if self.tokenizer.sha256 != self.manifest.spm_sha256:
+            raise ValueError(
+                f"{config.spm_model} is not the SentencePiece model the shards in {config.data} "
+                "were built with (sha256 differs); pass the model given to build_shards"
+            )
+        self.languages = self.tokenizer.languages
+        missing = sorted(set(self.manifest.languages) - set(self.languages))
+        if missing:
+            raise ValueError(f"the tokenizer has no language tag for {missing}")
+        self.special = SpecialTokens.from_tokenizer(self.tokenizer)
+        self.model_config = build_model_config(
+            config.preset,
+            [
+                f"vocab_size={self.tokenizer.vocab_size}",
+                f"num_langs={len(self.languages)}",
+                f"pad_id={self.tokenizer.pad_id}",
+                f"mask_id={self.tokenizer.mask_id}",
+                *config.model_options,
+            ],
+            config_file=config.model_config_file,
+        )
+        self.parent_runs: dict[str, str] = {}
+        torch.manual_seed(config.seed)
+        self.model, trainable = self._build_model(self.model_config)
+        self.engine = DeepSpeedEngine(self.model, ds_config, groups, trainable)
+        self.ds_config = ds_config
+        self.checkpoints = CheckpointManager(config.output_dir, config.keep_last, self.rank)
+        self.loader = ShardLoader(
+            ShardSource.from_manifest(self.manifest),
+            LoaderConfig(
+                max_tokens=config.max_tokens,
+                max_len=self.model_config.max_len - 2,  # room for </s> and the language tag
+                seed=config.seed,
+                num_workers=config.num_workers,
+            ),
+            pad_id=self.tokenizer.pad_id,
+            rank=groups.dp_rank,
+            world_size=groups.dp_size,
+        )
+        self.step = 0
+        self.skips_in_row = 0
+        self.skipped = 0
+        self.samples_seen = 0
+        self.run_id: str | None = None
+
+    # Model --------------------------------------------------------------------------------
+
+    def _build_model(
+        self, model_config: ModelConfig
+    ) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+        cfg = self.config
+        objective = ObjectiveConfig(
+            decoder_objective=cfg.decoder_objective,
+            mse_weight=cfg.mse_weight,
+            diversity_weight=cfg.diversity_weight,
+            l2_weight=cfg.l2_weight,
+        )
+        if cfg.stage == "mbart":
+            pieces = [self.tokenizer.processor.id_to_piece(i) for i in range(len(self.tokenizer))]
+            model = DenoisingSeq2Seq(
+                model_config, self.special, objective, tuple(sentence_boundary_ids(pieces))
+            )
+            return model, list(model.parameters())
+        interface = build_interface(
+            cfg.interface,
+            model_config,
+            groups=self.groups,
+            seed=cfg.seed,
+            cl_table=cfg.cl_table,
+        )
+        semface = SemFaceModel(model_config, interface, self.special, objective)
+        if cfg.stage == "decoder" and cfg.interface == "vq":
+            self._load_codebook(semface, cfg.init_from)
+        semface.stage = cfg.stage  # type: ignore[assignment]
+        if cfg.stage == "encoder":
+            keep = semface.encoder_stage_parameters()
+        elif cfg.stage == "decoder":
+            keep = semface.decoder_stage_parameters()
+        else:
+            keep = semface.encoder_stage_parameters() + semface.decoder_stage_parameters()
+        # Everything a stage does not train is frozen and kept out of the optimizer.
+        kept = {id(p) for p in keep}
+        for param in semface.parameters():
+            if id(param) not in kept:
+                param.requires_grad_(False)
+        return semface, [p for p in keep if p.requires_grad]
+
+    def _load_codebook(self, model: SemFaceModel, source: Path | None) -> None:
+        assert source is not None
+        if self.groups.mp_size > 1:
+            raise ValueError(
+                "--init-from with --mp-size > 1 needs a gathered codebook; run the decoder "
+                "stage with --mp-size 1 or split the codebook with tools/merge_checkpoints.py"
+            )
+        root = source / "checkpoints" if (source / "checkpoints").is_dir() else source.parent
+        manager = CheckpointManager(root.parent, 1, 0)
+        newest = manager.newest()
+        if newest is None:
+            raise FileNotFoundError(f"no complete encoder-stage checkpoint under {source}")
+        meta = json.loads((manager.root / newest[1] / "meta.json").read_text())
+        if meta.get("interface", {}).get("kind") != "vq" or meta.get("stage") not in (
+            "encoder",
+            "joint",
+        ):
+            raise ValueError(
+                f"{source} is not a VQ encoder-stage run (found {meta.get('stage')}, "
+                f"{meta.get('interface', {}).get('kind')})"
+            )
+        if meta.get("vocab_sha256") != self.tokenizer.sha256:
+            raise ValueError(f"{source} was trained with another SentencePiece model")
+        state = consolidated_state(manager.root, newest[1])
+        prefix = "interface.quantizer."
+        quantizer = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        model.interface.quantizer.load_state_dict(quantizer)  # type: ignore[union-attr]
+        model.interface.quantizer.freeze()  # type: ignore[union-attr]
+        self.parent_runs["encoder"] = meta.get("mlflow_run_id") or ""
+
+    # Checkpoints --------------------------------------------------------------------------
+
+    def _meta(self) -> dict[str, Any]:
+        """Run metadata; a collective under ZeRO-3 (the fingerprint gathers weights)."""
+        interface = getattr(self.engine.module, "interface", None)
+        fingerprint = {"kind": "mbart"}
+        if interface is not None:
+            with self.engine.gathered(interface.parameters()):
+                fingerprint = interface.fingerprint()
+        return {
+            "stage": self.config.stage,
+            "interface": fingerprint,
+            "model": self.model_config.to_dict(),
+            "languages": self.languages,
+            "vocab_sha256": self.tokenizer.sha256,
+            "mlflow_run_id": self.run_id,
+            "parent_runs": self.parent_runs,
+            "train_config": self.config.to_dict(),
+        }
+
+    def save(self) -> float:
+        """Writes a checkpoint on all ranks; returns the seconds training was blocked."""
+        started = time.perf_counter()
+        meta = self._meta()
+        client_state = {
+            "step": self.step,
+            "skipped": self.skipped,
+            "samples_seen": self.samples_seen,
+            "mlflow_run_id": self.run_id,
+            "meta": meta,
+        }
+        rank_state = {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "rng": {"python": random.getstate()[1][:1], "seed": self.config.seed},
+        }
+
+        def write_engine(root: Path, tag: str) -> None:
+            self.engine.save(root, tag, client_state)
+            if self.is_main:
+                (root / tag / "meta.json").write_text(json.dumps(meta, indent=1))
+
+        self.checkpoints.save(self.step, write_engine, rank_state, dist.barrier)
+        return time.perf_counter() - started
+
+    def resume(self) -> bool:
+        newest = self.checkpoints.newest()
+        if newest is None:
+            return False
+        step, tag = newest
+        client_state = self.engine.load(self.checkpoints.root, tag)
+        rank_state = self.checkpoints.rank_state(tag)
+        self.loader.load_state_dict(rank_state["loader"])
+        self.step = int(client_state.get("step", step))
+        self.skipped = int(client_state.get("skipped", 0))
+        self.samples_seen = int(client_state.get("samples_seen", 0))
+        self.run_id = client_state.get("mlflow_run_id")
+        if self.is_main:
+            print(f"resuming from {self.checkpoints.root / tag} (step {self.step})", flush=True)
+        return True
+
+    # Loop ---------------------------------------------------------------------------------
+
+    def _sequence_batch(self, batch: TokenBatch) -> SequenceBatch:
+        lang = self.languages.index(batch.lang)
+        return SequenceBatch(batch.tokens, batch.lengths, torch.full_like(batch.lengths, lang))
+
+    def _tracker(self) -> Tracker:
+        cfg = self.config
+        if not self.is_main or cfg.no_tracking:
+            return NullTracker()
+        tags = {"stage": cfg.stage, "interface": cfg.interface, "git_commit": _git_commit()}
+        tags.update({f"parent_{k}_run": v for k, v in self.parent_runs.items() if v})
+        return MLflowTracker(
+            cfg.tracking_uri,
+            cfg.output_dir,
+            cfg.experiment,
+            cfg.run_name,
+            run_id=self.run_id,
+            tags=tags,
+        )
+
+    def run(self) -> int:
+        cfg = self.config
+        resumed = self.resume()
+        tracker = self._tracker()
+        self.run_id = tracker.run_id
+        if self.is_main:
+            resolved = {
+                "train": cfg.to_dict(),
+                "model": self.model_config.to_dict(),
+                "deepspeed": self.ds_config,
+            }
+            (cfg.output_dir / "config.json").write_text(json.dumps(resolved, indent=1))
+            if not resumed:
+                print(json.dumps(resolved, indent=1), flush=True)
+                tracker.log_params(resolved)
+                tracker.log_artifact(cfg.output_dir / "config.json")
+                tracker.log_artifact(cfg.spm_model)
+                tracker.log_dict(
+                    {"manifest_fingerprint": self.manifest.raw["build_fingerprint"]}, "data.json"
+                )
+        stop = StopRequest()
+        status = "FAILED"
+        try:
+            status = self._loop(tracker, stop)
+        finally:
+            tracker.end(status)
+        return 0
+
+    def _loop(self, tracker: Tracker, stop: StopRequest) -> str:
+        cfg = self.config
+        self.engine.train()
+        stream = iter(self.loader)
+        samples_log = metrics_log = None
+        if cfg.log_sample_ids:
+            samples_log = _JsonLines(cfg.output_dir / f"samples-rank{self.rank:03d}.jsonl")
+        if self.is_main:
+            metrics_log = _JsonLines(cfg.output_dir / "metrics.jsonl")
+        progress = _Progress(self.is_main, cfg.steps, self.step)
+        window_tokens, window_started = 0, time.perf_counter()
+        status = "FINISHED"
+        while self.step < cfg.steps:
+            step = self.step + 1
+            batch = next(stream)
+            generator = _seed_everything(_step_seed(cfg.seed, step, self.groups.dp_rank))
+            interface = getattr(self.engine.module, "interface", None)
+            if hasattr(interface, "set_step"):
+                interface.set_step(step)
+            out = self.engine.forward(self._sequence_batch(batch), generator)
+            loss = out.loss * float("nan") if step in cfg.inject_nan_at else out.loss
+            bad, loss_sum, tokens, sentences = _all_reduce(
+                [
+                    0.0 if math.isfinite(loss.item()) else 1.0,
+                    loss.item(),
+                    batch.num_tokens,
+                    len(batch.lengths),
+                ]
+            )
+            if bad:
+                # Skipped on every rank: no backward, no optimizer step, nothing changes.
+                self.skipped += 1
+                self.skips_in_row += 1
+                logger.warning(
+                    "step %d: non-finite loss, step skipped (%d in a row)", step, self.skips_in_row
+                )
+                if self.skips_in_row >= cfg.max_consecutive_skips:
+                    if metrics_log is not None:
+                        metrics_log.write({"step": step, "loss": loss_sum, "skipped": True})
+                    raise NonFiniteError(
+                        f"step {step}: the loss was non-finite {self.skips_in_row} steps in a "
+                        "row; lower the learning rate, check the data, or resume from an "
+                        "earlier checkpoint"
+                    )
+            else:
+                self.skips_in_row = 0
+                self.engine.backward(loss)
+                self.engine.step()
+            self.step = step
+            # Model-parallel peers read the same batch: count it once.
+            sentences, tokens = sentences / self.groups.mp_size, tokens / self.groups.mp_size
+            self.samples_seen += int(sentences)
+            window_tokens += int(tokens)
+            if samples_log is not None:
+                samples_log.write({"step": step, "ids": batch.sentence_ids.tolist()})
+            mean_loss = loss_sum / self.world
+            if metrics_log is not None:
+                metrics_log.write({"step": step, "loss": mean_loss, "skipped": bool(bad)})
+            if step % cfg.log_interval == 0 or step == cfg.steps:
+                elapsed = time.perf_counter() - window_started
+                metrics = {name: float(v) for name, v in out.components.items()}
+                metrics.update(out.metrics)
+                metrics.update(
+                    loss=mean_loss,
+                    lr=self.engine.lr,
+                    grad_norm=self.engine.grad_norm() or 0.0,
+                    skipped_steps=self.skipped + self.engine.skipped_steps,
+                    tokens_per_s=window_tokens / max(elapsed, 1e-9),
+                    samples_seen=self.samples_seen,
+                )
+                tracker.log_metrics(metrics, step)
+                progress.update(step, metrics)
+                window_tokens, window_started = 0, time.perf_counter()
+            stopping = stop.agreed()
+            if stopping or step % cfg.save_interval == 0 or step == cfg.steps:
+                self.save()
+            if stopping:
+                if self.is_main:
+                    print(
+                        f"\n{stop.signal_name or 'a signal on another rank'}: saved step "
+                        f"{step} and stopping",
+                        flush=True,
+                    )
+                status = "KILLED"
+                break
+        return status
+
+
+class _JsonLines:
+    """Appends one JSON object per line; opened per write so a kill loses at most one line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, obj: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(obj) + "\n")
+
+
+class _Progress:
+    """One line on rank 0: step, tokens/s, losses, learning rate, ETA."""
+
+    def __init__(self, enabled: bool, total: int, start: int) -> None:
+        self.enabled = enabled
+        self.total = total
+        self.start = start
+        self.started = time.perf_counter()
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        done = step - self.start
+        rate = done / max(time.perf_counter() - self.started, 1e-9)
+        eta = (self.total - step) / max(rate, 1e-9)
+        losses = " ".join(
+            f"{k}={v:.3f}"
+            for k, v in metrics.items()
+            if k.startswith(("enc_", "dec_", "denoise")) and "accuracy" not in k
+        )
+        print(
+            f"step {step}/{self.total} | {metrics['tokens_per_s']:,.0f} tok/s | "
+            f"loss {metrics['loss']:.3f} {losses} | lr {metrics['lr']:.2e} | "
+            f"ETA {eta:,.0f}s",
+            file=sys.stdout,
+            flush=True,
+        )
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""

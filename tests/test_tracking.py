@@ -1,0 +1,349 @@
+"""MLflow tracking against real MLflow stores: delivery, run status, reattach and outages."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlflow")
+
+from mlflow import MlflowClient
+
+from megasemface.tracking.mlflow_tracker import (
+    MLflowTracker,
+    NullTracker,
+    RunKilled,
+    flatten_params,
+    tracked_run,
+)
+
+LOGGER = "megasemface.tracking.mlflow_tracker"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty, fully migrated MLflow SQLite database, made once: creating the schema takes
+    seconds, copying the file takes milliseconds."""
+    db = tmp_path_factory.mktemp("template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No user MLflow settings leak in; the tracker's HTTP defaults do not leak out."""
+    for name in (
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT",
+        "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL",
+        "MLFLOW_SYSTEM_METRICS_NODE_ID",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    yield
+
+
+def _output_dir(tmp_path: Path, template_db: Path) -> Path:
+    """A training output directory whose default store (mlflow.db) already has the schema."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(template_db, out / "mlflow.db")
+    return out
+
+
+def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def _free_port() -> int:
+    """A 127.0.0.1 port nobody listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for(predicate: Callable[[], object], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return bool(predicate())
+
+
+def test_run_receives_params_metrics_tags_and_artifacts(tmp_path: Path, template_db: Path) -> None:
+    out = _output_dir(tmp_path, template_db)
+    tracker = MLflowTracker(None, out, "nmt", "base-run", tags={"team": "mt"}, system_metrics=False)
+    assert tracker.tracking_uri == f"sqlite:///{out}/mlflow.db"
+    run_id = tracker.run_id
+    assert run_id is not None  # created synchronously by the constructor
+
+    many = {f"p{i:03d}": i for i in range(250)}  # more than one 100-param batch
+    tracker.log_params(
+        {"model": {"d_model": 512, "enc": {"layers": 6}}, "lr": 3e-4, "many": many, "x": "v" * 7000}
+    )
+    for step in range(5):
+        tracker.log_metrics({"train/loss": 10.0 - step, "train/lr": step * 1e-4}, step=step)
+    tracker.write_events([("Train/Samples/train_loss", 1.5, 320), ("bad:name", 2.0, 320)])
+    tracker.set_tags({"stage": "pretrain", "long": "t" * 9000})
+    (out / "notes.txt").write_text("hello")
+    tracker.log_artifact(out / "notes.txt", artifact_path="extra")
+    tracker.log_dict({"model": {"d_model": 512}, "path": out}, "config.json")
+    tracker.end("FINISHED")
+
+    client = MlflowClient(tracker.tracking_uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.info.artifact_uri.startswith((out / "mlartifacts").as_uri())
+    params = run.data.params
+    assert params["model.d_model"] == "512"
+    assert params["model.enc.layers"] == "6"
+    assert params["lr"] == "0.0003"
+    assert sum(key.startswith("many.") for key in params) == 250
+    assert len(params["x"]) == 6000 and params["x"].endswith("...")
+    assert _history(client, run_id, "train/loss") == [(s, 10.0 - s) for s in range(5)]
+    assert [s for s, _ in _history(client, run_id, "train/lr")] == list(range(5))
+    assert _history(client, run_id, "Train/Samples/train_loss") == [(320, 1.5)]
+    assert _history(client, run_id, "bad_name") == [(320, 2.0)]  # ':' is not portable
+    tags = run.data.tags
+    assert tags["team"] == "mt" and tags["stage"] == "pretrain"
+    assert tags["mlflow.runName"] == "base-run"
+    assert len(tags["long"]) == 8000
+    assert {a.path for a in client.list_artifacts(run_id)} == {"extra", "config.json"}
+    assert [a.path for a in client.list_artifacts(run_id, "extra")] == ["extra/notes.txt"]
+    # Artifacts land in the output directory, not in the current working directory.
+    assert list((out / "mlartifacts").rglob("notes.txt"))
+    config = client.download_artifacts(run_id, "config.json", str(tmp_path))
+    assert '"d_model": 512' in Path(config).read_text()
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        (None, "FINISHED"),
+        (ValueError, "FAILED"),
+        (RunKilled, "KILLED"),
+        (KeyboardInterrupt, "KILLED"),
+    ],
+)
+def test_tracked_run_sets_final_status(
+    tmp_path: Path, template_db: Path, exc: type[BaseException] | None, status: str
+) -> None:
+    out = _output_dir(tmp_path, template_db)
+    tracker = MLflowTracker(None, out, "nmt", None, system_metrics=False)
+    raised = pytest.raises(exc) if exc is not None else contextlib.nullcontext()
+    with raised, tracked_run(tracker):
+        tracker.log_metrics({"loss": 1.0}, step=1)
+        if exc is not None:
+            raise exc("stop")
+    run_id = tracker.run_id
+    assert run_id is not None
+    client = MlflowClient(tracker.tracking_uri)
+    assert client.get_run(run_id).info.status == status
+    assert _history(client, run_id, "loss") == [(1, 1.0)]
+
+
+def test_reattach_by_run_id_continues_the_same_run(
+    tmp_path: Path, template_db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = _output_dir(tmp_path, template_db)
+    first = MLflowTracker(None, out, "nmt", "resumable", system_metrics=False)
+    run_id = first.run_id
+    assert run_id is not None
+    first.log_params({"lr": 1e-3, "seed": 1})
+    for step in range(3):
+        first.log_metrics({"loss": float(step)}, step=step)
+    first.end("KILLED")
+    client = MlflowClient(first.tracking_uri)
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    second = MLflowTracker(None, out, "nmt", None, run_id=run_id, system_metrics=False)
+    assert second.run_id == run_id
+    assert client.get_run(run_id).info.status == "RUNNING"
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        # A changed param cannot be changed in MLflow: it keeps its value, the rest is logged.
+        second.log_params({"lr": 5e-4, "seed": 1, "resumed_at": 3})
+        for step in range(3, 6):
+            second.log_metrics({"loss": float(step)}, step=step)
+        second.end("FINISHED")
+
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert _history(client, run_id, "loss") == [(s, float(s)) for s in range(6)]
+    assert run.data.params == {"lr": "0.001", "seed": "1", "resumed_at": "3"}
+    assert any("lr" in r.getMessage() and "0.0005" in r.getMessage() for r in caplog.records)
+    experiment = client.get_experiment_by_name("nmt")
+    assert experiment is not None
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+
+
+def test_unknown_run_id_starts_a_new_run(tmp_path: Path, template_db: Path) -> None:
+    out = _output_dir(tmp_path, template_db)
+    tracker = MLflowTracker(None, out, "nmt", None, run_id="0" * 32, system_metrics=False)
+    assert tracker.run_id is not None and tracker.run_id != "0" * 32
+    tracker.end()
+    assert MlflowClient(tracker.tracking_uri).get_run(tracker.run_id).info.status == "FINISHED"
+
+
+def test_system_metrics_follow_the_training_step(tmp_path: Path, template_db: Path) -> None:
+    pytest.importorskip("psutil")
+    out = _output_dir(tmp_path, template_db)
+    tracker = MLflowTracker(None, out, "nmt", None, system_metrics_interval=0.1)
+    run_id = tracker.run_id
+    assert run_id is not None
+    tracker.log_metrics({"loss": 1.0}, step=7)
+    client = MlflowClient(tracker.tracking_uri)
+    key = "system/cpu_utilization_percentage"
+    assert _wait_for(lambda: tracker.flush(5) and client.get_metric_history(run_id, key), 5)
+    tracker.end()
+    assert {m.step for m in client.get_metric_history(run_id, key)} == {7}
+
+
+def test_unreachable_server_never_blocks_and_warns_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri = f"http://127.0.0.1:{_free_port()}"
+    caplog.set_level(logging.INFO, logger=LOGGER)
+
+    start = time.perf_counter()
+    tracker = MLflowTracker(uri, tmp_path, "nmt", "offline", max_spooled_metrics=500)
+    assert time.perf_counter() - start < 1.0
+    assert tracker.run_id is None  # the run could not be created; it would be, later
+
+    slowest = 0.0
+    start = time.perf_counter()
+    for step in range(1000):
+        t0 = time.perf_counter()
+        tracker.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+        slowest = max(slowest, time.perf_counter() - t0)
+    calls: list[Callable[[], None]] = [
+        lambda: tracker.log_params({"model": {"layers": 6}}),
+        lambda: tracker.set_tags({"k": "v"}),
+        lambda: tracker.log_dict({"a": 1}, "config.json"),
+        lambda: tracker.log_artifact(tmp_path),
+    ]
+    for call in calls:
+        t0 = time.perf_counter()
+        call()
+        slowest = max(slowest, time.perf_counter() - t0)
+    total = time.perf_counter() - start
+    assert slowest < 0.05, f"slowest log call took {slowest * 1000:.1f} ms"
+    assert total < 0.5, f"1000 log calls took {total:.2f} s"
+
+    def warnings() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+
+    assert _wait_for(lambda: warnings(), 5)
+    time.sleep(1.5)  # at least one backoff retry has failed again by now: still one warning
+    outage = warnings()
+    assert len(outage) == 1
+    assert uri in outage[0].getMessage() and "500 metric points" in outage[0].getMessage()
+
+    start = time.perf_counter()
+    tracker.end("FINISHED", timeout=1.0)
+    assert time.perf_counter() - start < 1.5
+    summary = warnings()[1:]
+    assert len(summary) == 1  # what was lost, reported once more at the end
+    assert "about 1000 metric points" in summary[0].getMessage()
+    tracker.end()  # idempotent
+    tracker.log_metrics({"late": 1.0}, step=1)  # ignored after end, never raises
+
+
+def test_spool_is_replayed_in_order_when_the_store_comes_back(
+    tmp_path: Path, template_db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A store that is really unavailable: its directory is a symlink to nothing (a missing
+    # mount). It "comes back" when the target directory appears (atomically, by rename).
+    target, link = tmp_path / "mount", tmp_path / "store"
+    link.symlink_to(target, target_is_directory=True)
+    uri = f"sqlite:///{link}/mlflow.db"
+    caplog.set_level(logging.INFO, logger=LOGGER)
+
+    tracker = MLflowTracker(uri, tmp_path / "out", "nmt", "flaky", max_spooled_metrics=50)
+    assert tracker.run_id is None
+    tracker.log_params({"lr": 1e-3})
+    for step in range(100):
+        tracker.log_metrics({"loss": float(step)}, step=step)
+    tracker.set_tags({"phase": "offline"})
+    assert _wait_for(
+        lambda: any(r.name == LOGGER and r.levelno == logging.WARNING for r in caplog.records), 5
+    )
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    shutil.copy(template_db, staging / "mlflow.db")
+    staging.rename(target)
+    tracker.end("FINISHED", timeout=15.0)
+
+    run_id = tracker.run_id
+    assert run_id is not None  # created once the store came back
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"lr": "0.001"} and run.data.tags["phase"] == "offline"
+    history = _history(client, run_id, "loss")
+    kept = len(history)
+    assert 0 < kept <= 50  # the oldest points were dropped to respect the bound
+    assert history == [(s, float(s)) for s in range(100 - kept, 100)]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("available again" in m for m in messages)
+    assert any(f"{100 - kept} metric points were dropped" in m for m in messages)
+    assert run.info.artifact_uri.startswith((link / "mlartifacts").as_uri())
+
+
+def test_crash_without_end_leaves_the_run_failed_not_running(
+    tmp_path: Path, template_db: Path
+) -> None:
+    out = _output_dir(tmp_path, template_db)
+    script = textwrap.dedent(
+        f"""
+        from megasemface.tracking.mlflow_tracker import MLflowTracker
+        tracker = MLflowTracker(None, {str(out)!r}, "nmt", None, system_metrics=False)
+        print(tracker.run_id, flush=True)
+        tracker.log_metrics({{"loss": 2.0}}, step=3)
+        raise RuntimeError("training crashed")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 1 and "training crashed" in proc.stderr
+    run_id = proc.stdout.strip().splitlines()[-1]
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert _history(client, run_id, "loss") == [(3, 2.0)]
+
+
+def test_null_tracker_does_nothing(tmp_path: Path) -> None:
+    tracker = NullTracker()
+    with tracked_run(tracker):
+        tracker.log_params({"a": {"b": 1}})
+        tracker.log_metrics({"loss": 1.0}, step=0)
+        tracker.write_events([("x", 1.0, 0)])
+        tracker.set_tags({"t": 1})
+        tracker.log_artifact(tmp_path)
+        tracker.log_dict({}, "c.json")
+        assert tracker.flush()
+    assert tracker.run_id is None
+
+
+def test_flatten_params() -> None:
+    assert flatten_params({"a": {"b": {"c": 1}, "d": None}, "e": [1, 2], "f": {}}) == {
+        "a.b.c": "1",
+        "a.d": "None",
+        "e": "[1, 2]",
+        "f": "{}",
+    }

@@ -1,0 +1,311 @@
+"""train.py through the real ``deepspeed`` launcher with 2 CPU processes over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.textio import parse_lang_path
+from megasemface.data.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEEPSPEED = Path(sys.executable).with_name("deepspeed")
+CONFIGS = {
+    2: ROOT / "ds_configs" / "cpu_fp32_zero2.json",
+    3: ROOT / "ds_configs" / "cpu_fp32_zero3.json",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path) -> dict:
+    root = tmp_path_factory.mktemp("train-data")
+    inputs = [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
+    config = ShardBuildConfig(tokens_per_sample=4096, samples_per_shard=4)
+    build_shards(parse_lang_path(inputs), spm_model, root / "shards", config)
+    tokenizer = Tokenizer.load(spm_model)
+    table = torch.randn(tokenizer.vocab_size, 64, generator=torch.Generator().manual_seed(0))
+    save_file({"embeddings": table * 0.3}, str(root / "cl.safetensors"))
+    return {"shards": root / "shards", "spm": spm_model, "cl": root / "cl.safetensors"}
+
+
+def command(data: dict, out: Path, *args: str, zero: int = 2, procs: int = 2) -> list[str]:
+    return [
+        str(DEEPSPEED),
+        "--num_accelerators",
+        str(procs),
+        "--master_port",
+        str(_free_port()),
+        str(ROOT / "megasemface" / "train.py"),
+        "--deepspeed_config",
+        str(CONFIGS[zero]),
+        "--data",
+        str(data["shards"]),
+        "--spm-model",
+        str(data["spm"]),
+        "--output-dir",
+        str(out),
+        "--preset",
+        "tiny",
+        "--max-tokens",
+        "512",
+        "--log-interval",
+        "1",
+        "--cl-table",
+        str(data["cl"]),
+        *args,
+    ]
+
+
+def environment() -> dict[str, str]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def launch(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, env=environment(), cwd=ROOT, timeout=timeout
+    )
+    return result
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Per-step losses (a resumed run re-logs steps after its checkpoint: keep the last)."""
+    found = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        found[record["step"]] = record["loss"]
+    return found
+
+
+def run_status(out: Path) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    runs = client.search_runs(client.search_experiments()[0].experiment_id)
+    assert len(runs) == 1
+    return runs[0].info.status
+
+
+def check_finished(result: subprocess.CompletedProcess[str], out: Path, steps: int) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = losses(out)
+    assert sorted(found) == list(range(1, steps + 1))
+    assert all(v == v and abs(v) < 1e4 for v in found.values())
+    assert (out / "checkpoints" / f"step-{steps:08d}" / "COMPLETE").is_file()
+    assert run_status(out) == "FINISHED"
+
+
+@pytest.fixture(scope="module")
+def vq_encoder_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("vq-encoder")
+    result = launch(command(data, out, "--stage", "encoder", "--interface", "vq", "--steps", "4"))
+    check_finished(result, out, 4)
+    return out
+
+
+def test_vq_encoder_stage_zero2(vq_encoder_run: Path) -> None:
+    meta = json.loads((vq_encoder_run / "checkpoints" / "step-00000004" / "meta.json").read_text())
+    assert meta["stage"] == "encoder" and meta["interface"]["kind"] == "vq"
+    config = json.loads((vq_encoder_run / "config.json").read_text())
+    assert config["deepspeed"]["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.parametrize(
+    ("zero", "stage", "interface"),
+    [
+        (3, "encoder", "cl"),
+        (2, "decoder", "cl"),
+        (2, "joint", "vq"),
+        (3, "joint", "cl"),
+        (2, "mbart", "none"),
+        (3, "mbart", "none"),
+        (3, "encoder", "none"),
+    ],
+)
+def test_stages_under_zero2_and_zero3(
+    data: dict, tmp_path: Path, zero: int, stage: str, interface: str
+) -> None:
+    out = tmp_path / "run"
+    args = ["--stage", stage, "--interface", interface, "--steps", "3"]
+    check_finished(launch(command(data, out, *args, zero=zero)), out, 3)
+
+
+def test_vq_decoder_stage_uses_the_encoder_codebook_zero3(
+    data: dict, vq_encoder_run: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "decoder"
+    args = [
+        "--stage",
+        "decoder",
+        "--interface",
+        "vq",
+        "--steps",
+        "3",
+        "--init-from",
+        str(vq_encoder_run),
+    ]
+    check_finished(launch(command(data, out, *args, zero=3)), out, 3)
+    encoder = json.loads((vq_encoder_run / "checkpoints/step-00000004/meta.json").read_text())
+    decoder = json.loads((out / "checkpoints/step-00000003/meta.json").read_text())
+    assert decoder["interface"] == encoder["interface"]  # the same frozen codebook
+
+
+def test_killed_run_resumes_exactly(data: dict, tmp_path: Path) -> None:
+    args = [
+        "--stage",
+        "joint",
+        "--interface",
+        "vq",
+        "--steps",
+        "7",
+        "--save-interval",
+        "3",
+        "--log-sample-ids",
+    ]
+    reference = tmp_path / "reference"
+    check_finished(launch(command(data, reference, *args)), reference, 7)
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        command(data, out, *args),
+        env=environment(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    marker = out / "checkpoints" / "step-00000003" / "COMPLETE"
+    deadline = time.monotonic() + 240
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, no goodbye
+    proc.wait()
+    assert marker.exists() and not (out / "checkpoints" / "step-00000007").exists()
+
+    result = launch(command(data, out, *args))
+    assert "resuming from" in result.stdout
+    check_finished(result, out, 7)
+    assert losses(out) == losses(reference)  # identical, not just close
+    for rank in (0, 1):
+        name = f"samples-rank{rank:03d}.jsonl"
+
+        def consumed(path: Path) -> dict[int, list[int]]:
+            return {r["step"]: r["ids"] for r in map(json.loads, path.read_text().splitlines())}
+
+        assert consumed(out / name) == consumed(reference / name)
+
+
+def test_sigterm_on_one_rank_saves_and_exits_cleanly(data: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cmd = command(
+        data,
+        out,
+        "--stage",
+        "encoder",
+        "--interface",
+        "cl",
+        "--steps",
+        "100000",
+        "--save-interval",
+        "100000",
+    )
+    proc = subprocess.Popen(
+        cmd,
+        env=environment(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    ranks = [p for p in children if any(a.startswith("--local_rank") for a in p.cmdline())]
+    assert len(ranks) == 2
+    ranks[-1].send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    steps = sorted(losses(out))
+    assert (out / "checkpoints" / f"step-{steps[-1]:08d}" / "COMPLETE").is_file()
+    assert steps[-1] < 100000
+    assert run_status(out) == "KILLED"
+
+
+def test_unreachable_tracking_server_does_not_stop_training(data: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    uri = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    started = time.monotonic()
+    result = launch(
+        command(
+            data,
+            out,
+            "--stage",
+            "encoder",
+            "--interface",
+            "cl",
+            "--steps",
+            "3",
+            "--tracking-uri",
+            uri,
+        )
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(losses(out)) == [1, 2, 3]
+    assert time.monotonic() - started < 120
+
+
+def test_flat_codebook_split_over_two_model_parallel_ranks(data: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["--stage", "joint", "--interface", "vq", "--mp-size", "2", "--steps", "3"]
+    check_finished(launch(command(data, out, *args)), out, 3)
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_run(data: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = [
+        "--stage",
+        "encoder",
+        "--interface",
+        "cl",
+        "--steps",
+        "8",
+        "--inject-nan-at",
+        "2",
+        "--inject-nan-at",
+        "4",
+        "--inject-nan-at",
+        "5",
+        "--inject-nan-at",
+        "6",
+        "--max-consecutive-skips",
+        "3",
+    ]
+    result = launch(command(data, out, *args))
+    assert result.returncode != 0
+    assert "step 6: the loss was non-finite 3 steps in a row" in result.stdout + result.stderr
+    skipped = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in skipped if r["skipped"]] == [2, 4, 5, 6]
+    assert run_status(out) == "FAILED"
