@@ -316,6 +316,7 @@ class Trainer:
             metrics_log = _JsonLines(cfg.output_dir / "metrics.jsonl")
         progress = _Progress(self.is_main, cfg.steps, self.step)
         window_tokens, window_started = 0, time.perf_counter()
+        loop_started = window_started
         status = "FINISHED"
         while self.step < cfg.steps:
             step = self.step + 1
@@ -362,7 +363,15 @@ class Trainer:
                 samples_log.write({"step": step, "ids": batch.sentence_ids.tolist()})
             mean_loss = loss_sum / self.world
             if metrics_log is not None:
-                metrics_log.write({"step": step, "loss": mean_loss, "skipped": bool(bad)})
+                metrics_log.write(
+                    {
+                        "step": step,
+                        "loss": mean_loss,
+                        "skipped": bool(bad),
+                        "tokens": int(tokens),
+                        "time": time.perf_counter() - loop_started,
+                    }
+                )
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 elapsed = time.perf_counter() - window_started
                 metrics = {name: float(v) for name, v in out.components.items()}
@@ -380,7 +389,9 @@ class Trainer:
                 window_tokens, window_started = 0, time.perf_counter()
             stopping = stop.agreed()
             if stopping or step % cfg.save_interval == 0 or step == cfg.steps:
-                self.save()
+                blocked = self.save()
+                if metrics_log is not None:
+                    metrics_log.write({"step": step, "checkpoint_seconds": blocked})
             if stopping:
                 if self.is_main:
                     print(

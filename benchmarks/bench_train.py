@@ -1,0 +1,159 @@
+"""Training-path benchmark: train.py through the launcher beside the bare model step.
+
+Runs ``deepspeed megasemface/train.py`` (one process, CPU fp32 ZeRO-2, tiny preset, VQ joint
+stage) on the demo corpus and reads its per-step log: training tokens/s of the full path
+(loader, DeepSpeed engine, metrics, tracking) stands beside the bare model step measured in
+this process on a batch of the same size (forward, backward and Adam; no loader, no engine,
+no logging); goal >= 0.9 of it. The time a checkpoint blocks training is reported as a share
+of the wall time between checkpoints at the default interval (500 steps); goal <= 1%.
+
+Run: ``python benchmarks/bench_train.py [--steps 60]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
+from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.textio import parse_lang_path
+from megasemface.data.tokenizer import SpmTrainConfig, Tokenizer, train_spm
+from megasemface.interfaces.factory import build_interface
+from megasemface.models.config import build_model_config
+from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
+from megasemface.objectives.stages import SemFaceModel
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SAVE_INTERVAL = 500
+
+
+def _prepare(work: Path, locale_dir: Path) -> tuple[Path, Path]:
+    corpus = work / "corpus"
+    build_demo_corpus(locale_dir, ["de"], corpus)
+    mono = [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
+    prefix = work / "spm" / "joint"
+    train_spm(parse_lang_path(mono), prefix, SpmTrainConfig(vocab_size=8000, num_threads=1))
+    shards = work / "shards"
+    config = ShardBuildConfig(tokens_per_sample=8192, samples_per_shard=8)
+    build_shards(parse_lang_path(mono), prefix.with_suffix(".model"), shards, config)
+    return shards, prefix.with_suffix(".model")
+
+
+def _train(shards: Path, model: Path, out: Path, steps: int, max_tokens: int) -> list[dict]:
+    cmd = [
+        str(Path(sys.executable).with_name("deepspeed")),
+        "--num_accelerators",
+        "1",
+        str(ROOT / "megasemface" / "train.py"),
+        "--deepspeed_config",
+        str(ROOT / "ds_configs" / "cpu_fp32_zero2.json"),
+        "--stage",
+        "joint",
+        "--interface",
+        "vq",
+        "--data",
+        str(shards),
+        "--spm-model",
+        str(model),
+        "--output-dir",
+        str(out),
+        "--steps",
+        str(steps),
+        "--save-interval",
+        str(steps // 2),
+        "--max-tokens",
+        str(max_tokens),
+        "--log-interval",
+        "10",
+    ]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _bare_step_tokens_per_s(model_path: Path, tokens_per_batch: int, repeats: int = 10) -> float:
+    tokenizer = Tokenizer.load(model_path)
+    config = build_model_config("tiny", [f"vocab_size={tokenizer.vocab_size}"])
+    special = SpecialTokens.from_tokenizer(tokenizer)
+    torch.manual_seed(0)
+    model = SemFaceModel(config, build_interface("vq", config), special)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    length = 12
+    sentences = max(1, tokens_per_batch // length)
+    g = torch.Generator().manual_seed(0)
+    batch = SequenceBatch(
+        torch.randint(7, config.vocab_size, (sentences, length), generator=g),
+        torch.full((sentences,), length),
+        torch.arange(sentences) % 2,
+    )
+    times = []
+    for i in range(repeats + 2):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        model.joint_loss(batch, g).loss.backward()
+        optimizer.step()
+        if i >= 2:
+            times.append(time.perf_counter() - started)
+    return sentences * length / statistics.median(times)
+
+
+def run(steps: int, locale_dir: Path, max_tokens: int = 2048) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        work = Path(tmp)
+        shards, model = _prepare(work, locale_dir)
+        records = _train(shards, model, work / "run", steps, max_tokens)
+        bare = _bare_step_tokens_per_s(model, max_tokens)
+    steps_log = [r for r in records if "loss" in r]
+    saves = [r["checkpoint_seconds"] for r in records if "checkpoint_seconds" in r]
+    # Skip the first steps (start-up, first allocations), as for the bare step.
+    measured = steps_log[5:]
+    seconds = measured[-1]["time"] - measured[0]["time"]
+    tokens = sum(r["tokens"] for r in measured[1:])
+    step_time = seconds / (len(measured) - 1)
+    stall = statistics.median(saves)
+    return {
+        "train_tokens_per_s": tokens / seconds,
+        "bare_tokens_per_s": bare,
+        "ratio": tokens / seconds / bare,
+        "checkpoint_seconds": stall,
+        "step_seconds": step_time,
+        "checkpoint_share": stall / (stall + DEFAULT_SAVE_INTERVAL * step_time),
+    }
+
+
+def report(r: dict[str, float]) -> str:
+    return "\n".join(
+        [
+            "| figure | measured | limit or goal |",
+            "|---|---|---|",
+            f"| train.py training, tiny preset, VQ joint | {r['train_tokens_per_s']:,.0f} "
+            f"tokens/s = {r['ratio']:.2f} of the bare step | bare model step "
+            f"{r['bare_tokens_per_s']:,.0f} tokens/s; goal >= 0.90 |",
+            f"| checkpoint stall | {r['checkpoint_seconds'] * 1e3:,.0f} ms per save = "
+            f"{r['checkpoint_share']:.2%} of wall time at one save per "
+            f"{DEFAULT_SAVE_INTERVAL} steps ({r['step_seconds'] * 1e3:,.0f} ms/step) | <= 1% |",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--locale-dir", type=Path, default=Path(DEFAULT_LOCALE_DIR))
+    args = parser.parse_args(argv)
+    print(report(run(args.steps, args.locale_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
