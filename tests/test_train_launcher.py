@@ -23,6 +23,7 @@ from megasemface.data.tokenizer import Tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = Path(sys.executable).with_name("deepspeed")
 CONFIGS = {
+    1: ROOT / "ds_configs" / "zero1_bf16.json",  # bf16 works on the CPU accelerator too
     2: ROOT / "ds_configs" / "cpu_fp32_zero2.json",
     3: ROOT / "ds_configs" / "cpu_fp32_zero3.json",
 }
@@ -133,6 +134,7 @@ def test_vq_encoder_stage_zero2(vq_encoder_run: Path) -> None:
 @pytest.mark.parametrize(
     ("zero", "stage", "interface"),
     [
+        (1, "joint", "vq"),
         (3, "encoder", "cl"),
         (2, "decoder", "cl"),
         (2, "joint", "vq"),

@@ -62,8 +62,9 @@ def load_ds_config(path: str | Path, *, accumulation: int | None = None) -> dict
         raise ValueError(
             f"{path}: set gradient_clipping explicitly (defaults changed over releases)"
         )
-    scheduler = config.get("scheduler", {}).get("params", {})
-    if scheduler and scheduler.get("warmup_type", "log") != "linear":
+    scheduler = config.get("scheduler") or {}
+    warmup = scheduler.get("params", {}).get("warmup_type", "log")
+    if str(scheduler.get("type", "")).startswith("Warmup") and warmup != "linear":
         raise ValueError(f'{path}: set scheduler.params.warmup_type to "linear" (default: log)')
     return config
 

@@ -1,0 +1,89 @@
+"""Training pieces that need no launcher: configs, checkpoint bookkeeping, options."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megasemface.training.checkpoint import CheckpointManager
+from megasemface.training.engine import load_ds_config
+from megasemface.training.options import TrainConfig
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_deepspeed_config_is_valid(path: Path) -> None:
+    raw = json.loads(path.read_text())
+    assert raw["gradient_clipping"] == 1.0
+    assert raw["train_micro_batch_size_per_gpu"] == 1
+    assert raw["optimizer"]["params"]["lr"] == 1e-4  # the paper's constant pre-training rate
+    if raw.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fp16"):
+            load_ds_config(path)
+        assert raw["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    else:
+        config = load_ds_config(path, accumulation=4)
+        assert config["gradient_accumulation_steps"] == 4
+
+
+def test_bad_deepspeed_configs_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 1}')
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        load_ds_config(path)
+    path.write_text('{"gradient_clipping": 1.0, "scheduler": {"type": "WarmupLR", "params": {}}}')
+    with pytest.raises(ValueError, match="linear"):
+        load_ds_config(path)
+    path.write_text('{"gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": 8}')
+    with pytest.raises(ValueError, match="max-tokens"):
+        load_ds_config(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_ds_config(path)
+    with pytest.raises(FileNotFoundError):
+        load_ds_config(tmp_path / "missing.json")
+
+
+def _save(manager: CheckpointManager, step: int, complete: bool = True) -> None:
+    def write_engine(root: Path, tag: str) -> None:
+        (root / tag).mkdir(parents=True, exist_ok=True)
+        (root / tag / "model_states.pt").write_bytes(b"x")
+
+    if complete:
+        manager.save(step, write_engine, {"step": step}, lambda: None)
+    else:  # a save killed before every rank finished: no COMPLETE marker
+        write_engine(manager.root, manager.tag(step))
+
+
+def test_checkpoints_resume_from_newest_complete_and_keep_last(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2, rank=0)
+    assert manager.newest() is None
+    for step in (10, 20, 30):
+        _save(manager, step)
+    _save(manager, 40, complete=False)
+    assert manager.newest() == (30, "step-00000030")  # the interrupted one is never used
+    assert manager.rank_state("step-00000030") == {"step": 30}
+    kept = sorted(p.name for p in manager.root.iterdir())
+    assert kept == ["step-00000020", "step-00000030", "step-00000040"]
+    _save(manager, 50)
+    kept = sorted(p.name for p in manager.root.iterdir())
+    assert kept == ["step-00000030", "step-00000050"]  # the partial 40 is gone too
+    other_rank = CheckpointManager(tmp_path, keep_last=2, rank=3)
+    with pytest.raises(FileNotFoundError, match="same number of processes"):
+        other_rank.rank_state("step-00000050")
+
+
+def test_train_options_refuse_impossible_combinations() -> None:
+    base = {"data": Path("d"), "spm_model": Path("m"), "output_dir": Path("o")}
+    with pytest.raises(ValueError, match="--init-from"):
+        TrainConfig(stage="decoder", interface="vq", **base)
+    with pytest.raises(ValueError, match="only an encoder stage"):
+        TrainConfig(stage="joint", interface="none", **base)
+    with pytest.raises(ValueError, match="--stage"):
+        TrainConfig(stage="finetune", interface="cl", **base)
+    with pytest.raises(ValueError, match="--steps"):
+        TrainConfig(stage="encoder", interface="cl", steps=0, **base)
