@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_data  # sibling scripts, not package modules
 import bench_model
+import bench_train
 import bench_vq
 
 
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     peak, model_results = bench_model.run(["tiny", "paper"])
     sections += ["", "## Training step (benchmarks/bench_model.py)", ""]
     sections.append(bench_model.report(peak, model_results))
+    train_results = bench_train.run(60, args.locale_dir)
+    sections += ["", "## Training path (benchmarks/bench_train.py)", ""]
+    sections.append(bench_train.report(train_results))
     vq_results = bench_vq.run(256, 102_400, 1024, 1024, 128, 3)
     sections += ["", "## VQ layer (benchmarks/bench_vq.py)", ""]
     sections.append(bench_vq.report(vq_results))

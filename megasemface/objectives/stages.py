@@ -138,10 +138,10 @@ class SemFaceModel(nn.Module):
             params += [self.decoder.embed.tokens.weight, self.decoder.output_bias]
         return params
 
-    # Encoder stage ------------------------------------------------------------------------
-
-    def encoder_loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
-        """MLM through the interface, plus the interface's weighted auxiliary losses."""
+    def _masked_with_eos(
+        self, batch: SequenceBatch, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MLM inputs ``x' </s>``, their lengths, and targets (-100 where not predicted)."""
         sp = self.special
         inputs, targets = mask_for_mlm(
             batch.tokens_BT,
@@ -154,6 +154,13 @@ class SemFaceModel(nn.Module):
         )
         inputs, lengths = append_token(inputs, batch.lengths_B, sp.eos, sp.pad)
         targets, _ = append_token(targets, batch.lengths_B, -100, -100)
+        return inputs, lengths, targets
+
+    # Encoder stage ------------------------------------------------------------------------
+
+    def encoder_loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
+        """MLM through the interface, plus the interface's weighted auxiliary losses."""
+        inputs, lengths, targets = self._masked_with_eos(batch, generator)
         encoded = self.encoder(inputs, lengths_to_mask(lengths, inputs.shape[1]), batch.langs_B)
         head = self.interface.encoder_head(encoded, targets)
         weight_VD = self.interface.output_embeddings(self.encoder)
@@ -196,17 +203,7 @@ class SemFaceModel(nn.Module):
             targets = targets.masked_fill(~lengths_to_mask(lengths, targets.shape[1]), -100)
             causal = True
         else:
-            inputs, targets = mask_for_mlm(
-                batch.tokens_BT,
-                batch.lengths_B,
-                mask_id=sp.mask,
-                vocab_size=self.config.vocab_size,
-                special_ids=sp.all,
-                generator=generator,
-                prob=obj.mlm_prob,
-            )
-            inputs, lengths = append_token(inputs, batch.lengths_B, sp.eos, sp.pad)
-            targets, _ = append_token(targets, batch.lengths_B, -100, -100)
+            inputs, lengths, targets = self._masked_with_eos(batch, generator)
             causal = False
         hidden = self.decoder(
             inputs,
