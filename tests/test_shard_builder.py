@@ -22,7 +22,7 @@ import zstandard
 
 from megasemface.cli.build_shards import main as build_shards_main
 from megasemface.data.shard_builder import ShardBuildConfig, ShardBuildError, build_shards
-from megasemface.data.shard_format import Manifest, decode_sample
+from megasemface.data.shard_format import Manifest, iter_shard_chunks
 from megasemface.data.textio import parse_lang_path
 
 GOOD = [
@@ -39,10 +39,7 @@ def read_sentences(shard_dir: Path, model: Path) -> dict[str, list[str]]:
     sp = spm.SentencePieceProcessor(model_file=str(model))
     out: dict[str, list[str]] = {}
     for info in manifest.shards:
-        for sample in wds.DataPipeline(
-            wds.SimpleShardList([str(shard_dir / info.name)]), wds.tarfile_to_samples()
-        ):
-            chunk = decode_sample(sample, manifest.vocab_size)
+        for chunk in iter_shard_chunks(shard_dir / info.name, manifest.vocab_size):
             for i in range(chunk.num_sentences):
                 ids = chunk.tokens[chunk.offsets[i] : chunk.offsets[i + 1]].tolist()
                 out.setdefault(chunk.lang, []).append(sp.decode(ids))

@@ -27,6 +27,7 @@ import io
 import json
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "ShardInfo",
     "decode_sample",
     "encode_sample",
+    "iter_shard_chunks",
     "write_json_atomic",
 ]
 
@@ -162,6 +164,21 @@ def decode_sample(sample: dict[str, Any], vocab_size: int | None = None) -> Chun
             "the shards were built with another SentencePiece model"
         )
     return Chunk(meta["lang"], tokens, offsets, meta["first_sentence"])
+
+
+def iter_shard_chunks(
+    path: str | os.PathLike[str], vocab_size: int | None = None
+) -> Iterator[Chunk]:
+    """Every sample of one shard, decoded, in order (a bad sample raises ShardFormatError).
+
+    For tools that read whole shards; training reads through the loader, which skips and
+    counts bad samples instead.
+    """
+    import webdataset as wds  # imported here: the format itself needs only numpy
+
+    pipeline = wds.DataPipeline(wds.SimpleShardList([str(path)]), wds.tarfile_to_samples())
+    for raw in pipeline:
+        yield decode_sample(raw, vocab_size)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megasemface.data.shard_format import Manifest, decode_sample, write_json_atomic
+from megasemface.data.shard_format import Manifest, iter_shard_chunks, write_json_atomic
 from megasemface.data.tokenizer import Tokenizer
 from megasemface.embeddings.mapping import bli_precision, map_onto, normalize
 from megasemface.embeddings.skipgram import SkipGramConfig, train_skipgram
@@ -109,15 +109,11 @@ def read_language(
     manifest: Manifest, lang: str, max_tokens: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """All sentences of one language as (flat int64 ids, offsets), read in build order."""
-    import webdataset as wds
-
     token_parts: list[np.ndarray] = []
     length_parts: list[np.ndarray] = []
     total = 0
     for url in manifest.shard_paths(lang):
-        pipeline = wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples())
-        for raw in pipeline:
-            chunk = decode_sample(raw, manifest.vocab_size)
+        for chunk in iter_shard_chunks(url, manifest.vocab_size):
             if chunk.lang != lang:
                 raise CLEmbeddingError(f"{url}: a sample of language {chunk.lang!r}, not {lang!r}")
             token_parts.append(chunk.tokens.astype(np.int64))
