@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -33,6 +34,16 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leftover_shared_memory() -> Iterator[None]:
+    """Runs remove their DeepSpeed shm buffers at exit; a SIGKILLed run cannot, so the
+    buffers it left are removed here (they would hold RAM until reboot)."""
+    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    yield
+    for path in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
+        path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ Model code never imports DeepSpeed; the trainer talks to this facade.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -30,7 +31,22 @@ def init_distributed(mp_size: int) -> ParallelGroups:
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.init_distributed(dist_backend=backend)
+    atexit.register(_remove_shm_buffers)
     return build_parallel_groups(mp_size)
+
+
+def _remove_shm_buffers() -> None:
+    """Deletes this rank's DeepSpeed CPU all-reduce buffer from /dev/shm at exit.
+
+    DeepSpeed's shared-memory all-reduce on CPU creates a file per rank named after the
+    master address and port, and never removes it: tens of MB of RAM per rank per run, for
+    as long as the machine is up. Each rank removes its own (other ranks' mappings survive
+    an unlink).
+    """
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_{local_rank}"):
+        path.unlink(missing_ok=True)
 
 
 def load_ds_config(path: str | Path, *, accumulation: int | None = None) -> dict[str, Any]:
