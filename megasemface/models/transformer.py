@@ -90,8 +90,25 @@ class Seq2SeqModel(nn.Module):
         self.encoder = TransformerEncoder(config)
         self.decoder = TransformerDecoder(config)
 
-    def encode(self, src_BS: torch.Tensor, src_mask_BS: torch.Tensor, src_langs_B: torch.Tensor):
+    def encode(
+        self, src_BS: torch.Tensor, src_mask_BS: torch.Tensor, src_langs_B: torch.Tensor
+    ) -> EncoderOutput:
         return self.encoder(src_BS, src_mask_BS, src_langs_B)
+
+    def decode_step(
+        self, prefix_BT: torch.Tensor, tgt_langs_B: torch.Tensor, memory: EncoderOutput
+    ) -> torch.Tensor:
+        """fp32 log-probabilities [B, V] of the token after each prefix.
+
+        Prefixes start with the target language tag and have no padding (search extends every
+        row by one token per step). The decoder is re-run over the whole prefix: no key/value
+        cache, so a step costs O(T) attention rows.
+        """
+        mask = torch.ones_like(prefix_BT, dtype=torch.bool)
+        hidden = self.decoder(
+            prefix_BT, mask, tgt_langs_B, memory.hidden_BTD, memory.mask_BT, causal=True
+        )
+        return torch.log_softmax(self.decoder.logits(hidden[:, -1]).float(), dim=-1)
 
     def forward(
         self,
