@@ -1,9 +1,14 @@
-"""Builds webdataset token shards from monolingual text files.
+"""Builds webdataset token shards from monolingual and parallel text files.
 
-Example::
+Examples::
 
     python tools/build_shards.py --spm-model spm/joint.model --out shards/demo \\
         --input en:corpus/mono.en.txt.gz --input de:corpus/mono.de.txt.zst --jobs 8 --dedup
+    python tools/build_shards.py --spm-model spm/joint.model --out shards/en-de \\
+        --parallel en-de:corpus/train.en,corpus/train.de --jobs 8 --dedup
+
+``--input`` and ``--parallel`` may be mixed in one build: each pair becomes one more entry
+of the manifest, named after the pair, whose sentences are pairs (``megasemface.data.pairs``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import sys
 from pathlib import Path
 
 from megasemface.data.shard_builder import ShardBuildConfig, ShardBuildError, build_shards
-from megasemface.data.textio import parse_lang_path
+from megasemface.data.textio import parse_lang_path, parse_parallel
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,9 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--input",
         action="append",
-        required=True,
+        default=[],
         metavar="LANG:PATH",
         help="a monolingual corpus (plain, .gz, .bz2, .xz or .zst); repeat per file",
+    )
+    parser.add_argument(
+        "--parallel",
+        action="append",
+        default=[],
+        metavar="SRC-TGT:SRC_PATH,TGT_PATH",
+        help="a parallel corpus: two line-aligned files, read in lockstep; repeat per file "
+        "pair. Pairs are kept together (dropped whole, de-duplicated as pairs)",
     )
     parser.add_argument("--spm-model", type=Path, required=True, help="SentencePiece .model")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
@@ -44,9 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.input and not args.parallel:
+        parser.error("give at least one --input or --parallel corpus")
     try:
-        corpora = parse_lang_path(args.input)
+        corpora = parse_lang_path(args.input) + parse_parallel(args.parallel)
         config = ShardBuildConfig(
             max_chars=args.max_chars,
             max_tokens=args.max_tokens,
@@ -69,12 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     if manifest.get("already_built"):
         print(f"{args.out}: already built with these inputs and options; nothing to do")
     totals = manifest["totals"]
-    print(f"{'lang':<8}{'lines':>12}{'sentences':>12}{'tokens':>14}{'shards':>8}  dropped")
+    # A pair's row counts pairs (lines of either file) and the tokens of both sides.
+    names = {k: f"{k} (pairs)" if "pair" in v else k for k, v in manifest["languages"].items()}
+    width = max(8, *(len(name) + 2 for name in names.values()))
+    header = f"{'lang':<{width}}{'lines':>12}{'sentences':>12}{'tokens':>14}{'shards':>8}"
+    print(f"{header}  dropped")
     for lang, info in manifest["languages"].items():
         dropped = ", ".join(f"{k}={v}" for k, v in info["filtered"].items() if v) or "none"
         print(
-            f"{lang:<8}{info['lines']:>12,}{info['sentences']:>12,}{info['tokens']:>14,}"
-            f"{info['shards']:>8}  {dropped}"
+            f"{names[lang]:<{width}}{info['lines']:>12,}{info['sentences']:>12,}"
+            f"{info['tokens']:>14,}{info['shards']:>8}  {dropped}"
         )
     print(
         f"total: {totals['sentences']:,} sentences, {totals['tokens']:,} tokens, "

@@ -1,8 +1,12 @@
-"""Line cleaning and filtering for monolingual corpora.
+"""Line cleaning and filtering for monolingual and parallel corpora.
 
 Every line ends up either kept or dropped for exactly one reason, in this order of checks:
 invalid UTF-8, control characters, empty, too many characters, duplicate (optional), too
 many tokens. The reasons are counted so that a manifest accounts for every input line.
+
+In a parallel corpus the unit is the pair of aligned lines: a pair is kept only when both
+of its lines are, and is counted once, for its source line's reason when that line is
+dropped, else for its target line's (``clean_aligned``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import numpy as np
 
 from megasemface.data.textio import split_lines
 
-__all__ = ["DropReason", "clean_block", "clean_line", "clean_lines", "line_hash"]
+__all__ = ["DropReason", "clean_aligned", "clean_block", "clean_line", "clean_lines", "line_hash"]
 
 
 class DropReason(enum.IntEnum):
@@ -113,6 +117,32 @@ def clean_lines(lines: list[bytes], max_chars: int) -> tuple[np.ndarray, np.ndar
         if statuses[i] == DropReason.KEPT:
             texts.append(line)
     return statuses, np.flatnonzero(statuses == DropReason.KEPT), texts
+
+
+def clean_aligned(
+    sides: tuple[bytes | list[bytes], ...], max_chars: int
+) -> tuple[np.ndarray, np.ndarray, list[list[str]]]:
+    """Cleans the same lines of one or more aligned files (a block each, or lists of lines).
+
+    Returns per line its DropReason (uint8: the first dropped side's reason), the positions
+    of the lines kept on every side (int64), and per side the texts of those lines. With
+    one side this is ``clean_block`` (or ``clean_lines``).
+    """
+    cleaned = [
+        clean_block(side, max_chars) if isinstance(side, bytes) else clean_lines(side, max_chars)
+        for side in sides
+    ]
+    statuses = cleaned[0][0]
+    for side_statuses, _, _ in cleaned[1:]:
+        statuses = np.where(statuses == DropReason.KEPT, side_statuses, statuses)
+    kept = np.flatnonzero(statuses == DropReason.KEPT)
+    texts = [
+        side_texts
+        if len(side_kept) == len(kept)  # kept on this side = kept on every side
+        else [side_texts[i] for i in np.searchsorted(side_kept, kept)]
+        for _, side_kept, side_texts in cleaned
+    ]
+    return statuses, kept, texts
 
 
 def line_hash(text: str) -> int:

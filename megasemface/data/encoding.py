@@ -2,17 +2,22 @@
 
 Kept apart from the builder so that worker processes import only numpy, SentencePiece and
 the cleaning rules.
+
+A block has one side per aligned file: one for a language's corpus, two (source, target)
+for a parallel corpus, whose pairs are encoded as one sequence ``source ids + [separator] +
+target ids`` (see ``megasemface.data.pairs``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterable
 
 import numpy as np
 import sentencepiece as spm
 
-from megasemface.data.cleaning import clean_block, clean_lines, line_hash
+from megasemface.data.cleaning import clean_aligned, line_hash
 
 __all__ = ["EncodedBlock", "init_worker", "process_block"]
 
@@ -27,35 +32,58 @@ def init_worker(model_proto: bytes) -> None:
 
 @dataclasses.dataclass
 class EncodedBlock:
-    """What a worker returns for a block of lines."""
+    """What a worker returns for a block of lines (or of aligned pairs of lines)."""
 
     statuses: np.ndarray
-    """uint8 DropReason per line (KEPT: passed the text filters)."""
+    """uint8 DropReason per line (KEPT: passed the text filters on every side)."""
     kept: np.ndarray
     """int64 positions of the lines that passed the text filters."""
     hashes: np.ndarray | None
-    """uint64 hash per kept line, when de-duplicating."""
+    """uint64 hash per kept line (of both sides of a pair), when de-duplicating."""
     tokens: np.ndarray | None
-    """The ids of the kept lines, concatenated, when encoding."""
+    """The ids of the kept lines (or joined pairs), concatenated, when encoding."""
     lengths: np.ndarray | None
-    """int64 token count per kept line, when encoding."""
+    """int64 token count per kept line (a pair's: both sides and the separator)."""
+    longest_side: np.ndarray | None
+    """int64 tokens of each kept line's longest side, which ``max_tokens`` limits."""
 
 
 def process_block(
-    block: bytes | list[bytes], max_chars: int, dedup: bool, encode: bool, dtype: str
+    sides: tuple[bytes | list[bytes], ...],
+    max_chars: int,
+    dedup: bool,
+    encode: bool,
+    dtype: str,
+    separator: int,
 ) -> EncodedBlock:
     """Cleans every line, hashes the kept ones (dedup) and encodes them (encode).
 
-    ``block`` is raw text cut at line ends (split here, in the worker) or a list of lines.
+    ``sides`` holds one side (a language) or two (a pair's source and target), each raw
+    text cut at line ends (split here, in the worker) or a list of lines; the sides hold the
+    same lines of aligned files. A kept pair is encoded as source ids, ``separator``, target
+    ids.
     """
-    clean = clean_block if isinstance(block, bytes) else clean_lines
-    statuses, kept, texts = clean(block, max_chars)  # type: ignore[arg-type]
-    hashes = np.fromiter(map(line_hash, texts), np.uint64, len(texts)) if dedup else None
-    tokens = lengths = None
+    statuses, kept, texts = clean_aligned(sides, max_chars)
+    hashes = None
+    if dedup:
+        # Cleaned text never holds a line end, so joining the sides with one is unambiguous.
+        joined = texts[0] if len(texts) == 1 else map("\n".join, zip(*texts, strict=True))
+        hashes = np.fromiter(map(line_hash, joined), np.uint64, len(kept))
+    tokens = lengths = longest = None
     if encode:
         assert _PROCESSOR is not None, "init_worker was not called"
         # One thread: parallelism comes from worker processes, not oversubscribed threads.
-        ids = _PROCESSOR.encode(texts, out_type=int, num_threads=1)
-        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum()))
-    return EncodedBlock(statuses, kept, hashes, tokens, lengths)
+        ids = [_PROCESSOR.encode(side, out_type=int, num_threads=1) for side in texts]
+        side_lengths = [np.fromiter(map(len, side), np.int64, len(kept)) for side in ids]
+        pieces: Iterable[list[int]]
+        if len(ids) == 1:
+            pieces = ids[0]
+            lengths = longest = side_lengths[0]
+        else:
+            src, tgt = ids  # a pair: source ids, the separator, target ids
+            sep = [separator]
+            pieces = (part for s, t in zip(src, tgt, strict=True) for part in (s, sep, t))
+            lengths = side_lengths[0] + side_lengths[1] + 1
+            longest = np.maximum(side_lengths[0], side_lengths[1])
+        tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype, int(lengths.sum()))
+    return EncodedBlock(statuses, kept, hashes, tokens, lengths, longest)

@@ -63,7 +63,8 @@ class LoaderConfig:
     max_sentences: int = 0
     """Optional cap on sentences per batch (0: none)."""
     max_len: int = 256
-    """Sentences are cropped to this many tokens."""
+    """Sentences are cropped to this many tokens. Pairs are never cropped: a source with
+    language pairs needs at least their longest length (``PairLayout.max_length``)."""
     pool_tokens: int = 1 << 20
     """Consecutive shard samples are pooled up to this many tokens before length-grouped
     batching; a pool 100x the batch budget keeps padding under a few percent. Memory per
@@ -114,6 +115,9 @@ class ShardSource:
     shards: dict[str, list[str]]
     sizes: dict[str, int]
     vocab_size: int | None = None
+    pair_lengths: dict[str, int] = dataclasses.field(default_factory=dict)
+    """For language pairs (``en-de``), the longest pair their shards may hold; cropping a
+    pair would cut off its target, so the loader refuses a shorter ``max_len``."""
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> ShardSource:
@@ -122,6 +126,9 @@ class ShardSource:
             shards={lang: manifest.shard_paths(lang) for lang in langs},
             sizes={lang: manifest.sentences(lang) for lang in langs},
             vocab_size=manifest.vocab_size,
+            pair_lengths={
+                name: layout.max_length for name, layout in manifest.pair_layouts.items()
+            },
         )
 
     @classmethod
@@ -148,6 +155,7 @@ class ShardSource:
             {k: self.shards[k] for k in languages},
             {k: self.sizes[k] for k in languages},
             self.vocab_size,
+            {k: v for k, v in self.pair_lengths.items() if k in languages},
         )
 
 
@@ -477,6 +485,14 @@ class ShardLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.source = source.select(config.languages)
+        cropped = {k: v for k, v in self.source.pair_lengths.items() if v > config.max_len}
+        if cropped:
+            raise ValueError(
+                f"language pairs {sorted(cropped)} hold pairs of up to {max(cropped.values())} "
+                f"tokens (source, separator, target), and max_len={config.max_len} would cut "
+                "off their targets: set LoaderConfig.max_len (and max_tokens) to at least "
+                "that, or read only other languages (LoaderConfig.languages)"
+            )
         self.config = config
         self.pad_id = pad_id
         self.rank = rank

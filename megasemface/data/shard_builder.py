@@ -1,9 +1,14 @@
-"""Builds webdataset token shards from monolingual text, resumably and reproducibly.
+"""Builds webdataset token shards from monolingual or parallel text, resumably and reproducibly.
 
 The builder streams each language's text once, never holding a corpus in memory: the main
 process reads lines in blocks, worker processes clean, hash and encode them with
 SentencePiece (``jobs``), and the main process de-duplicates, packs sentences into samples
 (see ``shard_format``) and writes shards with ``webdataset.ShardWriter``.
+
+A parallel corpus (``textio.parse_parallel``) goes the same way as one more "language" named
+after its pair (``en-de``): its two files are read in lockstep, and each kept pair is one
+sentence ``source ids + [eos] + target ids`` (see ``pairs``), so packing, resume, the loader
+and batching treat it like any sentence and never split a pair.
 
 Resume: each shard is written under ``.partial/`` and renamed into place when complete,
 then recorded in ``.build-journal.jsonl`` with the input line it ends at and the filter
@@ -29,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import sentencepiece as spm
 import webdataset as wds
 
 from megasemface.data.cleaning import DropReason
@@ -41,7 +45,14 @@ from megasemface.data.shard_format import (
     encode_sample,
     write_json_atomic,
 )
-from megasemface.data.textio import CorpusSpec, LineReader, count_lines, split_lines
+from megasemface.data.textio import (
+    AlignmentError,
+    CorpusSpec,
+    count_lines,
+    iter_aligned_blocks,
+    split_lines,
+)
+from megasemface.data.tokenizer import Tokenizer
 
 __all__ = ["ShardBuildConfig", "ShardBuildError", "build_shards", "id_dtype_for"]
 
@@ -57,9 +68,11 @@ class ShardBuildConfig:
     max_chars: int = 2000
     """Lines with more characters than this (after white-space cleaning) are dropped."""
     max_tokens: int = 254
-    """Sentences with more tokens are dropped (the paper's length limit 256, less 2 specials)."""
+    """Sentences with more tokens are dropped (the paper's length limit 256, less 2 specials);
+    pairs with more on either side (so a stored pair has at most 2 x max_tokens + 1)."""
     dedup: bool = False
-    """Drop exact duplicate lines within a language; costs 16-32 bytes per distinct line."""
+    """Drop exact duplicate lines (pairs) within a language (pair); 16-32 bytes per distinct
+    one."""
     tokens_per_sample: int = 1 << 16
     """A sample closes once it holds this many tokens (about 128 KiB of uint16 ids)."""
     samples_per_shard: int = 256
@@ -111,6 +124,7 @@ class _Executor:
         self._in_flight = 2 * jobs
 
     def map(self, blocks: Iterable[tuple[Any, ...]]) -> Iterator[EncodedBlock]:
+        """process_block over argument tuples, results in order."""
         if self._pool is None:
             for args in blocks:
                 yield process_block(*args)
@@ -136,7 +150,7 @@ def _input_fingerprint(corpus: CorpusSpec) -> list[dict[str, Any]]:
     the same input), and still catches appended, truncated or replaced files.
     """
     out = []
-    for path in corpus.paths:
+    for path in corpus.all_paths:
         if not path.is_file():
             raise ShardBuildError(f"{corpus.lang}: corpus file not found: {path}")
         size = path.stat().st_size
@@ -212,7 +226,7 @@ class _Journal:
 
 
 class _LanguageBuild:
-    """Builds (or resumes) the shards of one language."""
+    """Builds (or resumes) the shards of one language, or of one language pair."""
 
     def __init__(
         self,
@@ -222,6 +236,7 @@ class _LanguageBuild:
         journal: _Journal,
         executor: _Executor,
         dtype: type[np.unsignedinteger],
+        separator: int,
         progress: bool,
     ) -> None:
         self.corpus = corpus
@@ -231,6 +246,7 @@ class _LanguageBuild:
         self.journal = journal
         self.executor = executor
         self.dtype = dtype
+        self.separator = separator
         self.progress = progress
         done = journal.shards(self.lang)
         self.next_shard = len(done)
@@ -254,15 +270,25 @@ class _LanguageBuild:
 
     # Input ------------------------------------------------------------------------------
 
-    def _blocks(self, reader_progress: Callable[[int], None]) -> Iterator[tuple[int, bytes]]:
-        """Yields (first line index, raw block of whole lines) over the language's files."""
+    def _blocks(
+        self, reader_progress: Callable[[int], None]
+    ) -> Iterator[tuple[int, tuple[bytes, ...]]]:
+        """Yields (first line index, raw blocks of the same whole lines of each aligned file).
+
+        One file at a time for a language, a (source, target) pair of files for a pair.
+        """
         index = 0
-        for path in self.corpus.paths:
-            with LineReader(path) as reader:
-                for block in reader.iter_blocks(self.config.bytes_per_task):
-                    yield index, block
-                    index += count_lines(block)
-                    reader_progress(reader.compressed_bytes_read)
+        for group in self.corpus.file_groups:
+            try:
+                for sides, position in iter_aligned_blocks(group, self.config.bytes_per_task):
+                    yield index, sides
+                    index += count_lines(sides[0])
+                    reader_progress(position)
+            except AlignmentError as exc:
+                raise ShardBuildError(
+                    f"{self.lang}: {exc}. Nothing of this build is marked complete; once the "
+                    "files are fixed, run it again with --overwrite"
+                ) from exc
             reader_progress(-1)
 
     # Output -----------------------------------------------------------------------------
@@ -363,7 +389,7 @@ class _LanguageBuild:
 
     def _run(self) -> dict[str, Any]:
         cfg = self.config
-        total_bytes = sum(p.stat().st_size for p in self.corpus.paths)
+        total_bytes = sum(p.stat().st_size for p in self.corpus.all_paths)
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -381,10 +407,12 @@ class _LanguageBuild:
                 bar.update(done_bytes[0] + done_bytes[1] - bar.n)
 
         started, kept_since_start = time.perf_counter(), 0
-        tasks = (
-            (start, (block, cfg.max_chars, cfg.dedup, start >= self.resume_line, self.dtype))
-            for start, block in self._split_at_resume(self._blocks(report))
-        )
+
+        def task(start: int, sides: tuple[Any, ...]) -> tuple[int, tuple[Any, ...]]:
+            encode = start >= self.resume_line  # lines before it are only re-hashed
+            return start, (sides, cfg.max_chars, cfg.dedup, encode, self.dtype, self.separator)
+
+        tasks = (task(*block) for block in self._split_at_resume(self._blocks(report)))
         starts: collections.deque[int] = collections.deque()
 
         def args_only() -> Iterator[tuple[Any, ...]]:
@@ -423,7 +451,7 @@ class _LanguageBuild:
         counts = self.counts_dict()
         if counts["kept"] == 0:
             raise ShardBuildError(
-                f"{self.lang}: no sentence kept from {[str(p) for p in self.corpus.paths]} "
+                f"{self.lang}: no sentence kept from {[str(p) for p in self.corpus.all_paths]} "
                 f"(dropped: { {k: v for k, v in counts.items() if v} }); check the files and "
                 "the language, or raise --max-chars / --max-tokens"
             )
@@ -433,27 +461,27 @@ class _LanguageBuild:
         return {reason.label: int(self.counts[reason]) for reason in DropReason}
 
     def _split_at_resume(
-        self, blocks: Iterator[tuple[int, bytes]]
-    ) -> Iterator[tuple[int, bytes | list[bytes]]]:
+        self, blocks: Iterator[tuple[int, tuple[bytes, ...]]]
+    ) -> Iterator[tuple[int, tuple[bytes, ...] | tuple[list[bytes], ...]]]:
         """Cuts the block that straddles the resume line in two; skips the prefix cheaply.
 
         Lines before the resume line are only needed to re-hash them when de-duplicating.
         """
         self.total_lines = 0
-        for start, block in blocks:
-            end = start + count_lines(block)
+        for start, sides in blocks:
+            end = start + count_lines(sides[0])
             self.total_lines = end
             if end <= self.resume_line:
                 if self.hashes is not None:
-                    yield start, block
+                    yield start, sides
             elif start < self.resume_line:
-                lines = split_lines(block)
+                lines = [split_lines(side) for side in sides]
                 cut = self.resume_line - start
                 if self.hashes is not None:
-                    yield start, lines[:cut]
-                yield self.resume_line, lines[cut:]
+                    yield start, tuple(side[:cut] for side in lines)
+                yield self.resume_line, tuple(side[cut:] for side in lines)
             else:
-                yield start, block
+                yield start, sides
 
     def _replay(self, result: EncodedBlock) -> int:
         """Re-inserts the hashes of lines written before an interruption."""
@@ -462,13 +490,14 @@ class _LanguageBuild:
 
     def _consume(self, start: int, result: EncodedBlock) -> int:
         assert result.tokens is not None and result.lengths is not None
+        assert result.longest_side is not None
         final = result.statuses.copy()
         keep = np.ones(len(result.kept), dtype=bool)
         if self.hashes is not None:
             assert result.hashes is not None
             keep = self.hashes.insert(result.hashes)
             final[result.kept[~keep]] = DropReason.DUPLICATE
-        too_long = result.lengths > self.config.max_tokens
+        too_long = result.longest_side > self.config.max_tokens
         final[result.kept[keep & too_long]] = DropReason.TOO_LONG_TOKENS
         keep &= ~too_long
         tokens = result.tokens[np.repeat(keep, result.lengths)]
@@ -485,8 +514,44 @@ class _LanguageBuild:
         return int(keep.sum())
 
 
+def _pair_layouts(
+    corpora: list[CorpusSpec], tokenizer: Tokenizer, spm_model: Path, config: ShardBuildConfig
+) -> dict[str, dict[str, Any]]:
+    """How each parallel corpus is stored, as the manifest records it under ``pair``.
+
+    Pairs are joined with the tokenizer's eos id, which SentencePiece encoding never
+    produces, so the split is unambiguous; each language of a pair needs a tag in the model,
+    which translation training puts before the sentences.
+    """
+    layouts = {}
+    for corpus in corpora:
+        if corpus.pair is None:
+            continue
+        missing = [lang for lang in corpus.pair if lang not in tokenizer.languages]
+        if missing:
+            raise ShardBuildError(
+                f"pair {corpus.lang}: the SentencePiece model {spm_model} has no language tag "
+                f"for {', '.join(missing)} (its languages: {', '.join(tokenizer.languages)}); "
+                "fix the pair name or train a model with these languages"
+            )
+        try:
+            separator = tokenizer.eos_id
+        except ValueError as exc:
+            raise ShardBuildError(f"{spm_model}: {exc}, which separates pairs") from exc
+        layouts[corpus.lang] = {
+            "src": corpus.pair[0],
+            "tgt": corpus.pair[1],
+            "separator_id": separator,
+            "max_length": 2 * config.max_tokens + 1,
+        }
+    return layouts
+
+
 def _build_fingerprint(
-    corpora: list[CorpusSpec], spm_sha256: str, config: ShardBuildConfig
+    corpora: list[CorpusSpec],
+    spm_sha256: str,
+    config: ShardBuildConfig,
+    pairs: dict[str, dict[str, Any]],
 ) -> tuple[str, dict[str, Any]]:
     described = {
         "format_version": FORMAT_VERSION,
@@ -494,6 +559,8 @@ def _build_fingerprint(
         "config": config.output_fields(),
         "inputs": {c.lang: _input_fingerprint(c) for c in corpora},
     }
+    if pairs:  # absent otherwise, so that builds without pairs keep their fingerprint
+        described["pairs"] = pairs
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
     return digest, described
 
@@ -513,13 +580,24 @@ def build_shards(
     spm_model = Path(spm_model)
     if not spm_model.is_file():
         raise ShardBuildError(f"SentencePiece model not found: {spm_model}")
+    names = [corpus.lang for corpus in corpora]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ShardBuildError(
+            f"{', '.join(repeated)} given more than once; give all files of a language (or "
+            "pair) in one CorpusSpec"
+        )
     model_proto = spm_model.read_bytes()
     try:
-        vocab_size = spm.SentencePieceProcessor(model_proto=model_proto).vocab_size()
-    except Exception as exc:
-        raise ShardBuildError(f"{spm_model} is not a SentencePiece model: {exc}") from exc
-    spm_sha256 = hashlib.sha256(model_proto).hexdigest()
-    fingerprint, described = _build_fingerprint(corpora, spm_sha256, config)
+        tokenizer = Tokenizer.from_bytes(model_proto)
+    except ValueError as exc:
+        raise ShardBuildError(f"{spm_model}: {exc}") from exc
+    vocab_size = tokenizer.vocab_size
+    pairs = _pair_layouts(corpora, tokenizer, spm_model, config)
+    # Languages never join sides, so any id would do for them.
+    separator = tokenizer.eos_id if pairs else -1
+    spm_sha256 = tokenizer.sha256
+    fingerprint, described = _build_fingerprint(corpora, spm_sha256, config, pairs)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / "manifest.json"
@@ -544,7 +622,9 @@ def build_shards(
     try:
         for corpus in corpora:
             if journal.language_done(corpus.lang) is None:
-                build = _LanguageBuild(corpus, out_dir, config, journal, executor, dtype, progress)
+                build = _LanguageBuild(
+                    corpus, out_dir, config, journal, executor, dtype, separator, progress
+                )
                 journal.add(build.run())
     finally:
         executor.close()
@@ -586,6 +666,10 @@ def _manifest(
             "shards": len(mine),
             "filtered": {k: v for k, v in done["counts"].items() if k != "kept"},
         }
+        if corpus.pair is not None:
+            # For a pair, lines and sentences count pairs, and tokens include separators.
+            languages[corpus.lang]["inputs"] = [[str(p) for p in g] for g in corpus.file_groups]
+            languages[corpus.lang]["pair"] = described["pairs"][corpus.lang]
     total_tokens = sum(s["tokens"] for s in shards)
     total_bytes = sum(s["bytes"] for s in shards)
     return {

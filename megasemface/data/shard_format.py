@@ -17,6 +17,11 @@ language, because a tar member per sentence would cost a 512-byte header plus pa
 Members are decoded with ``numpy.load(allow_pickle=False)`` and ``json.loads`` only: no
 pickle is ever decoded. ``manifest.json`` beside the shards lists every shard with its
 language, counts and sha256, the SentencePiece model's hash and the filter counts.
+
+A parallel corpus is stored as one more "language" named after its pair (``en-de``), whose
+sentences are pairs: ``source ids + [separator] + target ids`` (``megasemface.data.pairs``
+splits them). Its manifest entry has ``"pair": {"src", "tgt", "separator_id",
+"max_length"}`` (``PairLayout``), and its line and sentence counts count pairs.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Chunk",
     "Manifest",
+    "PairLayout",
     "ShardFormatError",
     "ShardInfo",
     "decode_sample",
@@ -206,8 +212,38 @@ class ShardInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class PairLayout:
+    """How the sentences of a language pair's entry are stored."""
+
+    src: str
+    """The source language (its ids come first)."""
+    tgt: str
+    """The target language (its ids follow the separator)."""
+    separator_id: int
+    """The id between the two sides (the tokenizer's eos, which encoding never produces)."""
+    max_length: int
+    """The longest pair the shards may hold: both sides at most ``max_tokens``, plus one."""
+
+    @classmethod
+    def from_json(cls, entry: Any) -> PairLayout:
+        layout = cls(**entry)
+        if not (
+            isinstance(layout.src, str)
+            and isinstance(layout.tgt, str)
+            and isinstance(layout.separator_id, int)
+            and isinstance(layout.max_length, int)
+        ):
+            raise TypeError(f"pair layout with wrong field types: {entry!r}")
+        return layout
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
-    """What a shard directory holds; written by the shard builder, read by the loader."""
+    """What a shard directory holds; written by the shard builder, read by the loader.
+
+    ``languages`` has an entry per language and per language pair (whose sentences are
+    pairs); ``pair_layouts`` (and ``pairs``) tell the pairs apart.
+    """
 
     root: Path
     shards: tuple[ShardInfo, ...]
@@ -215,6 +251,7 @@ class Manifest:
     spm_sha256: str
     languages: dict[str, dict[str, Any]]
     raw: dict[str, Any]
+    pair_layouts: dict[str, PairLayout] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Manifest:
@@ -241,6 +278,11 @@ class Manifest:
                 spm_sha256=str(raw["spm"]["sha256"]),
                 languages=dict(raw["languages"]),
                 raw=raw,
+                pair_layouts={
+                    name: PairLayout.from_json(entry["pair"])
+                    for name, entry in raw["languages"].items()
+                    if "pair" in entry
+                },
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ShardFormatError(f"{path} is not a valid shard manifest: {exc!r}") from exc
@@ -261,4 +303,10 @@ class Manifest:
         return [str(self.root / s.name) for s in self.shards if s.lang == lang]
 
     def sentences(self, lang: str) -> int:
+        """Sentences (pairs, for a language pair) of a language's shards."""
         return sum(s.sentences for s in self.shards if s.lang == lang)
+
+    @property
+    def pairs(self) -> dict[str, tuple[str, str]]:
+        """The entries that hold pairs: name (``en-de``) -> (source, target) language."""
+        return {name: (p.src, p.tgt) for name, p in self.pair_layouts.items()}

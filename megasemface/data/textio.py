@@ -8,20 +8,25 @@ whatever the corpus size.
 from __future__ import annotations
 
 import bz2
+import contextlib
 import gzip
 import io
+import itertools
 import lzma
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 __all__ = [
+    "AlignmentError",
     "CorpusSpec",
     "LineReader",
     "count_lines",
+    "iter_aligned_blocks",
     "iter_lines",
     "parse_lang_path",
+    "parse_parallel",
     "split_lines",
 ]
 
@@ -91,6 +96,16 @@ class LineReader:
         if carry:
             yield carry
 
+    def read_lines(self, count: int) -> tuple[bytes, int]:
+        """Reads the next ``count`` lines as one block; returns it and how many lines it has.
+
+        Fewer lines come back only at the end of the file. Lines are read by the buffered
+        reader in C, one call each, so following another file's blocks line for line stays
+        cheap.
+        """
+        lines = list(itertools.islice(iter(self._stream.readline, b""), count))
+        return b"".join(lines), len(lines)
+
     def close(self) -> None:
         if self._stream is not self._raw:
             self._stream.close()
@@ -116,6 +131,49 @@ def count_lines(block: bytes) -> int:
     return block.count(b"\n") + (0 if block.endswith(b"\n") or not block else 1)
 
 
+class AlignmentError(ValueError):
+    """Line-aligned files (the two sides of a parallel corpus) have different line counts."""
+
+
+def iter_aligned_blocks(
+    paths: Sequence[Path], size: int
+) -> Iterator[tuple[tuple[bytes, ...], int]]:
+    """Yields blocks holding the same lines of line-aligned files, and the bytes read so far.
+
+    The first file is cut into blocks of about ``size`` bytes at line ends (as
+    ``LineReader.iter_blocks`` cuts it) and every other file gives the same number of lines,
+    so a block's sides are the same sentences in each file; one file is read exactly as
+    ``iter_blocks`` reads it. The second value is the position on disk summed over the files,
+    for progress. Files whose line counts differ raise AlignmentError once the shorter one
+    ends, naming both files and the shorter one's line count.
+    """
+    with contextlib.ExitStack() as stack:
+        readers = [stack.enter_context(LineReader(path)) for path in paths]
+        first, others = readers[0], readers[1:]
+        lines = 0
+        for block in first.iter_blocks(size):
+            count = count_lines(block)
+            sides = [block]
+            for reader in others:
+                side, got = reader.read_lines(count)
+                if got < count:
+                    raise _misaligned(first.path, reader.path, reader.path, lines + got)
+                sides.append(side)
+            lines += count
+            yield tuple(sides), sum(r.compressed_bytes_read for r in readers)
+        for reader in others:
+            if reader.read_lines(1)[1]:
+                raise _misaligned(first.path, reader.path, first.path, lines)
+
+
+def _misaligned(a: Path, b: Path, shorter: Path, lines: int) -> AlignmentError:
+    return AlignmentError(
+        f"{a} and {b} are not line-aligned: {shorter} ends after line {lines:,} while the "
+        "other file goes on. A parallel corpus needs line i of one file to translate line i "
+        "of the other: fix or replace the files"
+    )
+
+
 def iter_lines(path: str | os.PathLike[str]) -> Iterator[bytes]:
     """Yields the lines of a plain or compressed corpus file as bytes (see LineReader)."""
     with LineReader(path) as reader:
@@ -123,16 +181,56 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[bytes]:
 
 
 class CorpusSpec:
-    """One language's corpus: a language code and one or more files read in order."""
+    """One language's corpus, or one language pair's parallel corpus.
 
-    __slots__ = ("lang", "paths")
+    A language's corpus is its code and one or more files read in order. A parallel corpus
+    is named after its pair (``en-de``), has ``pair`` = (source, target), source files in
+    ``paths`` and the line-aligned target files, one per source file, in ``target_paths``.
+    """
 
-    def __init__(self, lang: str, paths: list[Path]) -> None:
+    __slots__ = ("lang", "pair", "paths", "target_paths")
+
+    def __init__(
+        self,
+        lang: str,
+        paths: list[Path],
+        *,
+        pair: tuple[str, str] | None = None,
+        target_paths: list[Path] | None = None,
+    ) -> None:
+        if (pair is None) != (target_paths is None):
+            raise ValueError("a parallel corpus needs both pair and target_paths")
+        if target_paths is not None and len(target_paths) != len(paths):
+            raise ValueError(
+                f"{lang}: {len(paths)} source file(s) but {len(target_paths)} target file(s)"
+            )
         self.lang = lang
+        self.pair = pair
         self.paths = paths
+        self.target_paths = target_paths
+
+    @property
+    def file_groups(self) -> list[tuple[Path, ...]]:
+        """The files read together: each file alone, or each (source, target) pair of files."""
+        if self.target_paths is None:
+            return [(path,) for path in self.paths]
+        return list(zip(self.paths, self.target_paths, strict=True))
+
+    @property
+    def all_paths(self) -> list[Path]:
+        """Every file, in reading order (a source file before its target file)."""
+        return [path for group in self.file_groups for path in group]
 
     def __repr__(self) -> str:
-        return f"CorpusSpec({self.lang!r}, {[str(p) for p in self.paths]!r})"
+        files = [[str(p) for p in group] for group in self.file_groups]
+        if self.pair is None:
+            return f"CorpusSpec({self.lang!r}, {[f[0] for f in files]!r})"
+        return f"CorpusSpec({self.lang!r}, pair={self.pair!r}, files={files!r})"
+
+
+def _check_lang(lang: str, item: str) -> None:
+    if not lang.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"invalid language code {lang!r} in {item!r}: use letters, digits, '_'")
 
 
 def parse_lang_path(items: list[str]) -> list[CorpusSpec]:
@@ -147,9 +245,44 @@ def parse_lang_path(items: list[str]) -> list[CorpusSpec]:
             raise ValueError(
                 f"expected LANG:PATH, got {item!r} (for example en:data/mono.en.txt.gz)"
             )
-        if not lang.replace("_", "").replace("-", "").isalnum():
-            raise ValueError(
-                f"invalid language code {lang!r} in {item!r}: use letters, digits, '_'"
-            )
+        _check_lang(lang, item)
         by_lang.setdefault(lang, []).append(Path(path))
     return [CorpusSpec(lang, paths) for lang, paths in by_lang.items()]
+
+
+def parse_parallel(items: list[str]) -> list[CorpusSpec]:
+    """Parses ``SRC-TGT:SRC_PATH,TGT_PATH`` command-line items into parallel corpora.
+
+    The two files are line-aligned (line i of one translates line i of the other). The same
+    pair may be given several times; its file pairs are read in the order given. The pair
+    name has exactly one '-', so codes in a pair cannot contain one (write zh_Hant).
+    """
+    by_pair: dict[tuple[str, str], list[tuple[Path, Path]]] = {}
+    for item in items:
+        name, sep, files = item.partition(":")
+        src_path, comma, tgt_path = files.partition(",")
+        if not sep or not comma or not src_path or not tgt_path or "," in tgt_path:
+            raise ValueError(
+                f"expected SRC-TGT:SRC_PATH,TGT_PATH, got {item!r} "
+                "(for example en-de:corpus/train.en,corpus/train.de)"
+            )
+        langs = name.split("-")
+        if len(langs) != 2 or not all(langs):
+            raise ValueError(
+                f"invalid pair name {name!r} in {item!r}: write SRC-TGT with one '-', e.g. "
+                "en-de (codes in a pair use '_' instead of '-')"
+            )
+        for lang in langs:
+            _check_lang(lang, item)
+        if langs[0] == langs[1]:
+            raise ValueError(f"pair {name!r} in {item!r} needs two different languages")
+        by_pair.setdefault((langs[0], langs[1]), []).append((Path(src_path), Path(tgt_path)))
+    return [
+        CorpusSpec(
+            f"{src}-{tgt}",
+            [path for path, _ in files],
+            pair=(src, tgt),
+            target_paths=[path for _, path in files],
+        )
+        for (src, tgt), files in by_pair.items()
+    ]
