@@ -1,0 +1,70 @@
+"""Scores translations against references: corpus BLEU and chrF with sacreBLEU.
+
+Example::
+
+    python tools/evaluate.py --hypotheses test.hyp.de --references test.de --lowercase \\
+        --tracking-uri sqlite:///runs/ft/mlflow.db --run-id 0123abcd
+
+Prints each score with sacreBLEU's signature; with --tracking-uri/--run-id also logs them as
+metrics (and the signatures as tags) of that MLflow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megasemface.evaluation.lines import TextFileError, read_lines
+from megasemface.evaluation.metrics import evaluate, log_to_mlflow
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--hypotheses", required=True, help="translations, one per line")
+    parser.add_argument("--references", required=True, help="references, line-aligned")
+    parser.add_argument("--lowercase", action="store_true", help="case-insensitive metrics")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI to log the metrics to")
+    parser.add_argument("--run-id", help="the MLflow run to log the metrics to")
+    parser.add_argument(
+        "--metric-prefix", default="", help="prefix of the MLflow metric names, e.g. test/"
+    )
+    parser.add_argument("--step", type=int, help="MLflow step of the logged metrics")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command; returns the exit status (2 for bad input)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    if (args.tracking_uri is None) != (args.run_id is None):
+        parser.print_usage(sys.stderr)
+        print("evaluate: error: --tracking-uri and --run-id go together", file=sys.stderr)
+        return 2
+    try:
+        result = evaluate(
+            read_lines(args.hypotheses),
+            read_lines(args.references),
+            lowercase=args.lowercase,
+            hypotheses_name=args.hypotheses,
+            references_name=args.references,
+        )
+    except (TextFileError, ValueError, FileNotFoundError) as exc:
+        print(f"evaluate: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.format())
+    if args.tracking_uri:
+        log_to_mlflow(
+            result,
+            tracking_uri=args.tracking_uri,
+            run_id=args.run_id,
+            prefix=args.metric_prefix,
+            step=args.step,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

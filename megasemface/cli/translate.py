@@ -1,0 +1,145 @@
+"""Translates sentences (one per line) with a seq2seq model directory.
+
+Example::
+
+    python tools/translate.py --model-dir runs/ft/model --src-lang en --tgt-lang de \\
+        --input test.en --output test.hyp.de --beam 5 --reference test.de --lowercase
+
+Reads standard input and writes standard output unless --input/--output name files; writes
+one translation per input line (an empty line gives an empty line). With --reference it
+prints corpus BLEU and chrF with sacreBLEU's signatures (on standard error when the
+translations go to standard output), and with --tracking-uri/--run-id logs them to that MLflow
+run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+
+from megasemface.evaluation.lines import TextFileError, one_line, read_lines, write_lines
+from megasemface.evaluation.metrics import evaluate, log_to_mlflow
+from megasemface.inference.search import SearchConfig
+from megasemface.inference.translate import Translator
+from megasemface.models.model_dir import ModelDirError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; search defaults come from :class:`SearchConfig`."""
+    defaults = SearchConfig()
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--model-dir", required=True, help="a seq2seq model directory")
+    parser.add_argument("--src-lang", required=True, help="source language code, e.g. en")
+    parser.add_argument("--tgt-lang", required=True, help="target language code, e.g. de")
+    parser.add_argument("--input", default="-", help="source sentences (default: stdin)")
+    parser.add_argument("--output", default="-", help="translations (default: stdout)")
+    parser.add_argument("--beam", type=int, default=5, help="beam size; 1 is greedy search")
+    parser.add_argument(
+        "--lenpen", type=float, default=defaults.lenpen, help="length penalty (fairseq's)"
+    )
+    parser.add_argument(
+        "--max-len-a",
+        type=float,
+        default=defaults.max_len_a,
+        help="at most max_len_a * source tokens + max_len_b tokens are generated",
+    )
+    parser.add_argument("--max-len-b", type=int, default=defaults.max_len_b)
+    parser.add_argument("--min-len", type=int, default=defaults.min_len)
+    parser.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=4096,
+        help="source tokens per batch, padding included",
+    )
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if any)")
+    parser.add_argument("--reference", help="reference translations: print BLEU and chrF")
+    parser.add_argument("--lowercase", action="store_true", help="case-insensitive metrics")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI to log the metrics to")
+    parser.add_argument("--run-id", help="the MLflow run to log the metrics to")
+    parser.add_argument(
+        "--metric-prefix", default="", help="prefix of the MLflow metric names, e.g. test/"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command; returns the exit status (2 for bad input)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    if (args.tracking_uri is None) != (args.run_id is None):
+        parser.print_usage(sys.stderr)
+        print("translate: error: --tracking-uri and --run-id go together", file=sys.stderr)
+        return 2
+    if args.tracking_uri and not args.reference:
+        print("translate: error: --tracking-uri needs --reference", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+    try:
+        config = SearchConfig(
+            beam=args.beam,
+            lenpen=args.lenpen,
+            max_len_a=args.max_len_a,
+            max_len_b=args.max_len_b,
+            min_len=args.min_len,
+        )
+        # Model and languages first: a mistake there shows before a long input is read.
+        translator = Translator.from_model_dir(args.model_dir, device)
+        translator.language_index(args.src_lang)
+        translator.language_index(args.tgt_lang)
+        sources = read_lines(args.input)
+        references = read_lines(args.reference) if args.reference else None
+        if references is not None and len(references) != len(sources):
+            raise ValueError(
+                f"{args.reference} has {len(references)} lines but {args.input} has "
+                f"{len(sources)}: the reference must be line-aligned with the input"
+            )
+        translations = translator.translate(
+            sources,
+            src_lang=args.src_lang,
+            tgt_lang=args.tgt_lang,
+            config=config,
+            batch_tokens=args.batch_tokens,
+        )
+    except (ModelDirError, TextFileError, ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"translate: error: {exc}", file=sys.stderr)
+        return 2
+    # Scored as written: one line each.
+    translations = [one_line(t) for t in translations]
+    write_lines(args.output, translations)
+    seconds = time.perf_counter() - started
+    report = sys.stderr if args.output == "-" else sys.stdout
+    print(
+        f"translated {len(sources):,} sentences in {seconds:.1f} s "
+        f"({len(sources) / max(seconds, 1e-9):,.1f} sentences/s, beam {config.beam}, {device})",
+        file=sys.stderr,
+    )
+    if references is not None:
+        result = evaluate(
+            translations,
+            references,
+            lowercase=args.lowercase,
+            hypotheses_name="translations",
+            references_name=args.reference,
+        )
+        print(result.format(), file=report)
+        if args.tracking_uri:
+            log_to_mlflow(
+                result,
+                tracking_uri=args.tracking_uri,
+                run_id=args.run_id,
+                prefix=args.metric_prefix,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Translation quality: corpus BLEU and chrF (sacreBLEU), logged to MLflow."""

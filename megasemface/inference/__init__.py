@@ -1,0 +1,1 @@
+"""Translation with a trained model: batched greedy and beam search, the Translator."""
