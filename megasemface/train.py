@@ -1,8 +1,12 @@
-"""Pre-training entry point, run through DeepSpeed's launcher::
+"""Pre-training and fine-tuning entry point, run through DeepSpeed's launcher::
 
     deepspeed megasemface/train.py --deepspeed_config ds_configs/zero2_bf16.json \\
         --stage encoder --interface vq --data shards/demo --spm-model spm/joint.model \\
         --output-dir runs/vq-encoder --steps 1000
+
+    deepspeed megasemface/train.py --deepspeed_config ds_configs/zero2_bf16.json \\
+        --stage finetune --init-from models/vq-semface --data shards/en-de-parallel \\
+        --spm-model spm/joint.model --valid-prefix corpus/en-de/valid --output-dir runs/ft
 
 Started again with the same output directory, a run resumes from its newest complete
 checkpoint. SIGTERM or SIGINT on any rank: every rank saves after the current step and the
@@ -53,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"train: ignoring unknown arguments {unknown}", file=sys.stderr)
     groups = init_distributed(config.mp_size)
+    if config.stage == "finetune":
+        from megasemface.training.finetune import FinetuneTrainer as Trainer
     try:
         return Trainer(config, ds_config, groups).run()
     except (ValueError, FileNotFoundError) as exc:

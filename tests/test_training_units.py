@@ -84,6 +84,12 @@ def test_train_options_refuse_impossible_combinations() -> None:
     with pytest.raises(ValueError, match="only an encoder stage"):
         TrainConfig(stage="joint", interface="none", **base)
     with pytest.raises(ValueError, match="--stage"):
-        TrainConfig(stage="finetune", interface="cl", **base)
+        TrainConfig(stage="pretrain", interface="cl", **base)
+    with pytest.raises(ValueError, match="--mp-size 1"):
+        TrainConfig(stage="finetune", interface="none", mp_size=2, **base)
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        TrainConfig(stage="finetune", interface="none", tags=["system"], **base)
+    with pytest.raises(ValueError, match="--finetune-mode"):
+        TrainConfig(stage="finetune", interface="none", finetune_mode="semi", **base)
     with pytest.raises(ValueError, match="--steps"):
         TrainConfig(stage="encoder", interface="cl", steps=0, **base)

@@ -35,7 +35,13 @@ from megasemface.objectives.sequences import (
     prepend_tokens,
 )
 
-__all__ = ["DenoisingSeq2Seq", "ObjectiveConfig", "SemFaceModel", "StageOutput"]
+__all__ = [
+    "DenoisingSeq2Seq",
+    "ObjectiveConfig",
+    "SemFaceModel",
+    "StageOutput",
+    "cross_entropy",
+]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -90,7 +96,10 @@ class StageOutput:
         )
 
 
-def _cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor, smoothing: float):
+def cross_entropy(
+    logits_NV: torch.Tensor, targets_N: torch.Tensor, smoothing: float
+) -> torch.Tensor:
+    """Mean token cross-entropy with label smoothing, in fp32."""
     # fp32 softmax: a 60k-way softmax in bf16 loses the small probabilities.
     return F.cross_entropy(logits_NV.float(), targets_N, label_smoothing=smoothing)
 
@@ -166,7 +175,7 @@ class SemFaceModel(nn.Module):
         weight_VD = self.interface.output_embeddings(self.encoder)
         logits = head.features_ND @ weight_VD.t().to(head.features_ND.dtype) + self.mlm_bias
         wanted = targets[targets != -100]
-        mlm = _cross_entropy(logits, wanted, self.objective.label_smoothing)
+        mlm = cross_entropy(logits, wanted, self.objective.label_smoothing)
         loss = mlm
         components = {"enc_mlm": mlm.detach()}
         for name, value in head.losses.items():
@@ -216,7 +225,7 @@ class SemFaceModel(nn.Module):
         selected = targets != -100
         logits = self.decoder.logits(hidden[selected])
         wanted = targets[selected]
-        loss = _cross_entropy(logits, wanted, obj.label_smoothing)
+        loss = cross_entropy(logits, wanted, obj.label_smoothing)
         accuracy = (logits.detach().argmax(-1) == wanted).float().mean().item()
         metrics = {**memory.metrics, "dec_accuracy": accuracy}
         return StageOutput(
@@ -308,7 +317,7 @@ class DenoisingSeq2Seq(nn.Module):
         )
         logits = self.model.decoder.logits(hidden[target_mask])
         wanted = targets[target_mask]
-        loss = _cross_entropy(logits, wanted, obj.label_smoothing)
+        loss = cross_entropy(logits, wanted, obj.label_smoothing)
         accuracy = (logits.detach().argmax(-1) == wanted).float().mean().item()
         return StageOutput(
             loss, {"denoise": loss.detach()}, {"denoise_accuracy": accuracy}, int(wanted.numel())

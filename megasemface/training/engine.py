@@ -141,6 +141,13 @@ class DeepSpeedEngine:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def eval(self) -> None:
+        self.engine.eval()
+
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
 

@@ -10,7 +10,9 @@ from typing import Any
 
 __all__ = ["STAGES", "TrainConfig", "add_train_arguments", "train_config_from_args"]
 
-STAGES = ("encoder", "decoder", "joint", "mbart")
+STAGES = ("encoder", "decoder", "joint", "mbart", "finetune")
+LR_SCHEDULES = ("deepspeed", "inverse_sqrt")
+FINETUNE_MODES = ("supervised", "unsupervised")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -18,7 +20,7 @@ class TrainConfig:
     """Everything a run needs besides the DeepSpeed config."""
 
     stage: str
-    """encoder, decoder, joint (Algorithm 1) or mbart (the denoising baseline)."""
+    """encoder, decoder, joint (Algorithm 1), mbart (the denoising baseline) or finetune."""
     interface: str
     """cl, vq or none (the XLM baseline: encoder stage only)."""
     data: Path
@@ -30,7 +32,8 @@ class TrainConfig:
     model_config_file: Path | None = None
     cl_table: Path | None = None
     init_from: Path | None = None
-    """Encoder-stage run directory (or checkpoint) whose VQ layer the decoder stage uses."""
+    """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
+    finetune: the seq2seq model directory to start from (none: random, no pre-training)."""
     decoder_objective: str = "clm"
     mse_weight: float = 1.0
     diversity_weight: float = 1.0
@@ -50,22 +53,75 @@ class TrainConfig:
     no_tracking: bool = False
     log_sample_ids: bool = False
     inject_nan_at: list[int] = dataclasses.field(default_factory=list)
+    tags: list[str] = dataclasses.field(default_factory=list)
+    """Extra MLflow tags, KEY=VALUE (e.g. system=VQ-SemFace for tools/compare_runs.py)."""
+    lr: float | None = None
+    """Peak learning rate (default: the DeepSpeed config's optimizer lr)."""
+    lr_schedule: str | None = None
+    """deepspeed (the config's optimizer and scheduler) or inverse_sqrt (warm-up, then
+    1/sqrt decay); default inverse_sqrt for finetune, deepspeed otherwise."""
+    warmup_steps: int = 4000
+    # Fine-tuning ---------------------------------------------------------------------------
+    finetune_mode: str = "supervised"
+    """supervised (parallel shards) or unsupervised (monolingual shards: denoising plus
+    online back-translation)."""
+    directions: list[str] = dataclasses.field(default_factory=list)
+    """Translation directions SRC-TGT to train (default: both directions of every pair)."""
+    label_smoothing: float = 0.1
+    denoise_schedule: str = "0:1,100000:0.1,300000:0"
+    """Unsupervised: the denoising loss weight, piecewise linear over STEP:WEIGHT points."""
+    valid_prefix: Path | None = None
+    """Validation text: PREFIX.SRC and PREFIX.TGT files, e.g. corpus/en-de/valid."""
+    valid_interval: int = 1000
+    valid_max_sentences: int = 500
+    valid_beam: int = 1
+    max_len_a: float = 1.2
+    max_len_b: int = 10
+    """Generation (validation, back-translation) stops after a x source length + b tokens."""
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"--stage must be one of {STAGES}, got {self.stage!r}")
         if self.interface not in ("cl", "vq", "none"):
             raise ValueError(f"--interface must be cl, vq or none, got {self.interface!r}")
-        if self.interface == "none" and self.stage not in ("encoder", "mbart"):
+        if self.interface == "none" and self.stage not in ("encoder", "mbart", "finetune"):
             raise ValueError("--interface none (XLM) has only an encoder stage")
         if self.stage == "decoder" and self.interface == "vq" and self.init_from is None:
             raise ValueError(
                 "the VQ decoder stage needs --init-from: the encoder-stage run whose codebook "
                 "it uses (frozen)"
             )
-        for name in ("steps", "save_interval", "keep_last", "log_interval", "mp_size"):
+        if self.lr_schedule not in (None, *LR_SCHEDULES):
+            raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}")
+        if self.finetune_mode not in FINETUNE_MODES:
+            raise ValueError(f"--finetune-mode must be one of {FINETUNE_MODES}")
+        if self.stage == "finetune" and self.mp_size != 1:
+            raise ValueError("--stage finetune has no codebook to split: use --mp-size 1")
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError("--label-smoothing must be in [0, 1)")
+        self.tag_dict()  # validates KEY=VALUE
+        for name in (
+            "steps",
+            "save_interval",
+            "keep_last",
+            "log_interval",
+            "mp_size",
+            "warmup_steps",
+            "valid_interval",
+            "valid_max_sentences",
+            "valid_beam",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+    def tag_dict(self) -> dict[str, str]:
+        tags = {}
+        for item in self.tags:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--tag takes KEY=VALUE, got {item!r}")
+            tags[key.strip()] = value.strip()
+        return tags
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -100,7 +156,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--model-config", dest="model_config_file", type=Path, help="JSON file of model options")
     add("--cl-table", type=Path, help="cross-lingual embedding table (safetensors) for cl")
-    add("--init-from", type=Path, help="encoder-stage run whose VQ layer the decoder stage uses")
+    add(
+        "--init-from",
+        type=Path,
+        help="VQ decoder stage: the encoder-stage run whose codebook it uses; finetune: the "
+        "seq2seq model directory to start from (tools/merge_checkpoints.py connect)",
+    )
     add("--decoder-objective", default=d.decoder_objective, choices=("clm", "mlm"))
     add("--mse-weight", type=float, default=d.mse_weight)
     add("--diversity-weight", type=float, default=d.diversity_weight)
@@ -126,6 +187,35 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write the sentence ids of every step to samples-rank*.jsonl (for audits)",
     )
+    add("--tag", dest="tags", action="append", default=[], metavar="KEY=VALUE", help="MLflow tag")
+    add("--lr", type=float, help="peak learning rate (default: the DeepSpeed config's)")
+    add("--lr-schedule", choices=LR_SCHEDULES, help="default: inverse_sqrt for finetune")
+    add("--warmup-steps", type=int, default=d.warmup_steps)
+    finetune = parser.add_argument_group("fine-tuning (--stage finetune)")
+    add = finetune.add_argument
+    add("--finetune-mode", default=d.finetune_mode, choices=FINETUNE_MODES)
+    add(
+        "--direction",
+        dest="directions",
+        action="append",
+        default=[],
+        metavar="SRC-TGT",
+        help="a direction to train (repeatable; default: both directions)",
+    )
+    add("--label-smoothing", type=float, default=d.label_smoothing)
+    add(
+        "--denoise-schedule",
+        default=d.denoise_schedule,
+        metavar="STEP:WEIGHT,...",
+        help="unsupervised: denoising weight, piecewise linear (paper: %(default)s)",
+    )
+    add("--valid-prefix", type=Path, help="validation text PREFIX.SRC / PREFIX.TGT")
+    add("--valid-interval", type=int, default=d.valid_interval, help="steps between BLEU runs")
+    add("--valid-max-sentences", type=int, default=d.valid_max_sentences)
+    add("--valid-beam", type=int, default=d.valid_beam, help="beam size of validation (1: greedy)")
+    add("--max-len-a", type=float, default=d.max_len_a)
+    add("--max-len-b", type=int, default=d.max_len_b)
+    add = parser.add_argument
     add(
         "--inject-nan-at",
         type=int,

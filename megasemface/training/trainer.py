@@ -33,7 +33,12 @@ from megasemface.interfaces.factory import build_interface
 from megasemface.models.config import ModelConfig, build_model_config
 from megasemface.objectives.noising import sentence_boundary_ids
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.objectives.stages import DenoisingSeq2Seq, ObjectiveConfig, SemFaceModel
+from megasemface.objectives.stages import (
+    DenoisingSeq2Seq,
+    ObjectiveConfig,
+    SemFaceModel,
+    StageOutput,
+)
 from megasemface.tracking.mlflow_tracker import MLflowTracker, NullTracker, Tracker
 from megasemface.training.checkpoint import CheckpointManager
 from megasemface.training.engine import DeepSpeedEngine, consolidated_state
@@ -84,32 +89,30 @@ class Trainer:
                 "were built with (sha256 differs); pass the model given to build_shards"
             )
         self.languages = self.tokenizer.languages
-        missing = sorted(set(self.manifest.languages) - set(self.languages))
-        if missing:
-            raise ValueError(f"the tokenizer has no language tag for {missing}")
+        self.pairs: dict[str, tuple[str, str]] = dict(self.manifest.pairs)
+        self._check_data()
         self.special = SpecialTokens.from_tokenizer(self.tokenizer)
-        self.model_config = build_model_config(
-            config.preset,
-            [
-                f"vocab_size={self.tokenizer.vocab_size}",
-                f"num_langs={len(self.languages)}",
-                f"pad_id={self.tokenizer.pad_id}",
-                f"mask_id={self.tokenizer.mask_id}",
-                *config.model_options,
-            ],
-            config_file=config.model_config_file,
-        )
         self.parent_runs: dict[str, str] = {}
+        self.model_config = self._model_config()
         torch.manual_seed(config.seed)
         self.model, trainable = self._build_model(self.model_config)
         self.engine = DeepSpeedEngine(self.model, ds_config, groups, trainable)
         self.ds_config = ds_config
+        self.lr_schedule = config.lr_schedule or (
+            "inverse_sqrt" if config.stage == "finetune" else "deepspeed"
+        )
+        if self.lr_schedule != "deepspeed" and ds_config.get("scheduler"):
+            raise ValueError(
+                f"--lr-schedule {self.lr_schedule} replaces DeepSpeed's scheduler; remove "
+                "'scheduler' from the DeepSpeed config or pass --lr-schedule deepspeed"
+            )
+        self.base_lr = config.lr if config.lr is not None else self.engine.lr
         self.checkpoints = CheckpointManager(config.output_dir, config.keep_last, self.rank)
         self.loader = ShardLoader(
             ShardSource.from_manifest(self.manifest),
             LoaderConfig(
                 max_tokens=config.max_tokens,
-                max_len=self.model_config.max_len - 2,  # room for </s> and the language tag
+                max_len=self._loader_max_len(),
                 seed=config.seed,
                 num_workers=config.num_workers,
             ),
@@ -124,6 +127,36 @@ class Trainer:
         self.run_id: str | None = None
 
     # Model --------------------------------------------------------------------------------
+
+    def _check_data(self) -> None:
+        data_langs = {lang for pair in self.pairs.values() for lang in pair}
+        data_langs |= set(self.manifest.languages) - set(self.pairs)
+        missing = sorted(data_langs - set(self.languages))
+        if missing:
+            raise ValueError(f"the tokenizer has no language tag for {missing}")
+        if self.pairs:
+            raise ValueError(
+                f"{self.config.data} holds parallel data ({sorted(self.pairs)}); pre-training "
+                "stages read monolingual shards (parallel shards are for --stage finetune)"
+            )
+
+    def _model_config(self) -> ModelConfig:
+        return build_model_config(
+            self.config.preset,
+            [*self._tokenizer_options(), *self.config.model_options],
+            config_file=self.config.model_config_file,
+        )
+
+    def _tokenizer_options(self) -> list[str]:
+        return [
+            f"vocab_size={self.tokenizer.vocab_size}",
+            f"num_langs={len(self.languages)}",
+            f"pad_id={self.tokenizer.pad_id}",
+            f"mask_id={self.tokenizer.mask_id}",
+        ]
+
+    def _loader_max_len(self) -> int:
+        return self.model_config.max_len - 2  # room for </s> and the language tag
 
     def _build_model(
         self, model_config: ModelConfig
@@ -200,7 +233,7 @@ class Trainer:
     def _meta(self) -> dict[str, Any]:
         """Run metadata; a collective under ZeRO-3 (the fingerprint gathers weights)."""
         interface = getattr(self.engine.module, "interface", None)
-        fingerprint = {"kind": "mbart"}
+        fingerprint = {"kind": self.config.stage}  # mbart, finetune: no interface
         if interface is not None:
             with self.engine.gathered(interface.parameters()):
                 fingerprint = interface.fingerprint()
@@ -225,6 +258,7 @@ class Trainer:
             "samples_seen": self.samples_seen,
             "mlflow_run_id": self.run_id,
             "meta": meta,
+            **self._extra_state(),
         }
         rank_state = {
             "step": self.step,
@@ -254,6 +288,7 @@ class Trainer:
         self.skipped = int(client_state.get("skipped", 0))
         self.samples_seen = int(client_state.get("samples_seen", 0))
         self.run_id = client_state.get("mlflow_run_id")
+        self._restore_extra_state(client_state)
         if self.is_main:
             print(f"resuming from {self.checkpoints.root / tag} (step {self.step})", flush=True)
         return True
@@ -264,12 +299,36 @@ class Trainer:
         lang = self.languages.index(batch.lang)
         return SequenceBatch(batch.tokens, batch.lengths, torch.full_like(batch.lengths, lang))
 
+    def _forward(self, batch: TokenBatch, generator: torch.Generator, step: int) -> StageOutput:
+        """The step's loss (a subclass hook: fine-tuning builds its batches differently)."""
+        interface = getattr(self.engine.module, "interface", None)
+        if hasattr(interface, "set_step"):
+            interface.set_step(step)
+        return self.engine.forward(self._sequence_batch(batch), generator)
+
+    def _after_step(self, step: int, tracker: Tracker) -> None:
+        """Runs on every rank after each step, before any checkpoint (validation hooks)."""
+
+    def _extra_state(self) -> dict[str, Any]:
+        """Stage-specific counters saved in checkpoints."""
+        return {}
+
+    def _restore_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def _lr_at(self, step: int) -> float:
+        """``--lr-schedule inverse_sqrt``: linear warm-up, then decay with 1/sqrt(step) (the
+        paper's fine-tuning schedule); a pure function of the step, so resume is exact."""
+        warmup = self.config.warmup_steps
+        return self.base_lr * min(step / warmup, math.sqrt(warmup / step))
+
     def _tracker(self) -> Tracker:
         cfg = self.config
         if not self.is_main or cfg.no_tracking:
             return NullTracker()
         tags = {"stage": cfg.stage, "interface": cfg.interface, "git_commit": _git_commit()}
         tags.update({f"parent_{k}_run": v for k, v in self.parent_runs.items() if v})
+        tags.update(cfg.tag_dict())
         return MLflowTracker(
             cfg.tracking_uri,
             cfg.output_dir,
@@ -324,10 +383,7 @@ class Trainer:
             step = self.step + 1
             batch = next(stream)
             generator = _seed_everything(_step_seed(cfg.seed, step, self.groups.dp_rank))
-            interface = getattr(self.engine.module, "interface", None)
-            if hasattr(interface, "set_step"):
-                interface.set_step(step)
-            out = self.engine.forward(self._sequence_batch(batch), generator)
+            out = self._forward(batch, generator, step)
             loss = out.loss * float("nan") if step in cfg.inject_nan_at else out.loss
             bad, loss_sum, tokens, sentences = _all_reduce(
                 [
@@ -355,6 +411,8 @@ class Trainer:
             else:
                 self.skips_in_row = 0
                 self.engine.backward(loss)
+                if self.lr_schedule != "deepspeed":
+                    self.engine.set_lr(self._lr_at(step))
                 self.engine.step()
             self.step = step
             # Model-parallel peers read the same batch: count it once.
@@ -389,6 +447,7 @@ class Trainer:
                 tracker.log_metrics(metrics, step)
                 progress.update(step, metrics)
                 window_tokens, window_started = 0, time.perf_counter()
+            self._after_step(step, tracker)
             stopping = stop.agreed()
             if stopping or step % cfg.save_interval == 0 or step == cfg.steps:
                 blocked = self.save()

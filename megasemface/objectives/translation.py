@@ -1,0 +1,144 @@
+"""Fine-tuning units: the translation model's losses and its generation entry points.
+
+``TranslationModel`` wraps the connected ``Seq2SeqModel``. Everything DeepSpeed must see runs
+through its ``forward`` (``task`` selects what): the supervised loss, the unsupervised loss
+(denoising plus back-translation), and the two generation calls ``encode`` and
+``decode_step``. Under ZeRO-3 a module call is what gathers the partitioned weights, so
+generation for back-translation and validation goes through the engine too.
+
+Layouts (see ``sequences``): the encoder reads ``x </s>`` with the source language's
+embedding; the decoder reads ``<tgt> y`` and predicts ``y </s>``.
+
+Shapes: B batch, S source length, T target length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from megasemface.models.config import ModelConfig
+from megasemface.models.transformer import Seq2SeqModel
+from megasemface.objectives.noising import drop_and_shuffle
+from megasemface.objectives.sequences import (
+    SequenceBatch,
+    SpecialTokens,
+    append_token,
+    lengths_to_mask,
+    prepend_tokens,
+)
+from megasemface.objectives.stages import StageOutput, cross_entropy
+
+__all__ = ["TASKS", "TranslationModel"]
+
+TASKS = ("supervised", "unsupervised", "encode", "decode_step")
+
+
+class TranslationModel(nn.Module):
+    """The sequence-to-sequence model with its fine-tuning losses."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        special: SpecialTokens,
+        *,
+        label_smoothing: float = 0.1,
+        word_drop: float = 0.1,
+        shuffle_window: int = 3,
+    ) -> None:
+        super().__init__()
+        if len(special.lang_tags) != config.num_langs:
+            raise ValueError(
+                f"the tokenizer has {len(special.lang_tags)} languages, the model config "
+                f"{config.num_langs}"
+            )
+        self.config = config
+        self.special = special
+        self.label_smoothing = label_smoothing
+        self.word_drop = word_drop
+        self.shuffle_window = shuffle_window
+        self.model = Seq2SeqModel(config)
+
+    def forward(self, task: str, *args: Any) -> Any:
+        """``supervised(src, tgt)``, ``unsupervised(mono, noise_generator, bt_src, weight)``,
+        ``encode(src_BS, mask_BS, langs_B)`` or ``decode_step(prefix_BT, langs_B, memory)``."""
+        if task == "supervised":
+            return self.translation_loss(*args)
+        if task == "unsupervised":
+            return self.unsupervised_loss(*args)
+        if task == "encode":
+            return self.model.encode(*args)
+        if task == "decode_step":
+            return self.model.decode_step(*args)
+        raise ValueError(f"unknown task {task!r}; one of {TASKS}")
+
+    def external_parameters(self) -> list[nn.Parameter]:
+        """The tied output layer, read outside the decoder's forward (ZeRO-3 registers it)."""
+        return [self.model.decoder.embed.tokens.weight, self.model.decoder.output_bias]
+
+    def translation_loss(
+        self, src: SequenceBatch, tgt: SequenceBatch, prefix: str = "mt"
+    ) -> StageOutput:
+        """Label-smoothed cross-entropy of ``tgt`` given ``src`` (teacher forcing)."""
+        sp = self.special
+        source, source_lengths = append_token(src.tokens_BT, src.lengths_B, sp.eos, sp.pad)
+        tags = torch.tensor(sp.lang_tags, device=tgt.langs_B.device)[tgt.langs_B]
+        inputs, lengths = prepend_tokens(tgt.tokens_BT, tgt.lengths_B, tags)
+        targets, _ = append_token(tgt.tokens_BT, tgt.lengths_B, sp.eos, sp.pad)
+        target_mask = lengths_to_mask(lengths, targets.shape[1])
+        hidden = self.model(
+            source,
+            lengths_to_mask(source_lengths, source.shape[1]),
+            src.langs_B,
+            inputs,
+            target_mask,
+            tgt.langs_B,
+        )
+        logits = self.model.decoder.logits(hidden[target_mask])
+        wanted = targets[target_mask]
+        loss = cross_entropy(logits, wanted, self.label_smoothing)
+        with torch.no_grad():
+            nll = cross_entropy(logits, wanted, 0.0)
+            accuracy = (logits.argmax(-1) == wanted).float().mean().item()
+        return StageOutput(
+            loss,
+            {prefix: loss.detach(), f"{prefix}_nll": nll},
+            {f"{prefix}_accuracy": accuracy},
+            int(wanted.numel()),
+        )
+
+    def denoising_loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
+        """Reconstruct ``x`` from C(x) (word drop and local shuffle), same language."""
+        noised, lengths = drop_and_shuffle(
+            batch.tokens_BT,
+            batch.lengths_B,
+            pad_id=self.special.pad,
+            generator=generator,
+            drop_prob=self.word_drop,
+            shuffle_window=self.shuffle_window,
+        )
+        return self.translation_loss(SequenceBatch(noised, lengths, batch.langs_B), batch, "dae")
+
+    def unsupervised_loss(
+        self,
+        mono: SequenceBatch,
+        generator: torch.Generator,
+        back_translated: SequenceBatch | None,
+        denoise_weight: float,
+    ) -> StageOutput:
+        """``denoise_weight`` x denoising of ``mono`` + back-translation (``back_translated``
+        -> ``mono``); one call, so DeepSpeed sees a single forward per step."""
+        total: StageOutput | None = None
+        if denoise_weight > 0:
+            dae = self.denoising_loss(mono, generator)
+            dae.loss = dae.loss * denoise_weight
+            total = dae
+        if back_translated is not None:
+            bt = self.translation_loss(back_translated, mono, "bt")
+            total = bt if total is None else total + bt
+        if total is None:
+            raise ValueError("nothing to train: denoising weight 0 and no back-translation")
+        total.metrics["denoise_weight"] = denoise_weight
+        return total
