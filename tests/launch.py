@@ -1,0 +1,140 @@
+"""Launching real training runs from tests: ``deepspeed --num_accelerators N`` over gloo.
+
+Imported by tests for the helpers; run by the launcher as a script, it is ``train.py`` with
+one addition: at every checkpoint the ranks of data-parallel rank 0 also write the weights
+their live model holds (gathered under ZeRO-3) to
+``<output-dir>/live/step-NNNNNNNN-mp<R>.safetensors``, which tests compare with what the
+checkpoint tools reconstruct from DeepSpeed's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEEPSPEED = Path(sys.executable).with_name("deepspeed")
+SHIPPED_CONFIGS = {
+    2: ROOT / "ds_configs" / "cpu_fp32_zero2.json",
+    3: ROOT / "ds_configs" / "cpu_fp32_zero3.json",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ds_config(zero: int, directory: Path) -> Path:
+    """An fp32 CPU DeepSpeed config for ZeRO stage ``zero`` (exact arithmetic for tests):
+    the shipped one for 2 and 3, the ZeRO-2 one with ``stage`` 1 for 1."""
+    if zero in SHIPPED_CONFIGS:
+        return SHIPPED_CONFIGS[zero]
+    config = json.loads(SHIPPED_CONFIGS[2].read_text(encoding="utf-8"))
+    config["zero_optimization"]["stage"] = zero
+    path = directory / f"cpu_fp32_zero{zero}.json"
+    path.write_text(json.dumps(config, indent=1), encoding="utf-8")
+    return path
+
+
+def environment() -> dict[str, str]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def train_command(
+    data: dict[str, Any],
+    out: Path,
+    *args: str,
+    config: Path,
+    procs: int = 2,
+    live: bool = False,
+) -> list[str]:
+    """``deepspeed`` running train.py (or, with ``live``, this file) on the tiny preset."""
+    script = Path(__file__) if live else ROOT / "megasemface" / "train.py"
+    return [
+        str(DEEPSPEED),
+        "--num_accelerators",
+        str(procs),
+        "--master_port",
+        str(free_port()),
+        str(script),
+        "--deepspeed_config",
+        str(config),
+        "--data",
+        str(data["shards"]),
+        "--spm-model",
+        str(data["spm"]),
+        "--output-dir",
+        str(out),
+        "--preset",
+        "tiny",
+        "--max-tokens",
+        "512",
+        "--log-interval",
+        "1",
+        *args,
+    ]
+
+
+def launch(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=environment(), cwd=ROOT, timeout=timeout
+    )
+
+
+def check_finished(result: subprocess.CompletedProcess[str], out: Path, steps: int) -> None:
+    """The run exited 0 and its last checkpoint is complete."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (out / "checkpoints" / f"step-{steps:08d}" / "COMPLETE").is_file()
+
+
+def _live_trainer() -> type:
+    import torch
+    from safetensors.torch import save_file
+
+    from megasemface.training.trainer import Trainer
+
+    class LiveTrainer(Trainer):
+        """The trainer, writing its live weights beside every checkpoint."""
+
+        def save(self) -> float:
+            blocked = super().save()
+            module = self.engine.module
+            with self.engine.gathered(module.parameters()):  # a collective under ZeRO-3
+                if self.groups.dp_rank == 0:
+                    state = {
+                        name: tensor.detach().to(torch.float32).clone()
+                        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+                    }
+                    live = self.config.output_dir / "live"
+                    live.mkdir(exist_ok=True)
+                    name = f"step-{self.step:08d}-mp{self.groups.mp_rank}.safetensors"
+                    save_file(state, str(live / name))
+            return blocked
+
+    return LiveTrainer
+
+
+def main() -> int:
+    """train.py's main with :class:`LiveTrainer`; run by the deepspeed launcher."""
+    from megasemface.train import build_parser
+    from megasemface.training.engine import init_distributed, load_ds_config
+    from megasemface.training.options import train_config_from_args
+
+    args, _ = build_parser().parse_known_args()
+    config = train_config_from_args(args)
+    ds = load_ds_config(args.deepspeed_config)
+    groups = init_distributed(config.mp_size)
+    return _live_trainer()(config, ds, groups).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,207 @@
+"""Fine-tuning through the real ``deepspeed`` launcher with 2 CPU processes over gloo."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from launch import ROOT, check_finished, ds_config, launch, train_command
+
+from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.textio import parse_lang_path, parse_parallel
+from megasemface.data.tokenizer import Tokenizer
+from megasemface.models.config import build_model_config
+from megasemface.models.model_dir import load_seq2seq, save_model_dir
+from megasemface.models.transformer import Seq2SeqModel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leftover_shared_memory() -> Iterator[None]:
+    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    yield
+    for path in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path) -> dict:
+    root = tmp_path_factory.mktemp("finetune-data")
+    config = ShardBuildConfig(tokens_per_sample=4096, samples_per_shard=4, max_tokens=60)
+    parallel = demo_corpus / "parallel" / "en-de"
+    build_shards(
+        parse_parallel([f"en-de:{parallel / 'train.en'},{parallel / 'train.de'}"]),
+        spm_model,
+        root / "parallel",
+        config,
+    )
+    mono = [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
+    build_shards(parse_lang_path(mono), spm_model, root / "mono", config)
+    tokenizer = Tokenizer.load(spm_model)
+    model_config = build_model_config(
+        "tiny", [f"vocab_size={tokenizer.vocab_size}", f"num_langs={len(tokenizer.languages)}"]
+    )
+    torch.manual_seed(0)
+    save_model_dir(
+        root / "init",
+        Seq2SeqModel(model_config).state_dict(),
+        kind="seq2seq",
+        model_config=model_config,
+        languages=tokenizer.languages,
+        spm_model=spm_model,
+        meta={"source_runs": {"encoder": "0123abcd"}},
+    )
+    return {
+        "parallel": root / "parallel",
+        "mono": root / "mono",
+        "spm": spm_model,
+        "init": root / "init",
+        "valid": parallel / "valid",
+        "test": parallel / "test",
+    }
+
+
+def _finetune(data: dict, out: Path, shards: Path, *args: str, zero: int) -> list[str]:
+    return train_command(
+        {"shards": shards, "spm": data["spm"]},
+        out,
+        "--stage",
+        "finetune",
+        "--valid-prefix",
+        str(data["valid"]),
+        "--valid-max-sentences",
+        "24",
+        "--lr",
+        "1e-3",
+        "--warmup-steps",
+        "2",
+        *args,
+        config=ds_config(zero, out.parent),
+    )
+
+
+def _mlflow_run(out: Path) -> tuple:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (run,) = client.search_runs(client.search_experiments()[0].experiment_id)
+    return client, run
+
+
+def test_supervised_finetune_zero2_validates_keeps_best_and_translates(
+    data: dict, tmp_path: Path
+) -> None:
+    out = tmp_path / "supervised"
+    cmd = _finetune(
+        data,
+        out,
+        data["parallel"],
+        "--steps",
+        "6",
+        "--valid-interval",
+        "3",
+        "--save-interval",
+        "3",
+        "--tag",
+        "system=Transformer",
+        zero=2,
+    )
+    result = launch(cmd)
+    check_finished(result, out, 6)
+    assert "validation" in result.stdout and "valid_bleu" in result.stdout
+    client, run = _mlflow_run(out)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["system"] == "Transformer" and run.data.tags["stage"] == "finetune"
+    bleu = client.get_metric_history(run.info.run_id, "valid_bleu")
+    assert [m.step for m in bleu] == [3, 6]
+    assert {"valid_bleu_en-de", "valid_bleu_de-en", "valid_chrf", "mt_nll"} <= set(run.data.metrics)
+    # The inverse square-root schedule: warm-up over 2 steps, then lr x sqrt(2 / step).
+    lrs = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "lr")}
+    for step, value in lrs.items():
+        assert value == pytest.approx(1e-3 * min(step / 2, math.sqrt(2 / step)), rel=1e-6)
+    best = json.loads((out / "best" / "config.json").read_text())
+    assert best["meta"]["valid_bleu"] == pytest.approx(run.data.metrics["best_valid_bleu"])
+    assert best["meta"]["source_runs"]["finetune"] == run.info.run_id
+    _, info = load_seq2seq(out / "best")
+    assert info.languages == Tokenizer.load(data["spm"]).languages
+    # The best model directory is what the translate command reads.
+    translated = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "translate.py"),
+            "--model-dir",
+            str(out / "best"),
+            "--src-lang",
+            "en",
+            "--tgt-lang",
+            "de",
+            "--input",
+            f"{data['test']}.en",
+            "--reference",
+            f"{data['test']}.de",
+            "--output",
+            str(tmp_path / "hyp.de"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert translated.returncode == 0, translated.stderr[-2000:]
+    assert "BLEU" in translated.stdout + translated.stderr
+    hyps = (tmp_path / "hyp.de").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == len(Path(f"{data['test']}.en").read_text().splitlines())
+
+
+def test_unsupervised_finetune_zero3_back_translates_in_lockstep(
+    data: dict, tmp_path: Path
+) -> None:
+    out = tmp_path / "unsupervised"
+    cmd = _finetune(
+        data,
+        out,
+        data["mono"],
+        "--finetune-mode",
+        "unsupervised",
+        "--init-from",
+        str(data["init"]),
+        "--denoise-schedule",
+        "0:1,2:0.5,4:0",
+        "--steps",
+        "4",
+        "--valid-interval",
+        "4",
+        "--max-len-a",
+        "1.0",
+        "--max-len-b",
+        "5",
+        zero=3,
+    )
+    result = launch(cmd, timeout=400)
+    check_finished(result, out, 4)
+    client, run = _mlflow_run(out)
+    assert run.data.tags["parent_encoder_run"] == "0123abcd"  # lineage from the model dir
+    weights = {
+        m.step: m.value for m in client.get_metric_history(run.info.run_id, "denoise_weight")
+    }
+    assert weights == {1: 0.75, 2: 0.5, 3: 0.25, 4: 0.0}
+    assert client.get_metric_history(run.info.run_id, "bt")  # back-translation trained
+    assert (out / "best" / "model.safetensors").is_file()
+
+
+def test_finetune_refuses_wrong_data_and_model(data: dict, tmp_path: Path) -> None:
+    mono_supervised = launch(
+        _finetune(data, tmp_path / "a", data["mono"], "--steps", "1", zero=2), timeout=120
+    )
+    assert mono_supervised.returncode != 0
+    assert "parallel shards" in mono_supervised.stderr + mono_supervised.stdout
+    not_a_model = launch(
+        _finetune(data, tmp_path / "b", data["parallel"], "--init-from", str(tmp_path), zero=2),
+        timeout=120,
+    )
+    assert not_a_model.returncode != 0
+    assert "not a megasemface model directory" in not_a_model.stderr + not_a_model.stdout
