@@ -54,7 +54,7 @@ def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model:
         model_config=model_config,
         languages=tokenizer.languages,
         spm_model=spm_model,
-        meta={"source_runs": {"encoder": "0123abcd"}},
+        meta={"parent_runs": {"encoder": "0123abcd"}},
     )
     return {
         "parallel": root / "parallel",
@@ -126,7 +126,7 @@ def test_supervised_finetune_zero2_validates_keeps_best_and_translates(
         assert value == pytest.approx(1e-3 * min(step / 2, math.sqrt(2 / step)), rel=1e-6)
     best = json.loads((out / "best" / "config.json").read_text())
     assert best["meta"]["valid_bleu"] == pytest.approx(run.data.metrics["best_valid_bleu"])
-    assert best["meta"]["source_runs"]["finetune"] == run.info.run_id
+    assert best["meta"]["parent_runs"]["finetune"] == run.info.run_id
     _, info = load_seq2seq(out / "best")
     assert info.languages == Tokenizer.load(data["spm"]).languages
     # The best model directory is what the translate command reads.

@@ -153,7 +153,7 @@ class FinetuneTrainer(Trainer):
         if self.init_info is not None:
             state, info = load_model_dir(cfg.init_from, "seq2seq")  # type: ignore[arg-type]
             model.model.load_state_dict(state)
-            sources = info.meta.get("source_runs") or {}
+            sources = info.meta.get("parent_runs") or {}
             self.parent_runs.update({k: v for k, v in sources.items() if isinstance(v, str)})
         return model, list(model.parameters())
 
@@ -365,7 +365,6 @@ class FinetuneTrainer(Trainer):
             )
         if state is None:
             return
-        sources = {f"parent_{k}": v for k, v in self.parent_runs.items() if v}
         save_model_dir(
             self.config.output_dir / "best",
             state,
@@ -382,7 +381,7 @@ class FinetuneTrainer(Trainer):
                 "stage": "finetune",
                 "step": step,
                 **scores,
-                "source_runs": {"finetune": self.run_id, **sources},
+                "parent_runs": {**self.parent_runs, "finetune": self.run_id},
             },
             overwrite=True,
         )
