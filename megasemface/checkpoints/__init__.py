@@ -1,0 +1,67 @@
+"""Checkpoint tools: consolidation, model-parallel codebooks, averaging, connecting stages.
+
+- :func:`load_stage`: a pre-training stage's full fp32 weights and metadata from a run,
+  checkpoint or model directory (DeepSpeed's consolidation per model-parallel rank, the
+  flat codebook gathered, the interface fingerprint recomputed for the gathered layer).
+- :func:`resplit_codebook`, :func:`gather_codebook_states`: a model state's codebook cut for
+  another model-parallel size and put back together; :func:`codebook_state_for_rank`: the
+  VQ layer one model-parallel rank of a decoder stage loads from an encoder stage.
+- :func:`average_checkpoints`: the exact fp32 mean of checkpoints of one stage.
+- :func:`connect_runs`, :func:`connect_mbart`: sequence-to-sequence initialisations.
+- :func:`write_pretraining_dir`, :func:`write_seq2seq_dir`: self-contained model directories.
+
+``tools/merge_checkpoints.py`` is the command line over these.
+"""
+
+from megasemface.checkpoints.average import average_checkpoints, last_checkpoints
+from megasemface.checkpoints.codebook import (
+    gather_codebook_states,
+    quantizer_state,
+    resplit_codebook,
+    vq_fingerprint,
+)
+from megasemface.checkpoints.connect import Connected, connect_mbart, connect_runs
+from megasemface.checkpoints.consolidate import (
+    Codebook,
+    codebook_state_for_rank,
+    consolidate_checkpoint,
+    load_checkpoint,
+    load_codebook,
+    load_stage,
+)
+from megasemface.checkpoints.export import (
+    resolve_spm_model,
+    write_pretraining_dir,
+    write_seq2seq_dir,
+)
+from megasemface.checkpoints.layout import (
+    CheckpointError,
+    CheckpointInfo,
+    complete_checkpoints,
+    find_checkpoint,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "Codebook",
+    "Connected",
+    "average_checkpoints",
+    "codebook_state_for_rank",
+    "complete_checkpoints",
+    "connect_mbart",
+    "connect_runs",
+    "consolidate_checkpoint",
+    "find_checkpoint",
+    "gather_codebook_states",
+    "last_checkpoints",
+    "load_checkpoint",
+    "load_codebook",
+    "load_stage",
+    "quantizer_state",
+    "resolve_spm_model",
+    "resplit_codebook",
+    "vq_fingerprint",
+    "write_pretraining_dir",
+    "write_seq2seq_dir",
+]

@@ -1,0 +1,122 @@
+"""Sequence-to-sequence initialisations from pre-training runs.
+
+- SemFace: the encoder of an encoder-stage run and the decoder (with its pre-trained
+  cross-attention) of a decoder-stage run, through
+  :func:`megasemface.models.connect.connect_stages`, which drops the interface and refuses
+  stages pre-trained against different interfaces, tokenizers or shapes.
+- XLM-style: an encoder stage alone initialises encoder and decoder (cross-attention random).
+- mBART baseline: the run's model already is a ``Seq2SeqModel`` (under ``model.``).
+
+Interfaces are compared by the fingerprints :func:`~.consolidate.load_stage` computes from
+the gathered weights, so an encoder stage trained with its codebook split over model-parallel
+ranks matches a decoder stage that used the gathered codebook. A VQ encoder's fingerprint is
+taken in the decoder run's training dtype, the values that run held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megasemface.checkpoints.codebook import quantizer_state, vq_fingerprint
+from megasemface.checkpoints.consolidate import DTYPES, load_stage
+from megasemface.checkpoints.layout import CheckpointError
+from megasemface.models.config import ModelConfig, config_from_dict
+from megasemface.models.connect import ConnectError, connect_stages
+from megasemface.models.transformer import Seq2SeqModel
+
+__all__ = ["Connected", "connect_mbart", "connect_runs"]
+
+
+@dataclasses.dataclass
+class Connected:
+    """A sequence-to-sequence initialisation and where each of its parameters came from."""
+
+    state: dict[str, Tensor]
+    """``Seq2SeqModel`` state dict."""
+    config: ModelConfig
+    mode: str
+    """semface, xlm or mbart."""
+    sources: dict[str, dict[str, Any]]
+    """Per role (encoder, decoder, mbart): the stage's meta (with ``source``)."""
+    parameters: dict[str, str]
+    """Per parameter: ``encoder-stage:KEY``, ``decoder-stage:KEY`` or ``mbart:KEY`` (KEY the
+    tensor's key in that stage's state), or ``random``."""
+
+
+def _stage(path: str | Path, role: str, stages: tuple[str, ...]) -> tuple[dict, dict]:
+    state, meta = load_stage(path)
+    if meta.get("stage") not in stages:
+        raise CheckpointError(
+            f"{path} holds a {meta.get('stage')!r} stage; the {role} must come from a "
+            f"{' or '.join(stages)} stage"
+        )
+    return state, meta
+
+
+def _full_origin(origin: str) -> str:
+    """``stage:name`` with the name as the stage's state-dict key (connect_stages strips the
+    ``encoder.`` / ``decoder.`` prefix), so provenance points at the tensor in the source."""
+    role, sep, name = origin.partition(":")
+    prefix = {"encoder-stage": "encoder.", "decoder-stage": "decoder."}.get(role)
+    if not sep or prefix is None or name == "mlm_bias":
+        return origin
+    return f"{role}:{prefix}{name}"
+
+
+def connect_runs(
+    encoder: str | Path, decoder: str | Path | None = None, *, seed: int = 0
+) -> Connected:
+    """Connects an encoder stage with a decoder stage (SemFace), or alone (XLM-style).
+
+    Each source is a run directory, a checkpoint directory or a ``pretraining`` model
+    directory. The model shape is the encoder stage's, with the decoder stage's decoder
+    depth. Raises :class:`~megasemface.models.connect.ConnectError` when the stages do not
+    fit together (the message names both sources and what differs).
+    """
+    enc_state, enc_meta = _stage(encoder, "encoder", ("encoder", "joint"))
+    config = config_from_dict(enc_meta["model"])
+    dec_state = dec_meta = None
+    enc_check = dict(enc_meta)
+    if decoder is not None:
+        dec_state, dec_meta = _stage(decoder, "decoder", ("decoder", "joint"))
+        dec_config = config_from_dict(dec_meta["model"])
+        config = dataclasses.replace(config, decoder_layers=dec_config.decoder_layers)
+        if enc_meta["interface"].get("kind") == "vq" and quantizer_state(enc_state):
+            dtype = DTYPES[dec_meta.get("param_dtype", "float32")]
+            enc_check["interface"] = vq_fingerprint(enc_state, config, dtype=dtype)
+    try:
+        model, parameters = connect_stages(
+            config, enc_state, enc_check, dec_state, dec_meta, seed=seed
+        )
+    except ConnectError as exc:
+        pair = f"{encoder} and {decoder}" if decoder is not None else str(encoder)
+        raise ConnectError(f"cannot connect {pair}: {exc}") from None
+    parameters = {key: _full_origin(origin) for key, origin in parameters.items()}
+    sources = {"encoder": enc_meta}
+    if dec_meta is not None:
+        sources["decoder"] = dec_meta
+    mode = "semface" if decoder is not None else "xlm"
+    return Connected(model.state_dict(), config, mode, sources, parameters)
+
+
+def connect_mbart(source: str | Path) -> Connected:
+    """The mBART baseline's ``Seq2SeqModel`` from its run, checkpoint or model directory."""
+    state, meta = _stage(source, "mBART model", ("mbart",))
+    config = config_from_dict(meta["model"])
+    prefix = "model."
+    seq2seq = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    torch.manual_seed(0)  # construction only; every parameter is overwritten below
+    model = Seq2SeqModel(config)
+    missing, unexpected = model.load_state_dict(seq2seq, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: the mBART state does not fit its model config (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
+    parameters = {k: f"mbart:{prefix}{k}" for k in model.state_dict()}
+    return Connected(model.state_dict(), config, "mbart", {"mbart": meta}, parameters)

@@ -1,0 +1,354 @@
+"""fp32 weights of a training checkpoint, with the model-parallel codebook gathered.
+
+Consolidation goes through DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``
+(:func:`megasemface.training.engine.consolidated_state`), which reassembles the fp32 master
+weights from the ZeRO partitions of every data-parallel rank. It reads DeepSpeed's files
+with DeepSpeed's loader, ``torch.load(weights_only=False)``, which can run code stored in
+a file: consolidate only checkpoints you trust. megasemface itself reads DeepSpeed's model
+file only through ``torch.load(weights_only=True)`` (:func:`~.layout.read_ds_header`).
+
+Model parallelism. A run with ``--mp-size m`` writes m ZeRO groups side by side
+(``*_mp_rank_RR_*`` files, see :mod:`megasemface.checkpoints.layout`), which DeepSpeed's
+function refuses (it expects one optimizer file per data-parallel rank). Each
+model-parallel rank is consolidated on its own, from a temporary directory of links to that
+rank's files; the flat codebook's shards are concatenated in rank order, and every other
+tensor, replicated on the model-parallel ranks, must be bitwise equal on all of them (else
+the files are not from one step).
+
+Frozen parameters. ZeRO-2 and ZeRO-3 store parameters a stage does not train beside the
+trained ones; ZeRO-1 does not (DeepSpeed saves frozen fragments only when gradients are
+partitioned), so DeepSpeed's consolidation of a ZeRO-1 checkpoint lacks them. They are then
+taken from the module state of DeepSpeed's model file, in the training dtype, and listed in
+the source's ``from_module_state``.
+
+Interface fingerprint. meta.json holds the fingerprint model-parallel rank 0 recorded: for a
+split codebook, a hash of rank 0's shard only. Loading recomputes it from the consolidated
+weights (rank 0's view, in the training dtype), refuses a checkpoint whose weights do not
+reproduce it, and replaces it with the fingerprint of the gathered layer, which is what a
+model-parallel-size-1 run holding these weights records. Stages of runs with different
+model-parallel sizes are then compared like with like.
+
+Memory. DeepSpeed parses each model file whole (for ZeRO-1/2 it holds the module state) and
+drops it, then memory-maps the optimizer files and concatenates the fp32 partitions into
+new tensors: the peak is the consolidated weights plus the mapped pages of the partitions
+read to build them, about twice the model's fp32 size. Its tensors come with the autograd
+graph of that concatenation (the partitions were saved with ``requires_grad``), which
+would keep the mapped partitions resident as long as the weights; they are detached, so
+afterwards only the weights remain. With model parallelism, ranks 1..m-1 are consolidated
+first and only copies of their codebook shards are kept (replicated tensors are compared
+through hashes), so a rank's peak adds (m-1)/m of the split tensors. The merge tool prints
+its peak RSS; measured on a 116M-parameter VQ model (444 MiB fp32, ZeRO-2, 2 ranks), the
+peak grew by 2.0x the fp32 size at model-parallel size 1 and by 1.75x at size 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from megasemface.checkpoints.codebook import (
+    QUANTIZER_PREFIX,
+    SPLIT_KEYS,
+    gather_codebook_states,
+    quantizer_state,
+    split_model_state,
+    tensor_digest,
+    vq_fingerprint,
+)
+from megasemface.checkpoints.layout import (
+    CheckpointError,
+    CheckpointInfo,
+    find_checkpoint,
+    is_model_dir,
+    read_ds_header,
+)
+from megasemface.interfaces.vq import shard_state_dict
+from megasemface.models.config import config_from_dict
+from megasemface.models.model_dir import load_model_dir, read_model_dir_info
+from megasemface.training.engine import consolidated_state
+
+__all__ = [
+    "Codebook",
+    "Consolidated",
+    "codebook_state_for_rank",
+    "consolidate_checkpoint",
+    "load_checkpoint",
+    "load_codebook",
+    "load_stage",
+]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class Consolidated:
+    """A checkpoint's full fp32 state and how it was obtained."""
+
+    state: dict[str, Tensor]
+    param_dtype: torch.dtype | None
+    """The dtype the run held parameters in (DeepSpeed config), None if unreadable."""
+    zero_stage: int | None
+    gathered: list[str]
+    """Keys concatenated from the model-parallel ranks' shards."""
+    from_module_state: list[str]
+    """Frozen parameters ZeRO-1 does not consolidate, taken from DeepSpeed's module state."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _param_dtype(ds_config: dict[str, Any] | None) -> torch.dtype | None:
+    if not isinstance(ds_config, dict):
+        return None
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return dtype
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def _deepspeed_state(info: CheckpointInfo, mp_rank: int) -> dict[str, Tensor]:
+    """One model-parallel rank's fp32 state through DeepSpeed's consolidation."""
+    if info.mp_size == 1:
+        return _run_deepspeed(info.path.parent, info, mp_rank)
+    # DeepSpeed globs every *_model_states.pt / *_optim_states.pt of a tag folder: show it
+    # only this rank's files.
+    with tempfile.TemporaryDirectory(prefix="megasemface-mp-rank-") as tmp:
+        view = Path(tmp) / info.tag
+        view.mkdir()
+        for file in [*info.model_files[mp_rank], *info.optim_files[mp_rank]]:
+            (view / file.name).symlink_to(file.resolve())
+        return _run_deepspeed(Path(tmp), info, mp_rank)
+
+
+def _run_deepspeed(root: Path, info: CheckpointInfo, mp_rank: int) -> dict[str, Tensor]:
+    sink = io.StringIO()  # DeepSpeed prints progress; the tools print their own summary
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            state = consolidated_state(root, info.tag)
+    except (ValueError, KeyError, RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
+        where = str(info.path) + (f" (model-parallel rank {mp_rank})" if info.mp_size > 1 else "")
+        raise CheckpointError(
+            f"DeepSpeed could not consolidate {where}: {exc}; the checkpoint is damaged or was "
+            "not written by DeepSpeed 0.19"
+        ) from exc
+    # DeepSpeed's tensors come out of torch.cat over the loaded fp32 partitions, which are
+    # saved with requires_grad=True: their autograd graph would keep every partition (and
+    # the pages of the memory-mapped optimizer files) alive as long as the weights.
+    return {key: value.detach() for key, value in state.items()}
+
+
+def _rank_state(
+    info: CheckpointInfo, mp_rank: int, header: dict[str, Any] | None, zero_stage: int | None
+) -> tuple[dict[str, Tensor], list[str]]:
+    state = _deepspeed_state(info, mp_rank)
+    filled: list[str] = []
+    if zero_stage is not None and zero_stage < 3 and header is not None:
+        # ZeRO-1/2 model files hold the full module state (ZeRO-3 only placeholders).
+        for key, value in (header.get("module") or {}).items():
+            if key not in state and isinstance(value, Tensor) and value.is_floating_point():
+                state[key] = value.to(torch.float32, copy=True)
+                filled.append(key)
+    return state, filled
+
+
+def consolidate_checkpoint(info: CheckpointInfo) -> Consolidated:
+    """The full fp32 state of a checked checkpoint (see the module docstring)."""
+    header = read_ds_header(info, 0)
+    ds_config = header.get("ds_config") if header else None
+    zero_stage = None
+    if isinstance(ds_config, dict):
+        zero_stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    layout = info.meta.get("model", {}).get("vq", {}).get("layout", "flat")
+    split_keys = SPLIT_KEYS if layout == "flat" and info.mp_size > 1 else ()
+    shards: list[dict[str, Tensor]] = []
+    replicated: list[dict[str, str]] = []
+    filled: set[str] = set()
+    for rank in range(1, info.mp_size):
+        state, from_module = _rank_state(info, rank, read_ds_header(info, rank), zero_stage)
+        filled.update(from_module)
+        # Copies: a view would keep this rank's whole consolidated vector alive.
+        shards.append({k: state.pop(k).clone() for k in split_keys if k in state})
+        replicated.append({k: tensor_digest(v) for k, v in state.items()})
+        del state
+    state, from_module = _rank_state(info, 0, header, zero_stage)
+    filled.update(from_module)
+    gathered: list[str] = []
+    if info.mp_size > 1:
+        mine = {k: tensor_digest(v) for k, v in state.items() if k not in split_keys}
+        for rank, theirs in enumerate(replicated, start=1):
+            differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            if differ:
+                raise CheckpointError(
+                    f"{info.path}: model-parallel ranks 0 and {rank} disagree on replicated "
+                    f"parameters ({', '.join(differ[:3])}); their files are not from the same "
+                    "training step"
+                )
+        gathered = [k for k in split_keys if k in state]
+        for rank, shard in enumerate(shards, start=1):
+            if sorted(shard) != sorted(gathered):
+                raise CheckpointError(
+                    f"{info.path}: model-parallel rank {rank} holds the split tensors "
+                    f"{sorted(shard)}, rank 0 {sorted(gathered)}"
+                )
+        ranks = [{k: state[k] for k in gathered}, *shards]
+        state.update(gather_codebook_states(ranks, layout=layout))
+        num_codes = info.meta.get("model", {}).get("vq", {}).get("num_codes")
+        if gathered and num_codes is not None and state[gathered[-1]].shape[0] != num_codes:
+            raise CheckpointError(
+                f"{info.path}: the gathered codebook has {state[gathered[-1]].shape[0]} codes, "
+                f"meta.json's model {num_codes}"
+            )
+    return Consolidated(state, _param_dtype(ds_config), zero_stage, gathered, sorted(filled))
+
+
+def _checked_fingerprint(
+    state: dict[str, Tensor], info: CheckpointInfo, configured: torch.dtype | None
+) -> tuple[dict[str, Any], torch.dtype]:
+    """(fingerprint of the gathered interface, the training dtype that reproduces meta.json)."""
+    recorded = dict(info.meta.get("interface") or {})
+    fallback = configured or torch.float32
+    if recorded.get("kind") != "vq":
+        return recorded, fallback  # none, cl (a fixed table, never split) and mbart
+    config = config_from_dict(info.meta["model"])
+    mp_size = info.mp_size if config.vq.layout == "flat" else 1
+    if not quantizer_state(state):
+        if mp_size == 1:
+            return recorded, fallback
+        raise CheckpointError(
+            f"{info.path}: the VQ layer's weights are not in the checkpoint, so the codebook "
+            "split over model-parallel ranks cannot be gathered"
+        )
+    local = split_model_state(state, 0, mp_size)  # what model-parallel rank 0 fingerprinted
+    candidates = dict.fromkeys([fallback, torch.float32, torch.bfloat16, torch.float16])
+    for dtype in candidates:
+        if vq_fingerprint(local, config, dtype=dtype, mp_size=mp_size) == recorded:
+            break
+    else:
+        raise CheckpointError(
+            f"the VQ weights of {info.path} do not reproduce the interface fingerprint in its "
+            "meta.json: the checkpoint's files do not belong together (copied from another "
+            "run or step?)"
+        )
+    if mp_size == 1:
+        return recorded, dtype
+    return vq_fingerprint(state, config, dtype=dtype), dtype
+
+
+def load_checkpoint(info: CheckpointInfo) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """(full fp32 state, meta) of a checked checkpoint; see :func:`load_stage`."""
+    consolidated = consolidate_checkpoint(info)
+    fingerprint, dtype = _checked_fingerprint(consolidated.state, info, consolidated.param_dtype)
+    meta = dict(info.meta)
+    if fingerprint != meta.get("interface"):
+        meta["interface_recorded"] = meta.get("interface")
+    meta["interface"] = fingerprint
+    meta["param_dtype"] = _dtype_name(dtype)
+    meta["source"] = {
+        "kind": "checkpoint",
+        **info.describe(),
+        "zero_stage": consolidated.zero_stage,
+        "gathered": consolidated.gathered,
+        "from_module_state": consolidated.from_module_state,
+    }
+    return consolidated.state, meta
+
+
+def _model_dir_meta(path: Path) -> dict[str, Any]:
+    info = read_model_dir_info(path, "pretraining")
+    return {
+        **info.meta,
+        "model": info.model.to_dict(),
+        "languages": info.languages,
+        "vocab_sha256": info.vocab_sha256,
+        "interface": info.interface,
+        "source": {
+            "kind": "model_dir",
+            "path": str(path.resolve()),
+            "spm_model": str(info.spm_model.resolve()),
+            "from": info.meta.get("source"),
+        },
+    }
+
+
+def load_stage(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """A pre-training stage's full fp32 state and metadata.
+
+    ``path``: a run directory (its newest complete checkpoint), a complete checkpoint
+    directory, or a ``pretraining`` model directory. ``meta`` is meta.json's (stage, model,
+    languages, vocab_sha256, mlflow_run_id, parent_runs, train_config) with ``interface``
+    the fingerprint of the gathered interface, ``param_dtype`` the training dtype, and
+    ``source`` where the weights came from.
+    """
+    path = Path(path)
+    if is_model_dir(path):
+        meta = _model_dir_meta(path)
+        state, _ = load_model_dir(path, "pretraining")
+        return state, meta
+    return load_checkpoint(find_checkpoint(path))
+
+
+@dataclasses.dataclass
+class Codebook:
+    """A VQ encoder stage's full quantizer state (``quantizer.load_state_dict`` keys)."""
+
+    state: dict[str, Tensor]
+    layout: str
+    meta: dict[str, Any]
+
+    def for_rank(self, mp_rank: int, mp_size: int) -> dict[str, Tensor]:
+        """The state model-parallel rank ``mp_rank`` of ``mp_size`` loads."""
+        if mp_size < 1 or not 0 <= mp_rank < mp_size:
+            raise ValueError(f"invalid model-parallel rank {mp_rank} of size {mp_size}")
+        if self.layout != "flat" or mp_size == 1:
+            return dict(self.state)
+        rows = self.state["codebook"].shape[0]
+        if rows % mp_size:
+            raise CheckpointError(
+                f"the codebook's {rows} codes cannot be split over {mp_size} model-parallel "
+                "ranks (vq.num_codes must be divisible by --mp-size)"
+            )
+        return shard_state_dict(self.state, mp_rank, mp_size)
+
+
+def load_codebook(source: str | Path) -> Codebook:
+    """The VQ layer of an encoder-stage (or joint) run, checkpoint or model directory.
+
+    From a model directory only the layer's tensors are read. Refuses other stages and
+    interfaces with a message naming what was found.
+    """
+    source = Path(source)
+    if is_model_dir(source):
+        meta = _model_dir_meta(source)
+        state = {}
+        with safe_open(str(source / "model.safetensors"), framework="pt") as weights:
+            for key in weights.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if key.startswith(QUANTIZER_PREFIX):
+                    state[key] = weights.get_tensor(key)
+    else:
+        state, meta = load_checkpoint(find_checkpoint(source))
+    kind, stage = meta.get("interface", {}).get("kind"), meta.get("stage")
+    if kind != "vq" or stage not in ("encoder", "joint"):
+        raise CheckpointError(
+            f"{source} is not a VQ encoder-stage run (stage {stage!r}, interface {kind!r}); "
+            "the VQ decoder stage needs the run whose codebook it uses"
+        )
+    layout = meta.get("model", {}).get("vq", {}).get("layout", "flat")
+    return Codebook(quantizer_state(state), layout, meta)
+
+
+def codebook_state_for_rank(source: str | Path, mp_rank: int, mp_size: int) -> dict[str, Tensor]:
+    """The quantizer state model-parallel rank ``mp_rank`` of ``mp_size`` loads from an
+    encoder stage saved at any model-parallel size (``quantizer.load_state_dict`` keys)."""
+    return load_codebook(source).for_rank(mp_rank, mp_size)

@@ -1,0 +1,339 @@
+"""Checkpoint tools on real DeepSpeed checkpoints of real runs (2 CPU processes, gloo).
+
+Four runs, each through the ``deepspeed`` launcher with the tiny preset in fp32, and each
+writing its live weights beside every checkpoint (tests/launch.py):
+
+- ``encoder``: VQ encoder stage, ZeRO-2, a checkpoint at every one of 3 steps, MLflow on;
+- ``decoder``: VQ decoder stage on the encoder run's codebook, ZeRO-1 (which leaves frozen
+  parameters out of its fp32 partitions);
+- ``split``: VQ joint stage with the flat codebook split over 2 model-parallel ranks;
+- ``mbart``: the mBART baseline under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from launch import ROOT, check_finished, ds_config, environment, launch, train_command
+from safetensors.torch import load_file
+
+from megasemface.checkpoints import (
+    CheckpointError,
+    average_checkpoints,
+    codebook_state_for_rank,
+    connect_mbart,
+    connect_runs,
+    gather_codebook_states,
+    last_checkpoints,
+    load_stage,
+    quantizer_state,
+    resplit_codebook,
+    vq_fingerprint,
+    write_pretraining_dir,
+    write_seq2seq_dir,
+)
+from megasemface.checkpoints.codebook import SPLIT_KEYS
+from megasemface.cli.merge_checkpoints import main as merge_main
+from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.textio import parse_lang_path
+from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
+from megasemface.models.config import config_from_dict
+from megasemface.models.connect import ConnectError
+from megasemface.models.model_dir import load_model_dir, load_seq2seq
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leftover_shared_memory() -> Iterator[None]:
+    """DeepSpeed's CPU all-reduce buffers of runs that could not remove their own."""
+    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    yield
+    for path in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path) -> dict:
+    root = tmp_path_factory.mktemp("merge-data")
+    inputs = [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
+    config = ShardBuildConfig(tokens_per_sample=4096, samples_per_shard=4)
+    build_shards(parse_lang_path(inputs), spm_model, root / "shards", config)
+    return {"shards": root / "shards", "spm": spm_model, "dir": root}
+
+
+def _run(data: dict, out: Path, zero: int, steps: int, *args: str) -> Path:
+    config = ds_config(zero, data["dir"])
+    cmd = train_command(data, out, *args, "--steps", str(steps), config=config, live=True)
+    check_finished(launch(cmd), out, steps)
+    return out
+
+
+@pytest.fixture(scope="module")
+def encoder_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "encoder"
+    args = ("--stage", "encoder", "--interface", "vq", "--save-interval", "1", "--keep-last", "3")
+    return _run(data, out, 2, 3, *args)
+
+
+@pytest.fixture(scope="module")
+def decoder_run(data: dict, encoder_run: Path) -> Path:
+    out = encoder_run.parent / "decoder"
+    args = ("--stage", "decoder", "--interface", "vq", "--init-from", str(encoder_run))
+    return _run(data, out, 1, 2, *args, "--no-tracking")
+
+
+@pytest.fixture(scope="module")
+def split_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "split"
+    args = ("--stage", "joint", "--interface", "vq", "--mp-size", "2", "--no-tracking")
+    return _run(data, out, 2, 2, *args)
+
+
+@pytest.fixture(scope="module")
+def mbart_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "mbart"
+    return _run(data, out, 3, 2, "--stage", "mbart", "--interface", "none", "--no-tracking")
+
+
+def _checkpoint(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step-{step:08d}"
+
+
+def _live(run: Path, step: int, mp_rank: int = 0) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "live" / f"step-{step:08d}-mp{mp_rank}.safetensors"))
+
+
+def _assert_equal(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert sorted(ours) == sorted(theirs)
+    differ = [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    assert not differ, differ[:5]
+
+
+def test_consolidation_equals_the_live_weights_under_zero_1_2_3(
+    encoder_run: Path, decoder_run: Path, mbart_run: Path
+) -> None:
+    for step in (1, 2, 3):
+        state, meta = load_stage(_checkpoint(encoder_run, step))
+        _assert_equal(state, _live(encoder_run, step))
+        assert meta["source"]["zero_stage"] == 2 and meta["source"]["from_module_state"] == []
+    state, meta = load_stage(decoder_run)  # the run directory: its newest checkpoint
+    _assert_equal(state, _live(decoder_run, 2))
+    # ZeRO-1 keeps the frozen encoder and codebook out of the fp32 partitions.
+    frozen = meta["source"]["from_module_state"]
+    assert "interface.quantizer.codebook" in frozen and "encoder.final_norm.weight" in frozen
+    assert not any(k.startswith("decoder.") for k in frozen)
+    state, meta = load_stage(mbart_run)
+    _assert_equal(state, _live(mbart_run, 2))
+    assert meta["source"]["zero_stage"] == 3 and meta["interface"] == {"kind": "mbart"}
+
+
+def test_deepspeeds_zero_to_fp32_script_agrees(
+    encoder_run: Path, decoder_run: Path, mbart_run: Path, tmp_path: Path
+) -> None:
+    # DeepSpeed copies zero_to_fp32.py into the save directory (<run>/checkpoints) at every
+    # ZeRO save. Its command line always shards through huggingface_hub, which megasemface
+    # does not install, so its conversion function is called with max_shard_size=None.
+    runner = (
+        "import runpy, sys\n"
+        "for script, root, out, tag in zip(*[iter(sys.argv[1:])] * 4):\n"
+        "    convert = runpy.run_path(script)['convert_zero_checkpoint_to_fp32_state_dict']\n"
+        "    convert(root, out, max_shard_size=None, safe_serialization=True, tag=tag)\n"
+    )
+    jobs = {"zero2": (encoder_run, 3), "zero1": (decoder_run, 2), "zero3": (mbart_run, 2)}
+    args = []
+    for name, (run, step) in jobs.items():
+        script = run / "checkpoints" / "zero_to_fp32.py"
+        assert script.is_file()
+        args += [str(script), str(run / "checkpoints"), str(tmp_path / name), f"step-{step:08d}"]
+    result = subprocess.run(
+        [sys.executable, "-c", runner, *args],
+        capture_output=True,
+        text=True,
+        env=environment(),
+        cwd=ROOT,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name, (run, step) in jobs.items():
+        theirs = load_file(str(tmp_path / name / "model.safetensors"))
+        ours, meta = load_stage(_checkpoint(run, step))
+        missing = sorted(set(ours) - set(theirs))
+        assert missing == meta["source"]["from_module_state"]  # ZeRO-1's frozen parameters
+        assert (name == "zero1") == bool(missing)
+        _assert_equal({k: ours[k] for k in theirs}, theirs)
+
+
+def test_model_parallel_codebook_is_gathered_and_resplit_exactly(split_run: Path) -> None:
+    state, meta = load_stage(split_run)
+    shards = [_live(split_run, 2, rank) for rank in (0, 1)]
+    assert meta["source"]["gathered"] == list(SPLIT_KEYS)
+    for key in state:
+        if key in SPLIT_KEYS:
+            assert torch.equal(state[key], torch.cat([shards[0][key], shards[1][key]]))
+        else:  # replicated: both ranks hold it
+            assert torch.equal(state[key], shards[0][key]) and torch.equal(
+                state[key], shards[1][key]
+            )
+    for size in (1, 2, 4):
+        parts = resplit_codebook(state, size)
+        _assert_equal(gather_codebook_states(parts), state)
+    two = resplit_codebook(state, 2)
+    for rank in (0, 1):
+        _assert_equal(two[rank], shards[rank])
+        layer = codebook_state_for_rank(split_run, rank, 2)
+        _assert_equal(layer, quantizer_state(shards[rank]))
+
+    # meta.json's fingerprint hashes rank 0's shard; loading replaced it by the gathered
+    # layer's, which is what a model-parallel-size-1 layer holding the codebook records.
+    recorded = json.loads((_checkpoint(split_run, 2) / "meta.json").read_text())["interface"]
+    assert meta["interface_recorded"] == recorded != meta["interface"]
+    config = config_from_dict(meta["model"])
+    assert vq_fingerprint(two[0], config, mp_size=2) == recorded
+    single = VectorQuantizedInterface(config, ParallelGroups.single(), seed=5)
+    single.quantizer.load_state_dict(quantizer_state(state))
+    assert single.fingerprint() == meta["interface"]
+
+
+def test_averaging_is_the_exact_mean_of_the_consolidated_weights(
+    encoder_run: Path, decoder_run: Path
+) -> None:
+    sources = last_checkpoints(encoder_run, 3)
+    states = [load_stage(path)[0] for path in sources]
+    mean, meta = average_checkpoints(sources)
+    frozen = {k for k in mean if all(torch.equal(s[k], states[0][k]) for s in states)}
+    # The decoder and the VQ feature extractor are frozen in the encoder stage.
+    assert {k.split(".")[0] for k in frozen} == {"decoder", "interface"}
+    for key, value in mean.items():
+        if key in frozen:  # kept as it was: (w + w + w) / 3 need not round back to w
+            assert torch.equal(value, states[2][key])
+        else:
+            assert torch.equal(value, (states[0][key] + states[1][key] + states[2][key]) / 3)
+    assert meta["averaged"]["steps"] == [1, 2, 3]
+    assert meta["interface"] == vq_fingerprint(mean, config_from_dict(meta["model"]))
+    with pytest.raises(CheckpointError, match="different stage"):
+        average_checkpoints([sources[-1], _checkpoint(decoder_run, 2)])
+    with pytest.raises(CheckpointError, match="4 were asked for"):
+        last_checkpoints(encoder_run, 4)
+
+
+def test_connecting_matching_stages_keeps_both_and_records_provenance(
+    encoder_run: Path, decoder_run: Path, tmp_path: Path
+) -> None:
+    connected = connect_runs(encoder_run, decoder_run)
+    encoder, _ = load_stage(encoder_run)
+    decoder, _ = load_stage(decoder_run)
+    for key, value in connected.state.items():
+        origin = connected.parameters[key]
+        source = encoder if origin.startswith("encoder-stage:") else decoder
+        assert torch.equal(value, source[origin.split(":", 1)[1]])
+        assert origin.startswith("encoder-stage:encoder.") == key.startswith("encoder.")
+    out = write_seq2seq_dir(tmp_path / "semface", connected)
+    model, info = load_seq2seq(out)
+    assert (
+        info.meta["mode"] == "semface"
+        and info.vocab_sha256 == connected.sources["encoder"]["vocab_sha256"]
+    )
+    _assert_equal({k: v for k, v in model.state_dict().items()}, connected.state)
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["sources"]["decoder"]["checkpoint"] == str(
+        _checkpoint(decoder_run, 2).resolve()
+    )
+    assert provenance["sources"]["encoder"]["mlflow_run_id"]  # the encoder run was tracked
+    assert provenance["parameters"] == connected.parameters
+
+
+def test_connect_refuses_a_decoder_stage_of_another_interface(
+    split_run: Path, decoder_run: Path
+) -> None:
+    # The decoder stage was pre-trained against the encoder run's codebook, not this one.
+    with pytest.raises(ConnectError, match="different semantic interfaces") as error:
+        connect_runs(split_run, decoder_run)
+    assert str(split_run) in str(error.value) and str(decoder_run) in str(error.value)
+
+
+def test_xlm_style_and_mbart_initialisations(
+    encoder_run: Path, mbart_run: Path, tmp_path: Path
+) -> None:
+    xlm = connect_runs(encoder_run)
+    assert xlm.mode == "xlm"
+    assert torch.equal(
+        xlm.state["decoder.layers.1.ffn.fc1.weight"], xlm.state["encoder.layers.1.ffn.fc1.weight"]
+    )
+    assert xlm.parameters["decoder.layers.0.cross_attn.q_proj.weight"] == "random"
+    load_seq2seq(write_seq2seq_dir(tmp_path / "xlm", xlm))
+
+    mbart = connect_mbart(mbart_run)
+    trained, _ = load_stage(mbart_run)
+    _assert_equal(mbart.state, {k[len("model.") :]: v for k, v in trained.items()})
+    _, info = load_seq2seq(write_seq2seq_dir(tmp_path / "mbart", mbart))
+    assert info.meta["mode"] == "mbart"
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "merge_checkpoints.py"), *args],
+        capture_output=True,
+        text=True,
+        env=environment(),
+        cwd=ROOT,
+        timeout=180,
+    )
+
+
+def test_command_line_consolidate_connect_and_clear_errors(
+    encoder_run: Path,
+    decoder_run: Path,
+    split_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    enc_dir = tmp_path / "encoder"
+    result = _tool("consolidate", str(encoder_run), "--out", str(enc_dir))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["kind"] == "pretraining" and summary["peak_rss_mib"] > 0
+    state, info = load_model_dir(enc_dir, "pretraining")
+    _assert_equal(state, _live(encoder_run, 3))
+    meta = json.loads((_checkpoint(encoder_run, 3) / "meta.json").read_text())
+    assert info.meta["mlflow_run_id"] == meta["mlflow_run_id"] and info.meta["stage"] == "encoder"
+    assert info.interface == meta["interface"]
+
+    # A consolidated encoder stage is a source like its run (the same command in-process).
+    s2s = tmp_path / "s2s"
+    args = ["connect", "--encoder", str(enc_dir), "--decoder", str(decoder_run), "--out", str(s2s)]
+    assert merge_main(args) == 0
+    assert json.loads(capsys.readouterr().out)["mode"] == "semface"
+    load_seq2seq(s2s)
+
+    # Re-split for 4 model-parallel ranks (the files consolidate --mp-size 4 writes).
+    split_state, split_meta = load_stage(split_run)
+    split_dir = write_pretraining_dir(tmp_path / "split", split_state, split_meta, mp_size=4)
+    for rank in range(4):
+        shard = load_file(str(split_dir / f"codebook-mp4-rank{rank}.safetensors"))
+        _assert_equal(shard, codebook_state_for_rank(split_dir, rank, 4))
+
+    # Bad input: a message naming the file and what to do, exit code 2, no traceback.
+    broken = tmp_path / "broken" / "checkpoints" / "step-00000003"
+    shutil.copytree(_checkpoint(encoder_run, 3), broken)
+    (broken / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert merge_main(["consolidate", str(broken.parent.parent), "--out", str(tmp_path / "x")]) == 2
+    error = capsys.readouterr().err
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in error and "damaged" in error
+    (broken / "COMPLETE").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_stage(broken)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        load_stage(broken.parent.parent)
+    assert merge_main(["connect", "--mbart", str(s2s), "--out", str(tmp_path / "y")]) == 2
+    assert "'seq2seq' model, a 'pretraining' model is needed" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="not a VQ encoder-stage"):
+        codebook_state_for_rank(decoder_run, 0, 1)
