@@ -384,7 +384,9 @@ class _FlatQuantize(torch.autograd.Function):
         quantized = torch.zeros(n_tok, codebook.shape[1], dtype=spec.out_dtype, device=device)
         quantized[owned] = codebook[local[owned]].to(spec.out_dtype)
         ctx.spec = spec
-        ctx.save_for_backward(a, weight, bias, codebook, codes, stats)
+        # Detached: under ZeRO-3 the parameters' .data is released after the forward; the
+        # detached tensors keep the gathered values that backward recomputes the logits from.
+        ctx.save_for_backward(a, weight.detach(), bias.detach(), codebook.detach(), codes, stats)
         ctx.mark_non_differentiable(codes)
         return quantized, psum, codes
 

@@ -41,7 +41,7 @@ from megasemface.objectives.stages import (
 )
 from megasemface.tracking.mlflow_tracker import MLflowTracker, NullTracker, Tracker
 from megasemface.training.checkpoint import CheckpointManager
-from megasemface.training.engine import DeepSpeedEngine, consolidated_state
+from megasemface.training.engine import DeepSpeedEngine
 from megasemface.training.options import TrainConfig
 from megasemface.training.signals import StopRequest
 
@@ -199,34 +199,17 @@ class Trainer:
         return semface, [p for p in keep if p.requires_grad]
 
     def _load_codebook(self, model: SemFaceModel, source: Path | None) -> None:
+        """The frozen VQ layer of an encoder-stage run, cut for this model-parallel rank."""
+        from megasemface.checkpoints import load_codebook
+
         assert source is not None
-        if self.groups.mp_size > 1:
-            raise ValueError(
-                "--init-from with --mp-size > 1 needs a gathered codebook; run the decoder "
-                "stage with --mp-size 1 or split the codebook with tools/merge_checkpoints.py"
-            )
-        root = source / "checkpoints" if (source / "checkpoints").is_dir() else source.parent
-        manager = CheckpointManager(root.parent, 1, 0)
-        newest = manager.newest()
-        if newest is None:
-            raise FileNotFoundError(f"no complete encoder-stage checkpoint under {source}")
-        meta = json.loads((manager.root / newest[1] / "meta.json").read_text())
-        if meta.get("interface", {}).get("kind") != "vq" or meta.get("stage") not in (
-            "encoder",
-            "joint",
-        ):
-            raise ValueError(
-                f"{source} is not a VQ encoder-stage run (found {meta.get('stage')}, "
-                f"{meta.get('interface', {}).get('kind')})"
-            )
-        if meta.get("vocab_sha256") != self.tokenizer.sha256:
+        codebook = load_codebook(source)  # a run, a checkpoint or a pretraining model dir
+        if codebook.meta.get("vocab_sha256") != self.tokenizer.sha256:
             raise ValueError(f"{source} was trained with another SentencePiece model")
-        state = consolidated_state(manager.root, newest[1])
-        prefix = "interface.quantizer."
-        quantizer = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-        model.interface.quantizer.load_state_dict(quantizer)  # type: ignore[union-attr]
-        model.interface.quantizer.freeze()  # type: ignore[union-attr]
-        self.parent_runs["encoder"] = meta.get("mlflow_run_id") or ""
+        quantizer = model.interface.quantizer  # type: ignore[union-attr]
+        quantizer.load_state_dict(codebook.for_rank(self.groups.mp_rank, self.groups.mp_size))
+        quantizer.freeze()
+        self.parent_runs["encoder"] = codebook.meta.get("mlflow_run_id") or ""
 
     # Checkpoints --------------------------------------------------------------------------
 
