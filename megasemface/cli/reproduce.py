@@ -1,0 +1,112 @@
+"""The paper's comparison on one language pair, under one budget.
+
+Runs Transformer (no pre-training), XLM-style, mBART-style, CL-SemFace and VQ-SemFace
+pre-training, connects, fine-tunes each (low-resource supervised and unsupervised), scores
+the test set, logs everything to one MLflow experiment and prints tables shaped like the
+paper's Tables 3 and 4. Table 5's ablations are systems too (``--systems ablations``).
+
+Examples::
+
+    python tools/reproduce.py                      # demo budget, CPU, the demo corpus
+    python tools/reproduce.py --systems vq,vq-no-div,vq-no-l2,vq-mlm --settings supervised
+    python tools/reproduce.py --preset paper --corpus data/en-ro --pair en-ro \\
+        --hostfile hostfile --deepspeed-config ds_configs/zero2_bf16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from megasemface.pipeline.config import ABLATIONS, PRESETS, SETTINGS, SYSTEMS, PipelineConfig
+
+__all__ = ["build_parser", "config_from_args", "main", "run"]
+
+
+def build_parser(
+    description: str, systems: str = "paper", settings: str = "supervised,unsupervised"
+) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--preset", default="demo", choices=sorted(PRESETS), help="budget (default: demo)")
+    add("--model-preset", help="model shapes: tiny or paper (default: the budget's)")
+    add("--workdir", type=Path, help="where everything is built (default: runs/<preset>)")
+    add("--pair", default="en-de", help="language pair en-xx (default: en-de)")
+    add("--locale-dir", type=Path, help="gettext catalogs of the demo corpus")
+    add("--corpus", type=Path, help="a corpus in the demo corpus layout instead of the demo")
+    add(
+        "--systems",
+        default=systems,
+        help=f"comma-separated, or 'paper' ({','.join(SYSTEMS)}) or 'ablations' "
+        f"({','.join(ABLATIONS)}); default: %(default)s",
+    )
+    add("--settings", default=settings, help=f"comma-separated of {','.join(SETTINGS)}")
+    add("--model", dest="model_options", action="append", default=[], metavar="KEY=VALUE")
+    for name in (
+        "vocab_size",
+        "train_pairs",
+        "test_sentences",
+        "valid_sentences",
+        "pretrain_steps",
+        "finetune_steps",
+        "valid_interval",
+        "max_tokens",
+        "warmup_steps",
+        "beam",
+        "procs",
+        "seed",
+    ):
+        add(f"--{name.replace('_', '-')}", type=int, dest=name)
+    add("--lr", type=float)
+    add("--denoise-schedule")
+    add("--deepspeed-config", type=Path)
+    add("--hostfile", type=Path, help="DeepSpeed hostfile for multi-node runs")
+    add("--experiment", help="MLflow experiment (default: megasemface-<pair>)")
+    return parser
+
+
+def _systems(text: str) -> tuple[str, ...]:
+    keys: list[str] = []
+    for item in text.split(","):
+        item = item.strip()
+        keys += list(SYSTEMS if item == "paper" else ABLATIONS if item == "ablations" else [item])
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
+def config_from_args(args: argparse.Namespace) -> PipelineConfig:
+    values: dict[str, object] = dict(PRESETS[args.preset])
+    values.setdefault("workdir", Path("runs") / args.preset)
+    names = {f.name for f in dataclasses.fields(PipelineConfig)}
+    for name, value in vars(args).items():
+        if name in names and value not in (None, []):
+            values[name] = value
+    values["systems"] = _systems(args.systems)
+    values["settings"] = tuple(s.strip() for s in args.settings.split(",") if s.strip())
+    values["model_options"] = tuple(args.model_options)
+    return PipelineConfig(**values)  # type: ignore[arg-type]
+
+
+def run(args: argparse.Namespace) -> int:
+    from megasemface.data.demo_corpus import DemoCorpusError
+    from megasemface.pipeline.launcher import LaunchError
+    from megasemface.pipeline.pipeline import Pipeline
+
+    try:
+        config = config_from_args(args)
+        Pipeline(config, corpus=args.corpus).run()
+    except (DemoCorpusError, LaunchError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(__doc__).parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

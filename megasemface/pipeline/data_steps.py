@@ -1,0 +1,160 @@
+"""The pipeline's data steps: corpus, tokenizer, shards, cross-lingual table.
+
+Each returns its output and is reused when the output is already complete (and says so).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from megasemface.data.demo_corpus import build_demo_corpus
+from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.textio import parse_lang_path, parse_parallel
+from megasemface.data.tokenizer import SpmTrainConfig, Tokenizer, train_spm
+from megasemface.evaluation.lines import read_lines, write_lines
+from megasemface.models.config import build_model_config
+from megasemface.pipeline.config import PipelineConfig
+from megasemface.pipeline.launcher import ROOT, run_logged
+
+__all__ = [
+    "build_cl_table",
+    "build_corpus",
+    "build_mono_shards",
+    "build_parallel_shards",
+    "build_tokenizer",
+    "slice_parallel",
+]
+
+
+def build_corpus(config: PipelineConfig, corpus: Path | None = None) -> Path:
+    """The demo corpus from gettext catalogs, or a corpus of the same layout given by the
+    user (``mono/<lang>.txt``, ``parallel/<pair>/{train,valid,test}.<lang>``)."""
+    src, tgt = config.langs
+    if corpus is not None:
+        for path in (
+            corpus / "mono" / f"{src}.txt",
+            corpus / "mono" / f"{tgt}.txt",
+            *[
+                corpus / "parallel" / config.pair / f"{s}.{lang}"
+                for s in ("train", "valid", "test")
+                for lang in (src, tgt)
+            ],
+        ):
+            if not path.is_file():
+                raise FileNotFoundError(f"--corpus {corpus}: {path} is missing")
+        print(f"using the corpus in {corpus}")
+        return corpus
+    out = config.workdir / "corpus"
+    files = [out / "mono" / f"{lang}.txt" for lang in (src, tgt)]
+    if (out / "report.json").exists() and all(f.exists() for f in files):
+        print(f"reusing {out} (delete it to rebuild)")
+        return out
+    report = build_demo_corpus(config.locale_dir, [tgt], out)
+    for pair, info in report["pairs"].items():
+        sizes = ", ".join(f"{split} {n:,}" for split, n in info["split_sizes"].items())
+        print(f"{pair} parallel pairs: {sizes} (split by program, no test text in training)")
+    for lang, info in report["mono"].items():
+        print(f"{lang} monolingual: {info['lines']:,} lines")
+    return out
+
+
+def build_tokenizer(config: PipelineConfig, corpus: Path) -> Path:
+    prefix = config.workdir / "spm" / "joint"
+    model = prefix.with_suffix(".model")
+    if model.exists() and set(Tokenizer.load(model).languages) == set(config.langs):
+        print(f"reusing {model}")
+        return model
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    corpora = parse_lang_path(
+        [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in config.langs]
+    )
+    started = time.perf_counter()
+    train_spm(corpora, prefix, SpmTrainConfig(vocab_size=config.vocab_size, seed=config.seed))
+    print(f"trained {model} ({config.vocab_size} pieces) in {time.perf_counter() - started:.1f}s")
+    return model
+
+
+def _shard_config(config: PipelineConfig) -> ShardBuildConfig:
+    # Small samples and shards, so a small corpus still makes enough shards for every rank;
+    # sentences the model cannot take whole (max_len less two special tokens) are dropped.
+    max_len = build_model_config(config.model_preset, list(config.model_options)).max_len
+    return ShardBuildConfig(
+        tokens_per_sample=8192, samples_per_shard=8, max_tokens=max_len - 2, jobs=2
+    )
+
+
+def _report(manifest: dict, out: Path) -> None:
+    if manifest.get("already_built"):
+        print(f"reusing {out}")
+        return
+    for lang, info in manifest["languages"].items():
+        dropped = {k: v for k, v in info["filtered"].items() if v}
+        print(f"  {lang}: {info['sentences']:,} kept, dropped {dropped or 'none'}")
+
+
+def build_mono_shards(config: PipelineConfig, corpus: Path, spm: Path) -> Path:
+    out = config.workdir / "shards" / "mono"
+    inputs = [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in config.langs]
+    manifest = build_shards(
+        parse_lang_path(inputs), spm, out, _shard_config(config), overwrite=True
+    )
+    _report(manifest, out)
+    return out
+
+
+def slice_parallel(config: PipelineConfig, corpus: Path, split: str, limit: int) -> Path:
+    """``PREFIX`` with PREFIX.<lang> holding the first ``limit`` pairs of a split (0: all)."""
+    source = corpus / "parallel" / config.pair / split
+    if limit <= 0:
+        return source
+    prefix = config.workdir / "data" / f"{split}-{limit}"
+    for lang in config.langs:
+        target = prefix.with_name(f"{prefix.name}.{lang}")
+        lines = read_lines(f"{source}.{lang}")[:limit]
+        if not target.exists() or read_lines(target) != lines:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_lines(target, lines)
+    return prefix
+
+
+def build_parallel_shards(config: PipelineConfig, corpus: Path, spm: Path) -> Path:
+    """Parallel shards of the low-resource slice of the training pairs."""
+    prefix = slice_parallel(config, corpus, "train", config.train_pairs)
+    src, tgt = config.langs
+    out = config.workdir / "shards" / f"parallel-{config.train_pairs}"
+    item = f"{config.pair}:{prefix}.{src},{prefix}.{tgt}"
+    manifest = build_shards(parse_parallel([item]), spm, out, _shard_config(config), overwrite=True)
+    _report(manifest, out)
+    return out
+
+
+def build_cl_table(config: PipelineConfig, shards: Path, spm: Path, dim: int, corpus: Path) -> Path:
+    """The CL-SemFace table through tools/build_cl_embeddings.py (the documented command)."""
+    out = config.workdir / "cl" / "table"
+    table, report = out.with_suffix(".safetensors"), out.with_suffix(".json")
+    if table.is_file() and report.is_file() and json.loads(report.read_text()).get("dim") == dim:
+        print(f"reusing {table}")
+        return table
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "build_cl_embeddings.py"),
+        "--shards",
+        str(shards),
+        "--spm-model",
+        str(spm),
+        "--out",
+        str(out),
+        "--dim",
+        str(dim),
+        "--epochs",
+        str(config.cl_epochs),
+    ]
+    gold = corpus / "dict" / f"{config.pair}.tsv"
+    if gold.is_file():
+        cmd += ["--gold-dict", str(gold)]
+    seconds = run_logged(cmd, config.workdir / "cl" / "build.log", show=("p@", "BLI", "error"))
+    print(f"built {table} in {seconds:.0f}s")
+    return table
