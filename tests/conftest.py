@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,14 @@ def spm_model(demo_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     )
     train_spm(corpora, prefix, SpmTrainConfig(vocab_size=1000, num_threads=1, seed=1))
     return prefix.with_suffix(".model")
+
+
+@pytest.fixture(scope="module")
+def no_leftover_shared_memory() -> Iterator[None]:
+    """Training runs remove their DeepSpeed shm all-reduce buffers at exit; a killed run
+    cannot, so a launching test module removes what its runs left (it would hold RAM until
+    reboot)."""
+    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    yield
+    for path in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
+        path.unlink(missing_ok=True)

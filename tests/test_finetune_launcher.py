@@ -6,7 +6,6 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,7 @@ from megasemface.models.config import build_model_config
 from megasemface.models.model_dir import load_seq2seq, save_model_dir
 from megasemface.models.transformer import Seq2SeqModel
 
-
-@pytest.fixture(scope="module", autouse=True)
-def no_leftover_shared_memory() -> Iterator[None]:
-    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
-    yield
-    for path in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
-        path.unlink(missing_ok=True)
+pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,16 +48,7 @@ from megasemface.models.config import config_from_dict
 from megasemface.models.connect import ConnectError
 from megasemface.models.model_dir import load_model_dir, load_seq2seq
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_leftover_shared_memory() -> Iterator[None]:
-    """DeepSpeed's CPU all-reduce buffers of runs that could not remove their own."""
-    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
-    yield
-    for path in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
-        path.unlink(missing_ok=True)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_shared_memory")]
 
 
 @pytest.fixture(scope="module")

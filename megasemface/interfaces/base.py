@@ -84,6 +84,11 @@ class SemanticInterface(nn.Module, abc.ABC):
     def has_decoder_stage(self) -> bool:
         return True
 
+    def external_parameters(self) -> list[nn.Parameter]:
+        """Weights read by the interface's methods rather than inside the forward of the
+        sub-module that owns them; ZeRO-3 must gather these for the whole model forward."""
+        return list(self.parameters())
+
 
 def select_targets(hidden_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
     """Rows of [B, T, D] at the positions with a target, as [N, D]."""

@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -206,9 +206,12 @@ _TAG_NOISE = 100
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class VQOutput:
+class VQOutput(NamedTuple):
     """What the VQ layer returns for N real tokens.
+
+    A named tuple, not a dataclass: DeepSpeed ZeRO-3 attaches its pre-backward hooks (which
+    gather the layer's weights again for backward) to the tensors of a module's output only
+    when it can walk the output (tuples, lists, dicts).
 
     ``code_counts`` is the global-batch histogram (summed over data parallelism) of this rank's
     codes: its Kl-code shard for the flat layout, the G*V table entries (group-major) for the
@@ -659,7 +662,11 @@ class GumbelVectorQuantizer(nn.Module):
         )
         if detach_weights:
             weights = tuple(w.detach() for w in weights)
-        act = F.relu(F.linear(x, weights[0], weights[1]))  # [N, H]
+            act = F.relu(F.linear(x, weights[0], weights[1]))  # [N, H]
+        else:
+            # A module call: ZeRO-3 gathers a sub-module's weights again before its backward
+            # only for calls of that sub-module.
+            act = F.relu(self.hidden(x))
         if self.layout == "flat":
             return self._forward_flat(h, act, sample, key, weights[2:])
         return self._forward_product(h, act, sample, key, weights[2:])

@@ -142,7 +142,7 @@ class SemFaceModel(nn.Module):
         """Parameters read outside the forward of the module that owns them: the tied
         output layers and the interface's weights (read by interface methods). ZeRO-3 must
         gather them for the whole of ``forward``; the engine registers them."""
-        params = [self.encoder.embed.tokens.weight, *self.interface.parameters()]
+        params = [self.encoder.embed.tokens.weight, *self.interface.external_parameters()]
         if self.decoder is not None:
             params += [self.decoder.embed.tokens.weight, self.decoder.output_bias]
         return params
