@@ -1,0 +1,391 @@
+"""Every command in the documentation is one the project accepts.
+
+The shell commands of the ```bash blocks of README.md and docs/*.md are checked without
+running them: for ``python tools/X.py``, ``python -m megasemface...`` and ``deepspeed ...
+megasemface/train.py`` the script exists and its own argument parser (and the option
+validation behind it) accepts the documented arguments; ``make`` targets and variables exist
+in the Makefile; ``mlflow`` commands parse with MLflow's own command line; every
+``ds_configs/*.json`` named exists. Programs this test cannot check are listed in UNCHECKED.
+Inline code that starts a command (``python tools/...``, ``make ...``) must name an existing
+script or target, relative links must resolve, and the parameter counts and memory figures of
+docs/memory.md must follow from the model classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import io
+import json
+import re
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+UNCHECKED = {
+    "ssh": "a port tunnel to the MLflow UI: nothing of this project to check",
+}
+"""Programs documented in bash blocks whose arguments this test cannot check, and why."""
+
+_FENCE = re.compile(r"^```bash\n(.*?)^```", re.M | re.S)
+_ANY_FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+_ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_OPERATORS = {"&&", "||", "|", ";"}
+_PLACEHOLDER = re.compile(r"<[\w .-]+>|\.\.\.")
+_DS_CONFIG = re.compile(r"ds_configs/[\w.-]+\.json")
+_PYTHON = ("python", "python3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    where: str
+    """file:line of the command's first line."""
+    argv: tuple[str, ...]
+    env: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.where}: {shlex.join(self.argv)}"
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def bash_commands(text: str, name: str) -> Iterator[Command]:
+    """The commands of the ```bash blocks of Markdown ``text``: continuation lines joined,
+    comments dropped, split at ``&&``, ``||``, ``|`` and ``;``, leading ``NAME=value`` set
+    aside."""
+    for block in _FENCE.finditer(text):
+        first = text.count("\n", 0, block.start(1)) + 1
+        lines = block.group(1).splitlines()
+        index = 0
+        while index < len(lines):
+            start, line = index, lines[index]
+            while line.endswith("\\") and index + 1 < len(lines):
+                index += 1
+                line = line[:-1] + " " + lines[index]
+            index += 1
+            tokens = shlex.split(line, comments=True)
+            parts: list[list[str]] = [[]]
+            for token in tokens:
+                if token in _OPERATORS:
+                    parts.append([])
+                else:
+                    parts[-1].append(token)
+            for part in parts:
+                env = []
+                while part and _ENV.match(part[0]):
+                    env.append(part.pop(0))
+                if part:
+                    yield Command(f"{name}:{first + start}", tuple(part), tuple(env))
+
+
+COMMANDS = [
+    command
+    for path in DOC_FILES
+    for command in bash_commands(path.read_text(encoding="utf-8"), _relative(path))
+]
+
+
+# Checks ---------------------------------------------------------------------------------------
+
+
+def _require(ok: object, command: Command, message: str) -> None:
+    if not ok:
+        pytest.fail(f"{command}\n{message}")
+
+
+def _parse(parser, argv: list[str], command: Command):  # type: ignore[no-untyped-def]
+    """``parser.parse_args(argv)``; a rejection fails the test with argparse's message."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            return parser.parse_args(argv)
+    except SystemExit as exc:
+        if exc.code == 0 and ("-h" in argv or "--help" in argv):
+            return None
+        pytest.fail(f"{command}\nrejected by its parser: {stderr.getvalue().strip()}")
+
+
+def _check_pipeline(module_name: str, argv: list[str], command: Command) -> None:
+    """make demo / tools/reproduce.py: their own main() up to the point where it would run,
+    then the pipeline configuration's validation (systems, settings, pair, budgets)."""
+    from megasemface.cli.reproduce import config_from_args
+
+    module = importlib.import_module(module_name)
+    seen: list[object] = []
+    stderr = io.StringIO()
+    with (
+        mock.patch.object(module, "run", lambda args: seen.append(args) or 0),
+        contextlib.redirect_stderr(stderr),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        try:
+            assert module.main(argv) == 0
+        except SystemExit as exc:
+            if exc.code == 0 and ("-h" in argv or "--help" in argv):
+                return
+            pytest.fail(f"{command}\nrejected by its parser: {stderr.getvalue().strip()}")
+    try:
+        config_from_args(seen[0])  # type: ignore[arg-type]
+    except ValueError as exc:
+        pytest.fail(f"{command}\nrejected: {exc}")
+
+
+def _check_train(argv: list[str], command: Command) -> None:
+    """megasemface/train.py's parser, strict (train.py itself only warns about unknown
+    arguments), then the training options' validation."""
+    from megasemface.train import build_parser
+    from megasemface.training.options import train_config_from_args
+
+    args = _parse(build_parser(), argv, command)
+    if args is None:
+        return
+    try:
+        train_config_from_args(args)
+    except ValueError as exc:
+        pytest.fail(f"{command}\nrejected: {exc}")
+    _require(args.deepspeed_config, command, "--deepspeed_config is required")
+    json.loads((ROOT / args.deepspeed_config).read_text(encoding="utf-8"))
+
+
+def _cli_module(script: Path) -> str:
+    """The megasemface.cli module a tools/ script runs."""
+    match = re.search(r"^from (megasemface\.cli\.\w+) import main$", script.read_text(), re.M)
+    assert match, f"{_relative(script)} does not run a megasemface.cli module"
+    return match.group(1)
+
+
+def _check_module(module_name: str, argv: list[str], command: Command) -> None:
+    if module_name in ("megasemface.demo", "megasemface.cli.reproduce"):
+        _check_pipeline(module_name, argv, command)
+    elif module_name == "megasemface.train":
+        _check_train(argv, command)
+    elif module_name.startswith("megasemface.cli."):
+        _parse(importlib.import_module(module_name).build_parser(), argv, command)
+    else:
+        pytest.fail(f"{command}\nno parser known for module {module_name}")
+
+
+def _check_python(argv: list[str], command: Command) -> None:
+    if argv[:1] == ["-m"]:
+        _check_module(argv[1], argv[2:], command)
+        return
+    script = ROOT / argv[0]
+    _require(script.is_file(), command, f"{argv[0]} does not exist")
+    if argv[0] == "megasemface/train.py":
+        _check_train(argv[1:], command)
+    elif argv[0].startswith("tools/"):
+        _check_module(_cli_module(script), argv[1:], command)
+    else:
+        pytest.fail(f"{command}\nno parser known for {argv[0]}")
+
+
+def _check_deepspeed(argv: list[str], command: Command) -> None:
+    from deepspeed.launcher.runner import parse_args
+
+    launcher = _parse(mock.Mock(parse_args=parse_args), argv, command)
+    if launcher is None:  # --help
+        return
+    _require(launcher.user_script == "megasemface/train.py", command, "another script")
+    _check_train(list(launcher.user_args), command)
+
+
+def _makefile() -> tuple[set[str], set[str]]:
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    targets = set(re.findall(r"^([\w.-]+):(?!=)", text, re.M))
+    variables = set(re.findall(r"^([A-Z_]+)\s*[?:]?=", text, re.M))
+    return targets, variables
+
+
+def _check_make(argv: list[str], command: Command) -> None:
+    targets, variables = _makefile()
+    for arg in argv:
+        name, sep, value = arg.partition("=")
+        if sep:
+            _require(name in variables, command, f"the Makefile has no variable {name}")
+            if name == "DEMO_ARGS":
+                _check_pipeline("megasemface.demo", shlex.split(value), command)
+        else:
+            _require(arg in targets, command, f"the Makefile has no target {arg}")
+
+
+def _check_mlflow(argv: list[str], command: Command) -> None:
+    import click
+    from mlflow.cli import cli
+
+    try:
+        name, sub, rest = cli.resolve_command(click.Context(cli), argv)
+        assert sub is not None and name is not None
+        sub.make_context(name, rest)
+    except click.ClickException as exc:
+        pytest.fail(f"{command}\nrejected by mlflow: {exc.format_message()}")
+
+
+def check(command: Command) -> None:
+    program, argv = command.argv[0], list(command.argv[1:])
+    for token in command.argv:
+        for config in _DS_CONFIG.findall(token):
+            _require((ROOT / config).is_file(), command, f"{config} does not exist")
+    if program in UNCHECKED:
+        return
+    placeholders = [t for t in argv if _PLACEHOLDER.search(t) and program != "make"]
+    _require(not placeholders, command, f"placeholders {placeholders}: give example values")
+    if program in _PYTHON:
+        _check_python(argv, command)
+    elif program == "deepspeed":
+        _check_deepspeed(argv, command)
+    elif program == "make":
+        _check_make(argv, command)
+    elif program == "mlflow":
+        _check_mlflow(argv, command)
+    else:
+        pytest.fail(f"{command}\nunknown program: make it checkable here or list it in UNCHECKED")
+
+
+# Tests ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])
+def test_documented_command_is_accepted(command: Command) -> None:
+    check(command)
+
+
+def test_the_documentation_covers_every_command() -> None:
+    used = {c.argv[0] for c in COMMANDS}
+    assert set(UNCHECKED) <= used, "UNCHECKED lists programs no bash block uses"
+    scripts = {c.argv[1] for c in COMMANDS if c.argv[0] in _PYTHON and len(c.argv) > 1}
+    scripts |= {a for c in COMMANDS if c.argv[0] == "deepspeed" for a in c.argv if a[-3:] == ".py"}
+    tools = {f"tools/{p.name}" for p in (ROOT / "tools").glob("*.py")}
+    assert tools - scripts == set(), "tools without a documented command"
+    assert "megasemface/train.py" in scripts
+    made = {a for c in COMMANDS if c.argv[0] == "make" for a in c.argv[1:] if "=" not in a}
+    assert {"demo", "test", "bench"} <= made
+    stages = {c.argv[c.argv.index("--stage") + 1] for c in COMMANDS if "--stage" in c.argv}
+    assert stages == {"encoder", "decoder", "joint", "mbart", "finetune"}
+
+
+def test_the_checks_refuse_what_they_should() -> None:
+    def refused(line: str) -> None:
+        (command,) = bash_commands(f"```bash\n{line}\n```\n", "example.md")
+        with pytest.raises(pytest.fail.Exception):
+            check(command)
+
+    refused("python tools/translate.py --model-dir m --src-lang en --tgt-lang de --beams 5")
+    refused("python tools/no_such_tool.py --help")
+    refused("python tools/reproduce.py --systems vq,nonsense")
+    refused(
+        "deepspeed --num_gpus 8 megasemface/train.py --deepspeed_config ds_configs/zero2_bf16.json"
+        " --stage decoder --interface vq --data d --spm-model s --output-dir o"
+    )
+    refused("python tools/evaluate.py --hypotheses <hyp> --references ref")
+    refused("make no-such-target")
+    refused("mlflow ui --no-such-option")
+    refused("rsync -a runs/ elsewhere/")
+    refused("make demo NO_SUCH_VARIABLE=1")
+    refused('make demo DEMO_ARGS="--pair de-en"')
+    refused("python tools/build_shards.py --spm-model m --out o --config ds_configs/none.json")
+
+
+# Inline commands and links -----------------------------------------------------------------
+
+
+def _prose(path: Path) -> str:
+    """The file without its fenced blocks, code spans joined onto one line."""
+    return _ANY_FENCE.sub("", path.read_text(encoding="utf-8"))
+
+
+def test_inline_commands_name_existing_scripts_and_targets() -> None:
+    targets, _ = _makefile()
+    for path in DOC_FILES:
+        for span in re.findall(r"`([^`]+)`", _prose(path)):
+            words = span.split()
+            if len(words) > 1 and words[0] in _PYTHON and words[1].endswith(".py"):
+                assert (ROOT / words[1]).is_file(), f"{_relative(path)}: `{span}`"
+            if len(words) > 2 and words[0] in _PYTHON and words[1] == "-m":
+                assert importlib.util.find_spec(words[2]), f"{_relative(path)}: `{span}`"
+            if len(words) > 1 and words[0] == "make" and "=" not in words[1]:
+                assert words[1] in targets, f"{_relative(path)}: `{span}`"
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", _prose(path), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_resolve() -> None:
+    for path in DOC_FILES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _prose(path)):
+            if re.match(r"\w+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            assert linked.exists(), f"{_relative(path)}: link to {target}"
+            if anchor and linked.suffix == ".md":
+                assert anchor in _anchors(linked), f"{_relative(path)}: no heading for {target}"
+
+
+# docs/memory.md's figures --------------------------------------------------------------------
+
+GIB = 1 << 30
+
+
+def _memory_row(name: str, total: int, trained: int) -> str:
+    """A row of the model-state table: bytes per rank by ZeRO stage, as the page derives."""
+    frozen = total - trained
+    sizes = f"{total / 1e6:.1f}M" + (f" ({trained / 1e6:.1f}M)" if frozen else "")
+    cells = [name, sizes, f"{(16 * trained + 2 * frozen) / GIB:.2f}"]
+    for ranks in (8, 64):
+        zero1 = 2 * total + 2 * trained + 12 * trained / ranks
+        zero2 = 2 * total + 14 * trained / ranks
+        zero3 = (2 * total + 14 * trained) / ranks
+        cells.append(" / ".join(f"{b / GIB:.2f}" for b in (zero1, zero2, zero3)))
+    return "| " + " | ".join(cells) + " |"
+
+
+def test_memory_figures_follow_from_the_model() -> None:
+    from megasemface.interfaces.vq import SPLIT_PARAMETERS
+
+    text = (ROOT / "docs" / "memory.md").read_text(encoding="utf-8")
+    (code,) = [c for c in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S) if "meta" in c]
+    namespace: dict[str, object] = {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "docs/memory.md", "exec"), namespace)
+    counts = [line.rsplit(": ", 1)[1] for line in printed.getvalue().splitlines()]
+    assert len(counts) == 8
+    for value in counts:
+        assert f"| {value} |" in text, f"docs/memory.md does not show {value}"
+
+    def size(params) -> int:  # type: ignore[no-untyped-def]
+        return sum(p.numel() for p in params)
+
+    vq, product, cl, seq2seq = (namespace[k] for k in ("vq", "vq_product", "cl", "seq2seq"))
+    total = size(vq.parameters())  # type: ignore[attr-defined]
+    quantizer = vq.interface.quantizer  # type: ignore[attr-defined]
+    split = sum(size([getattr(quantizer, name)]) for name in SPLIT_PARAMETERS)
+    cl_trained = size(p for p in cl.parameters() if p.requires_grad)  # type: ignore[attr-defined]
+    rows = {
+        "VQ joint, flat codebook": (total, total),
+        "VQ joint, flat, `--mp-size 2`": (total - split // 2, total - split // 2),
+        "VQ joint, product codebook": (size(product.parameters()),) * 2,  # type: ignore[attr-defined]
+        "VQ encoder stage, flat": (total, size(vq.encoder_stage_parameters())),  # type: ignore[attr-defined]
+        "VQ decoder stage, flat": (total, size(vq.decoder_stage_parameters())),  # type: ignore[attr-defined]
+        "CL joint": (size(cl.parameters()), cl_trained),  # type: ignore[attr-defined]
+        "fine-tuning": (size(seq2seq.parameters()),) * 2,  # type: ignore[attr-defined]
+    }
+    for name, (all_params, trained) in rows.items():
+        row = _memory_row(name, all_params, trained)
+        assert row in text, f"docs/memory.md: expected the row\n{row}"
+    assert f"({split:,} parameters, split over" in text
+    buffer = quantizer.config.chunk_tokens * quantizer.config.num_codes * 4
+    assert buffer == 800 * (1 << 20) and "800 MiB at\nthe defaults" in text
