@@ -58,6 +58,7 @@ def build_parser(
         "warmup_steps",
         "beam",
         "procs",
+        "shard_jobs",
         "seed",
     ):
         add(f"--{name.replace('_', '-')}", type=int, dest=name)

@@ -90,6 +90,11 @@ class PipelineConfig:
     """Beam size when translating the test set (1: greedy)."""
     cl_dim_from_model: bool = True
     cl_epochs: int = 3
+    small_shards: bool = True
+    """Shards of 8 samples of 8k tokens, so a small corpus still gives every rank shards;
+    off: the shard builder's defaults, for large corpora."""
+    shard_jobs: int = 2
+    """Encoding processes of the shard builder."""
     procs: int = 2
     """Processes of the deepspeed launcher (GPUs, or CPU processes)."""
     deepspeed_config: Path | None = None
@@ -160,6 +165,8 @@ PRESETS: dict[str, dict[str, object]] = {
         "beam": 5,
         "denoise_schedule": "0:1,100000:0.1,300000:0",
         "procs": 8,
+        "small_shards": False,
+        "shard_jobs": 16,
     },
 }
 """Named budgets: demo (the README's main command, 2 CPU cores, under 30 minutes), smoke

@@ -78,12 +78,10 @@ def build_tokenizer(config: PipelineConfig, corpus: Path) -> Path:
 
 
 def _shard_config(config: PipelineConfig) -> ShardBuildConfig:
-    # Small samples and shards, so a small corpus still makes enough shards for every rank;
-    # sentences the model cannot take whole (max_len less two special tokens) are dropped.
+    # Sentences the model cannot take whole (max_len less two special tokens) are dropped.
     max_len = build_model_config(config.model_preset, list(config.model_options)).max_len
-    return ShardBuildConfig(
-        tokens_per_sample=8192, samples_per_shard=8, max_tokens=max_len - 2, jobs=2
-    )
+    sizes = {"tokens_per_sample": 8192, "samples_per_shard": 8} if config.small_shards else {}
+    return ShardBuildConfig(max_tokens=max_len - 2, jobs=config.shard_jobs, **sizes)
 
 
 def _report(manifest: dict, out: Path) -> None:

@@ -84,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"--stage must be one of {STAGES}, got {self.stage!r}")
         if self.interface not in ("cl", "vq", "none"):
             raise ValueError(f"--interface must be cl, vq or none, got {self.interface!r}")
+        if self.stage in ("mbart", "finetune"):
+            self.interface = "none"  # neither has a semantic interface
         if self.interface == "none" and self.stage not in ("encoder", "mbart", "finetune"):
             raise ValueError("--interface none (XLM) has only an encoder stage")
         if self.stage == "decoder" and self.interface == "vq" and self.init_from is None:
