@@ -97,6 +97,7 @@ def run_logged(
         tail: list[str] = []
         for line in process.stdout:
             log.write(line)
+            log.flush()  # the log is where a user looks while a run is going
             tail = [*tail[-39:], line]
             text = line.rstrip()
             # The launcher prefixes rank output with "[rank0]:" on some versions.
