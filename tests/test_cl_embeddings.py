@@ -1,10 +1,13 @@
-"""Cross-lingual subword embeddings: skip-gram, Procrustes/CSLS mapping, the table build."""
+"""Cross-lingual embeddings, the parts: skip-gram, Procrustes/CSLS mapping, the unsupervised
+initialisation, gold dictionaries, and the build's refusals of bad input.
+
+The whole build on the real demo corpus, through the documented command, and its quality are
+in test_cl_embeddings_cli.py.
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -13,109 +16,55 @@ import torch
 from megasemface.cli.build_cl_embeddings import main as cli_main
 from megasemface.data.shard_builder import ShardBuildConfig, build_shards
 from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import SpmTrainConfig, train_spm
+from megasemface.data.tokenizer import SpmTrainConfig, Tokenizer, train_spm
 from megasemface.embeddings import (
     CLEmbeddingConfig,
     CLEmbeddingError,
+    GoldEntry,
     SkipGramConfig,
     bli_precision,
     build_cl_embeddings,
     csls_topk,
+    gold_queries,
+    induce_dictionary,
+    load_gold_dictionary,
     map_onto,
+    normalize,
     procrustes,
     train_skipgram,
+    unsupervised_seed,
 )
-from megasemface.embeddings.mapping import normalize
-from megasemface.interfaces.cross_lingual import CrossLingualInterface, load_embedding_table
-from megasemface.interfaces.factory import build_interface
-from megasemface.models.config import build_model_config
-
-DIM = 64
+from megasemface.embeddings.skipgram import RowAdam, sgns_step
+from megasemface.interfaces.cross_lingual import load_embedding_table
 
 
-@pytest.fixture(scope="module")
-def big_vocab_shards(demo_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Shards of the demo corpus under an 8000-piece joint model.
-
-    The session's 1000-piece model splits all but 6 of the gold dictionary's words into
-    several pieces; with 8000 pieces about 90 entries are single pieces on both sides.
-    """
-    root = tmp_path_factory.mktemp("cl-emb")
-    corpora = parse_lang_path(
-        [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
-    )
-    train_spm(corpora, root / "joint8k", SpmTrainConfig(vocab_size=8000, num_threads=1, seed=1))
-    build_shards(corpora, root / "joint8k.model", root / "shards", ShardBuildConfig(jobs=1))
-    return root
-
-
-@pytest.fixture(scope="module")
-def built(big_vocab_shards: Path, demo_corpus: Path) -> tuple[Path, dict[str, Any]]:
-    config = CLEmbeddingConfig(
-        skipgram=SkipGramConfig(dim=DIM, epochs=3, seed=0), max_iterations=8, threads=2
-    )
-    out = big_vocab_shards / "out" / "table"
-    report = build_cl_embeddings(
-        big_vocab_shards / "shards",
-        big_vocab_shards / "joint8k.model",
-        out,
-        config,
-        gold_dict=demo_corpus / "dict" / "en-de.tsv",
-    )
-    return out, report
-
-
-def test_table_has_one_finite_row_per_id_and_loads(built: tuple[Path, dict[str, Any]]) -> None:
-    out, report = built
-    path = out.with_name("table.safetensors")
-    table = load_embedding_table(path, 8000, DIM)
-    assert table.shape == (8000, DIM) and torch.isfinite(table).all()
-    # Every row, unseen ids included, has the documented norm sqrt(dim).
-    assert torch.allclose(table.norm(dim=1), torch.full((8000,), DIM**0.5), atol=1e-3)
-    on_disk = json.loads(out.with_name("table.json").read_text())
-    assert on_disk["ids"] == report["ids"] and sum(report["ids"].values()) == 8000
-    assert report["ids"]["unseen"] > 0  # special ids and byte pieces at least
-    assert set(report["phases"]) >= {"read", "train", "map", "merge", "bli_before", "bli_after"}
-    assert report["mapping"]["en"]["onto"] == "de" and report["mapping"]["en"]["seed_dictionary"]
-
-
-def test_mapping_retrieves_translations_better_than_unmapped(
-    built: tuple[Path, dict[str, Any]],
-) -> None:
-    _, report = built
-    assert report["gold"]["usable"] >= 50, report["gold"]
-    before, after = report["bli_before"], report["bli_after"]
-    # Independently trained spaces are unrelated: retrieval is at chance (~0 of 88 queries).
-    # After mapping 4-6 of 88 are found at p@5 on this tiny corpus (0.3M tokens a language),
-    # so the margin is set at 3 queries.
-    assert before["p@1"] == 0.0 and before["p@5"] <= 0.012, report
-    assert after["p@5"] >= before["p@5"] + 3 / 88, report
-    assert after["p@1"] > before["p@1"], report
-
-
-def test_table_plugs_into_the_cl_interface(built: tuple[Path, dict[str, Any]]) -> None:
-    out, _ = built
-    config = build_model_config("tiny", ["vocab_size=8000", f"d_model={DIM}", "num_heads=4"])
-    interface = build_interface("cl", config, cl_table=out.with_name("table.safetensors"))
-    assert isinstance(interface, CrossLingualInterface)
-    assert interface.table.shape == (8000, DIM)
+def _isomorphic_pair(
+    n: int, d: int, noise: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, and z = a rotated, row-permuted, noisy copy; returns (x, z, rotation, perm) with
+    z[i] the image of x[perm[i]]. The spectrum decays so that rows are distinguishable by
+    their similarity distributions (an isotropic cloud has nothing to match)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = normalize(torch.randn(n, d, generator=gen) * torch.linspace(3.0, 0.3, d))
+    rotation, _ = torch.linalg.qr(torch.randn(d, d, generator=gen))
+    perm = torch.randperm(n, generator=gen)
+    z = normalize(x[perm] @ rotation + noise * torch.randn(n, d, generator=gen) / d**0.5)
+    return x, z, rotation, perm
 
 
 def test_procrustes_recovers_a_known_rotation() -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(300, 16, generator=gen)
     rotation, _ = torch.linalg.qr(torch.randn(16, 16, generator=gen))
-    z = x @ rotation
-    assert torch.allclose(procrustes(x, z), rotation, atol=1e-5)
+    assert torch.allclose(procrustes(x, x @ rotation), rotation, atol=1e-5)
     # Self-learning from a 20-pair seed recovers the rotation and the whole dictionary.
-    xn = normalize(x)
-    zn = normalize(x) @ rotation
-    perm = torch.randperm(300, generator=gen)
-    seed = torch.stack([torch.arange(20), torch.argsort(perm)[:20]], 1)
-    result = map_onto(xn, zn[perm], seed, max_iterations=10)
+    x, z, rotation, perm = _isomorphic_pair(300, 16, 0.0, 1)
+    inverse = torch.argsort(perm)  # x row i is z row inverse[i]
+    seed = torch.stack([torch.arange(20), inverse[:20]], 1)
+    result = map_onto(x, z, seed, max_iterations=10)
     assert result.converged
     assert torch.allclose(result.matrix, rotation, atol=1e-4)
-    assert result.dictionary.shape[0] == 300
+    assert torch.equal(result.dictionary[:, 1], inverse)
 
 
 def test_csls_in_blocks_equals_the_full_matrix() -> None:
@@ -135,6 +84,60 @@ def test_csls_in_blocks_equals_the_full_matrix() -> None:
     assert torch.equal(cos_idx, sims.topk(3, dim=1).indices)
 
 
+def test_dictionary_induction_in_blocks_equals_the_full_matrix() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = normalize(torch.randn(53, 8, generator=gen))
+    z = normalize(torch.randn(41, 8, generator=gen))
+    sims = x @ z.T
+    k = 4
+    full = 2 * sims - sims.topk(k, 1).values.mean(1)[:, None] - sims.topk(k, 0).values.mean(0)
+    fwd, bwd = full.argmax(1), full.argmax(0)
+    forward = torch.stack([torch.arange(53), fwd], 1)
+    expected = {
+        "forward": forward,
+        "mutual": forward[bwd[fwd] == torch.arange(53)],
+        "union": torch.unique(torch.cat([forward, torch.stack([bwd, torch.arange(41)], 1)]), dim=0),
+    }
+    objective = float((full.max(1).values.mean() + full.max(0).values.mean()) / 2)
+    for direction, pairs in expected.items():
+        got, got_objective = induce_dictionary(x, z, direction=direction, csls_k=k, block_size=7)
+        assert torch.equal(got, pairs), direction
+        assert got_objective == pytest.approx(objective, abs=1e-6)
+    # Stochastic induction is reproducible from its generator and differs from the greedy one.
+    runs = [
+        induce_dictionary(
+            x, z, direction="forward", keep_prob=0.3, generator=torch.Generator().manual_seed(5)
+        )[0]
+        for _ in range(2)
+    ]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], forward)
+
+
+def test_unsupervised_initialisation_recovers_a_permuted_rotation() -> None:
+    x, z, rotation, perm = _isomorphic_pair(400, 24, 0.0, 3)
+    seed = unsupervised_seed(x, z, block_size=64)
+    # Without noise the similarity distributions alone give the whole dictionary.
+    assert torch.equal(perm[seed[:, 1]], seed[:, 0])
+    x, z, rotation, perm = _isomorphic_pair(400, 24, 0.2, 3)
+    seed = unsupervised_seed(x, z, block_size=64)
+    right = (perm[seed[:, 1]] == seed[:, 0]).float().mean()
+    assert 0.2 < right < 0.5, float(right)  # a poor but better than chance (1/400) start
+    for stochastic in (None, (0.25, 3)):
+        result = map_onto(x, z, seed, max_iterations=20, stochastic=stochastic)
+        assert result.converged, stochastic
+        final = result.dictionary
+        assert torch.equal(perm[final[:, 1]], final[:, 0]) and final.shape[0] == 400
+        assert torch.allclose(result.matrix, rotation, atol=0.05)
+    # Stochastic induction only converges once the keep probability has reached 1.
+    assert result.iterations > 6
+
+
+def test_mapping_refuses_spaces_of_different_dimensions() -> None:
+    x, z = torch.eye(4), torch.eye(5)
+    with pytest.raises(ValueError, match="embedding dimensions differ: source 4, target 5"):
+        map_onto(x, z, torch.tensor([[0, 0]]))
+
+
 def test_bli_precision_counts_hits_at_k() -> None:
     vecs = torch.eye(6)
     shifted = vecs[[1, 0, 2, 3, 4, 5]]  # ids 0 and 1 swapped in the target space
@@ -142,11 +145,39 @@ def test_bli_precision_counts_hits_at_k() -> None:
     assert out["queries"] == 3 and out["p@1"] == pytest.approx(2 / 3) and out["p@5"] == 1.0
 
 
+def test_sgns_step_matches_autograd_and_sparse_adam() -> None:
+    """The closed-form gradients with RowAdam give SparseAdam's weights over several steps."""
+    gen = torch.Generator().manual_seed(4)
+    vocab, dim, batch, negatives = 30, 6, 16, 3
+    w_in = torch.randn(vocab, dim, generator=gen) * 0.3
+    w_out = torch.randn(vocab, dim, generator=gen) * 0.3
+    emb_in = torch.nn.Embedding.from_pretrained(w_in.clone(), freeze=False, sparse=True)
+    emb_out = torch.nn.Embedding.from_pretrained(w_out.clone(), freeze=False, sparse=True)
+    reference = torch.optim.SparseAdam([emb_in.weight, emb_out.weight], lr=0.05)
+    adam_in, adam_out = RowAdam(w_in), RowAdam(w_out)
+    for _ in range(4):
+        c = torch.randint(0, vocab, (batch,), generator=gen)
+        o = torch.randint(0, vocab, (batch,), generator=gen)
+        n = torch.randint(0, vocab, (batch, negatives), generator=gen)
+        loss = sgns_step(w_in, w_out, adam_in, adam_out, c, o, n, 0.05)
+        cv = emb_in(c)
+        ref_loss = -(
+            torch.nn.functional.logsigmoid((cv * emb_out(o)).sum(1)).sum()
+            + torch.nn.functional.logsigmoid(-torch.einsum("bd,bkd->bk", cv, emb_out(n))).sum()
+        )
+        reference.zero_grad()
+        (ref_loss / batch).backward()
+        reference.step()
+        assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    assert torch.allclose(w_in, emb_in.weight.detach(), atol=1e-5)
+    assert torch.allclose(w_out, emb_out.weight.detach(), atol=1e-5)
+
+
 def test_skipgram_is_deterministic_and_learns() -> None:
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 50, size=4000)
+    tokens = rng.integers(0, 50, size=4000).astype(np.int32)
     offsets = np.arange(0, 4001, 20)
-    config = SkipGramConfig(dim=8, epochs=2, batch_size=512, seed=3)
+    config = SkipGramConfig(dim=8, epochs=2, batch_size=512, seed=3, chunk_tokens=1000)
     first = train_skipgram(tokens, offsets, 60, config)
     second = train_skipgram(tokens, offsets, 60, config)
     assert torch.equal(first.vectors, second.vectors)
@@ -154,31 +185,91 @@ def test_skipgram_is_deterministic_and_learns() -> None:
     assert first.pairs > 0 and first.losses[-1] < first.losses[0]
     with pytest.raises(ValueError, match="dimension must be >= 1"):
         SkipGramConfig(dim=0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        train_skipgram(tokens, offsets, 40, config)
+
+
+def test_gold_dictionary_matches_case_forms(spm_model: Path, tmp_path: Path) -> None:
+    tokenizer = Tokenizer.load(spm_model)
+    piece = tokenizer.processor.piece_to_id
+    path = tmp_path / "en-de.tsv"
+    # The demo dictionary is lower-cased; "Datei" is how German writes it.
+    path.write_text("file\tdatei\nzzqx\tqqzx\n\nlonely\n", encoding="utf-8")
+    entries, stats = load_gold_dictionary(path, tokenizer)
+    assert stats == {"entries": 2, "single_piece": 1}
+    assert piece("▁Datei") in entries[0].target and piece("▁file") in entries[0].source
+    # One query per source word: its most frequent form; gold: its frequent target forms.
+    counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+    entry = GoldEntry(source=(5, 6), target=(7, 8))
+    counts[[5, 6, 7, 8]] = [3, 40, 50, 2]
+    assert gold_queries([entry], counts, counts, min_count=3) == [(6, 7)]
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("oneword\n\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"empty.tsv: no 'source<TAB>target' word pairs"):
+        load_gold_dictionary(empty, tokenizer)
+    with pytest.raises(ValueError, match="gold dictionary not found"):
+        load_gold_dictionary(tmp_path / "missing.tsv", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def small_shards(
+    demo_corpus: Path, spm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """Shards of the first 2,000 English and 3 German lines of the demo corpus."""
+    root = tmp_path_factory.mktemp("cl-small")
+    inputs = []
+    for lang, lines in (("en", 2000), ("de", 3)):
+        text = (demo_corpus / "mono" / f"{lang}.txt").read_text(encoding="utf-8")
+        (root / f"{lang}.txt").write_text("\n".join(text.splitlines()[:lines]) + "\n")
+        inputs.append(f"{lang}:{root / f'{lang}.txt'}")
+    build_shards(parse_lang_path(inputs), spm_model, root / "shards", ShardBuildConfig())
+    return root / "shards"
 
 
 def test_shards_from_another_model_are_refused(
-    big_vocab_shards: Path, spm_model: Path, tmp_path: Path
+    small_shards: Path, demo_corpus: Path, tmp_path: Path
 ) -> None:
+    other = tmp_path / "other"
+    corpora = parse_lang_path([f"en:{demo_corpus / 'mono' / 'en.txt'}"])
+    train_spm(corpora, other, SpmTrainConfig(vocab_size=500, num_threads=1, seed=2))
     with pytest.raises(CLEmbeddingError, match="shards from another SentencePiece model"):
-        build_cl_embeddings(big_vocab_shards / "shards", spm_model, tmp_path / "t")
+        build_cl_embeddings(small_shards, other.with_suffix(".model"), tmp_path / "t")
 
 
-def test_missing_language_is_refused(big_vocab_shards: Path, tmp_path: Path) -> None:
+def test_languages_without_data_are_refused(
+    small_shards: Path, spm_model: Path, tmp_path: Path
+) -> None:
     config = CLEmbeddingConfig(languages=("en", "fr"))
-    with pytest.raises(CLEmbeddingError, match=r"\['fr'\] have no shards"):
-        build_cl_embeddings(
-            big_vocab_shards / "shards", big_vocab_shards / "joint8k.model", tmp_path / "t", config
-        )
+    with pytest.raises(CLEmbeddingError, match=r"\['fr'\] have no monolingual shards in .*shards"):
+        build_cl_embeddings(small_shards, spm_model, tmp_path / "t", config)
+    # German has 3 lines: no piece reaches min_count, which the message names.
+    config = CLEmbeddingConfig(skipgram=SkipGramConfig(dim=8, epochs=1, min_count=5))
+    with pytest.raises(CLEmbeddingError, match=r"language 'de' in .*min_count=5"):
+        build_cl_embeddings(small_shards, spm_model, tmp_path / "t", config)
+    assert not (tmp_path / "t.safetensors").exists()
+
+
+def test_table_of_another_dimension_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "table.safetensors"
+    save_file({"embeddings": torch.zeros(10, 8)}, str(path))
+    with pytest.raises(ValueError, match=r"table.safetensors: table of shape \(10, 8\).*d_model"):
+        load_embedding_table(path, 10, 16)
 
 
 def test_cli_reports_errors_without_traceback(
-    big_vocab_shards: Path, spm_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    small_shards: Path, spm_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    shards = str(big_vocab_shards / "shards")
-    code = cli_main(["--shards", shards, "--spm-model", str(spm_model), "--out", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert code == 2 and "another SentencePiece model" in err and "Traceback" not in err
-    code = cli_main(
-        ["--shards", shards, "--spm-model", str(spm_model), "--out", str(tmp_path), "--dim", "0"]
-    )
-    assert code == 2 and "dimension must be >= 1" in capsys.readouterr().err
+    base = ["--shards", str(small_shards), "--spm-model", str(spm_model), "--out", str(tmp_path)]
+    cases = [
+        (["--dim", "0"], "dimension must be >= 1"),
+        (["--gold-dict", str(tmp_path / "none.tsv")], "gold dictionary not found"),
+        (["--lang", "en"], "needs >= 2 languages"),
+        (["--stochastic", "0", "3"], "stochastic needs"),
+        (["--shards", str(tmp_path / "nowhere")], "no shard manifest"),
+    ]
+    for extra, message in cases:
+        code = cli_main(base + extra)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (extra, err)

@@ -2,10 +2,12 @@
 
 Example::
 
-    python tools/build_cl_embeddings.py --shards shards/demo --spm-model spm/joint.model \\
-        --out emb/cl-512 --dim 512 --epochs 5 --gold-dict corpus/dict/en-de.tsv --threads 8
+    python tools/build_cl_embeddings.py --shards shards/demo --spm-model demo/spm/joint.model \\
+        --out demo/cl/en-de --dim 64 --gold-dict demo/corpus/dict/en-de.tsv
 
-Writes ``<out>.safetensors`` (tensor ``embeddings``, [vocab, dim]) and ``<out>.json``.
+Writes ``<out>.safetensors`` (tensor ``embeddings``, [vocab, dim]) and ``<out>.json`` (the
+report: sizes, iterations, ids never seen, time and memory per phase, BLI before and after
+mapping). Exit status 2 with a one-line message on bad input.
 """
 
 from __future__ import annotations
@@ -15,42 +17,78 @@ import json
 import sys
 from pathlib import Path
 
-from megasemface.embeddings.build import CLEmbeddingConfig, CLEmbeddingError, build_cl_embeddings
+from megasemface.embeddings.build import (
+    INITS,
+    CLEmbeddingConfig,
+    CLEmbeddingError,
+    build_cl_embeddings,
+)
+from megasemface.embeddings.mapping import DIRECTIONS
 from megasemface.embeddings.skipgram import SkipGramConfig
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line; defaults come from SkipGramConfig and CLEmbeddingConfig."""
     sg = SkipGramConfig()
     cl = CLEmbeddingConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", type=Path, required=True, help="shard directory (manifest)")
     parser.add_argument("--spm-model", type=Path, required=True, help="SentencePiece .model")
     parser.add_argument("--out", type=Path, required=True, help="output prefix")
-    parser.add_argument("--dim", type=int, default=sg.dim, help="embedding size (= d_model)")
-    parser.add_argument("--epochs", type=int, default=sg.epochs)
-    parser.add_argument("--window", type=int, default=sg.window)
-    parser.add_argument("--negatives", type=int, default=sg.negatives)
-    parser.add_argument("--lr", type=float, default=sg.lr)
-    parser.add_argument("--batch-size", type=int, default=sg.batch_size)
-    parser.add_argument("--min-count", type=int, default=sg.min_count)
-    parser.add_argument("--seed", type=int, default=sg.seed)
-    parser.add_argument("--lang", action="append", default=[], help="language (repeat)")
-    parser.add_argument("--pivot", default=None, help="language mapped onto (default: first)")
-    parser.add_argument("--seed-min-count", type=int, default=cl.seed_min_count)
-    parser.add_argument("--dict-min-count", type=int, default=cl.dict_min_count)
-    parser.add_argument("--max-iterations", type=int, default=cl.max_iterations)
-    parser.add_argument("--direction", choices=("mutual", "forward", "union"), default=cl.direction)
+    train = parser.add_argument_group("skip-gram")
+    train.add_argument("--dim", type=int, default=sg.dim, help="embedding size (= d_model)")
+    train.add_argument("--epochs", type=int, default=sg.epochs)
+    train.add_argument("--window", type=int, default=sg.window)
+    train.add_argument("--negatives", type=int, default=sg.negatives)
+    train.add_argument("--lr", type=float, default=sg.lr)
+    train.add_argument("--batch-size", type=int, default=sg.batch_size)
+    train.add_argument("--min-count", type=int, default=sg.min_count)
+    train.add_argument("--subsample", type=float, default=sg.subsample)
+    train.add_argument("--seed", type=int, default=sg.seed)
+    train.add_argument(
+        "--skipgram-threads", type=int, default=sg.threads, help="torch threads for skip-gram"
+    )
+    mapping = parser.add_argument_group("mapping")
+    mapping.add_argument("--lang", action="append", default=[], help="language (repeat)")
+    mapping.add_argument("--pivot", default=None, help="language mapped onto (default: first)")
+    mapping.add_argument(
+        "--init",
+        choices=INITS,
+        default=cl.init,
+        help="initial dictionary: shared pieces, or VecMap's unsupervised initialisation",
+    )
+    mapping.add_argument("--init-vocab", type=int, default=cl.init_vocab)
+    mapping.add_argument("--seed-min-count", type=int, default=cl.seed_min_count)
+    mapping.add_argument("--dict-min-count", type=int, default=cl.dict_min_count)
+    mapping.add_argument("--induction-vocab", type=int, default=cl.induction_vocab)
+    mapping.add_argument("--max-iterations", type=int, default=cl.max_iterations)
+    mapping.add_argument("--direction", choices=DIRECTIONS, default=cl.direction)
+    mapping.add_argument(
+        "--stochastic",
+        nargs=2,
+        type=float,
+        metavar=("KEEP_PROB", "INTERVAL"),
+        default=None,
+        help="stochastic dictionary induction: initial keep probability, doubling interval",
+    )
     parser.add_argument("--max-tokens-per-lang", type=int, default=None)
     parser.add_argument("--gold-dict", type=Path, default=None, help="src<TAB>tgt word pairs")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--bli-min-count", type=int, default=cl.bli_min_count)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads for the mapping (default: all)"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the build; prints a JSON summary, or one error line and returns 2."""
     args = build_parser().parse_args(argv)
     try:
+        stochastic = None
+        if args.stochastic is not None:
+            stochastic = (args.stochastic[0], int(args.stochastic[1]))
         config = CLEmbeddingConfig(
             skipgram=SkipGramConfig(
                 dim=args.dim,
@@ -60,14 +98,21 @@ def main(argv: list[str] | None = None) -> int:
                 lr=args.lr,
                 batch_size=args.batch_size,
                 min_count=args.min_count,
+                subsample=args.subsample,
                 seed=args.seed,
+                threads=args.skipgram_threads,
             ),
             languages=tuple(args.lang),
             pivot=args.pivot,
+            init=args.init,
+            init_vocab=args.init_vocab,
             seed_min_count=args.seed_min_count,
             dict_min_count=args.dict_min_count,
+            induction_vocab=args.induction_vocab,
             max_iterations=args.max_iterations,
             direction=args.direction,
+            stochastic=stochastic,
+            bli_min_count=args.bli_min_count,
             max_tokens_per_lang=args.max_tokens_per_lang,
             threads=args.threads,
         )
@@ -77,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CLEmbeddingError, ValueError, FileNotFoundError, OSError) as exc:
         print(f"build_cl_embeddings: error: {exc}", file=sys.stderr)
         return 2
-    summary = {k: report[k] for k in ("table", "vocab_size", "dim", "ids", "mapping")}
+    summary = {k: report[k] for k in ("table", "vocab_size", "dim", "ids", "mapping", "seconds")}
     for key in ("gold", "bli_before", "bli_after"):
         if key in report:
             summary[key] = report[key]

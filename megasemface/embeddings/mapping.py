@@ -1,19 +1,21 @@
 """VecMap-style orthogonal mapping of one embedding space onto another, and BLI evaluation.
 
-Recipe (Artetxe et al., 2018, the semi-supervised "identical" variant):
+Recipe (Artetxe et al., 2018):
 
 1. :func:`normalize`: unit length, mean centring, unit length again, so that dot products
    are cosines and no dimension is dominated by a common offset;
-2. a seed dictionary: ids present in both languages (shared subword pieces of the joint
-   vocabulary), see :func:`identical_seed`;
+2. an initial dictionary: either ids present in both languages (shared subword pieces of the
+   joint vocabulary: the semi-supervised "identical" variant), or the fully unsupervised
+   initialisation (:func:`unsupervised_seed`), which pairs words whose similarity
+   distributions to their own vocabulary look alike;
 3. repeat: an orthogonal map by Procrustes (:func:`procrustes`, the SVD of ``X_d^T Z_d``),
    then a new dictionary by CSLS nearest neighbours of the mapped source among the target
-   rows (and back), until the dictionary stops changing or ``max_iterations``.
+   rows (and back, :func:`induce_dictionary`), until the dictionary stops changing or
+   ``max_iterations``; optionally with VecMap's stochastic dictionary induction.
 
-Retrieval (:func:`csls_topk`) always runs over row blocks, keeping only the top-k per block,
-so memory is ``O(block * n_target)``, never ``n_source * n_target``. The fully unsupervised
-initialisation of VecMap (similarity-distribution matching) is not implemented: a joint
-SentencePiece vocabulary always gives shared pieces to seed from.
+Similarities are always computed over row blocks, keeping only per-row and per-column
+reductions (top-k, argmax) of each block, so memory is ``O(block * n_target)``, never
+``n_source * n_target``.
 """
 
 from __future__ import annotations
@@ -24,15 +26,20 @@ from collections.abc import Iterable, Sequence
 import torch
 
 __all__ = [
+    "DIRECTIONS",
+    "METHODS",
     "MappingResult",
     "bli_precision",
     "csls_topk",
+    "induce_dictionary",
     "map_onto",
     "normalize",
     "procrustes",
+    "unsupervised_seed",
 ]
 
 DIRECTIONS = ("mutual", "forward", "union")
+METHODS = ("csls", "cosine")
 
 
 def normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
@@ -52,16 +59,24 @@ def procrustes(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return (u @ vt).to(x.dtype)
 
 
-def _mean_topk_sim(
-    queries: torch.Tensor, keys: torch.Tensor, k: int, block_size: int
-) -> torch.Tensor:
-    """For each query row, the mean cosine of its k most similar key rows (CSLS's r term)."""
-    k = min(k, keys.shape[0])
-    out = torch.empty(queries.shape[0], dtype=queries.dtype)
-    for start in range(0, queries.shape[0], block_size):
-        sims = queries[start : start + block_size] @ keys.T
-        out[start : start + block_size] = sims.topk(k, dim=1).values.mean(1)
-    return out
+def _topk_mean_both(
+    x: torch.Tensor, z: torch.Tensor, k: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cosine of each x row to its k nearest z rows, and of each z row to its k nearest
+    x rows (CSLS's two hubness terms), from one blocked pass over ``x @ z.T``.
+
+    Rows are taken ``block_size`` at a time; the per-column top-k is merged block by block,
+    so memory is ``O(block_size * n_z + k * n_z)``.
+    """
+    k_x, k_z = min(k, z.shape[0]), min(k, x.shape[0])
+    r_x = torch.empty(x.shape[0], dtype=x.dtype)
+    col_top = torch.full((k_z, z.shape[0]), -torch.inf, dtype=x.dtype)
+    for start in range(0, x.shape[0], block_size):
+        sims = x[start : start + block_size] @ z.T
+        r_x[start : start + block_size] = sims.topk(k_x, dim=1).values.mean(1)
+        block_top = sims.topk(min(k_z, sims.shape[0]), dim=0).values
+        col_top = torch.cat([col_top, block_top]).topk(k_z, dim=0).values
+    return r_x, col_top.mean(0)
 
 
 def csls_topk(
@@ -82,13 +97,13 @@ def csls_topk(
     rows when ``src`` holds only the queries. Rows are expected to be unit length.
     Returns (indices, scores), each [n_src, topk].
     """
-    if method not in ("csls", "cosine"):
-        raise ValueError(f"unknown retrieval method {method!r}; use 'csls' or 'cosine'")
+    if method not in METHODS:
+        raise ValueError(f"unknown retrieval method {method!r}; use one of {METHODS}")
     topk = min(topk, tgt.shape[0])
     if method == "csls":
-        context = src if src_context is None else src_context
-        r_src = _mean_topk_sim(tgt, context, csls_k, block_size)  # per target row
-        r_tgt = _mean_topk_sim(src, tgt, csls_k, block_size)  # per source row
+        r_tgt, r_src = _topk_mean_both(src, tgt, csls_k, block_size)
+        if src_context is not None:
+            r_src = _topk_mean_both(src_context, tgt, csls_k, block_size)[1]
     indices = torch.empty(src.shape[0], topk, dtype=torch.int64)
     scores = torch.empty(src.shape[0], topk, dtype=src.dtype)
     for start in range(0, src.shape[0], block_size):
@@ -99,6 +114,112 @@ def csls_topk(
         indices[start : start + block_size] = best.indices
         scores[start : start + block_size] = best.values
     return indices, scores
+
+
+def induce_dictionary(
+    xw: torch.Tensor,
+    z: torch.Tensor,
+    *,
+    direction: str = "mutual",
+    method: str = "csls",
+    csls_k: int = 10,
+    block_size: int = 1024,
+    keep_prob: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, float]:
+    """A dictionary of (xw row, z row) pairs by nearest neighbours, and its mean similarity.
+
+    ``forward`` pairs every xw row with its best z row, ``union`` adds every z row with its
+    best xw row, ``mutual`` keeps the forward pairs that are also backward pairs. CSLS is
+    symmetric, so both directions come from the same blocked pass over ``xw @ z.T`` (plus one
+    pass for the hubness terms): two matrix products per call, whatever the direction, and
+    ``O(block_size * n_z)`` memory. ``keep_prob < 1`` is VecMap's stochastic dictionary
+    induction: each similarity is dropped with probability ``1 - keep_prob`` before the
+    argmax, so that self-learning can leave a poor initial dictionary. The returned mean is
+    of the forward and backward best scores before dropout (VecMap's objective).
+    """
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown direction {direction!r}; choose one of {DIRECTIONS}")
+    if method not in METHODS:
+        raise ValueError(f"unknown retrieval method {method!r}; use one of {METHODS}")
+    if method == "csls":
+        r_x, r_z = _topk_mean_both(xw, z, csls_k, block_size)
+    n_x, n_z = xw.shape[0], z.shape[0]
+    fwd = torch.empty(n_x, dtype=torch.int64)
+    fwd_best = torch.empty(n_x, dtype=xw.dtype)
+    bwd = torch.zeros(n_z, dtype=torch.int64)
+    bwd_score = torch.full((n_z,), -torch.inf, dtype=xw.dtype)  # after dropout
+    bwd_best = torch.full((n_z,), -torch.inf, dtype=xw.dtype)
+    for start in range(0, n_x, block_size):
+        sims = xw[start : start + block_size] @ z.T
+        if method == "csls":
+            # In place: at 2,048 x 20,000 each temporary would be another 160 MB.
+            sims.mul_(2).sub_(r_x[start : start + block_size, None]).sub_(r_z[None, :])
+        row, col = sims.max(1), sims.max(0)
+        fwd_best[start : start + block_size] = row.values
+        bwd_best = torch.maximum(bwd_best, col.values)
+        row_idx = row.indices
+        if keep_prob < 1.0:
+            # Independent masks per direction, as in VecMap.
+            drop = torch.rand(sims.shape, generator=generator) >= keep_prob
+            row_idx = sims.masked_fill(drop, -torch.inf).argmax(1)
+            drop = torch.rand(sims.shape, generator=generator) >= keep_prob
+            col = sims.masked_fill_(drop, -torch.inf).max(0)
+        fwd[start : start + block_size] = row_idx
+        better = col.values > bwd_score
+        bwd_score = torch.where(better, col.values, bwd_score)
+        bwd = torch.where(better, col.indices + start, bwd)
+    objective = float((fwd_best.mean() + bwd_best.mean()) / 2)
+    forward = torch.stack([torch.arange(n_x), fwd], 1)
+    if direction == "forward":
+        return forward, objective
+    if direction == "mutual":
+        return forward[bwd[fwd] == torch.arange(n_x)], objective
+    backward = torch.stack([bwd, torch.arange(n_z)], 1)
+    return torch.unique(torch.cat([forward, backward]), dim=0), objective
+
+
+def _sorted_sqrt_similarity(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rows of ``sqrt(x x^T)`` each sorted, then normalised: a rotation- and order-free
+    signature of each row's similarity distribution.
+
+    ``sqrt(x x^T) = U S U^T`` from the thin SVD ``x = U S V^T``; it is filled a row block at
+    a time (each block sorted at once), so the only n x n matrix is the result.
+    """
+    u, s, _ = torch.linalg.svd(x.double(), full_matrices=False)
+    us, u = (u * s).float(), u.float()
+    out = torch.empty(x.shape[0], x.shape[0])
+    for start in range(0, x.shape[0], block_size):
+        out[start : start + block_size] = (us[start : start + block_size] @ u.T).sort(1).values
+    return normalize(out)
+
+
+def unsupervised_seed(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    *,
+    direction: str = "union",
+    csls_k: int = 10,
+    block_size: int = 1024,
+) -> torch.Tensor:
+    """VecMap's fully unsupervised initial dictionary (Artetxe et al., 2018, section 3.2).
+
+    ``x`` and ``z`` are the normalised vectors of each language's most frequent ids (VecMap
+    takes 4,000). Equivalent words have similar similarity distributions to the rest of
+    their own vocabulary whatever the rotation between the spaces, so each row's sorted
+    ``sqrt(x x^T)`` row is compared across languages, and pairs are induced by CSLS on those
+    signatures. Memory: two n x n float32 matrices (4,000 rows: 128 MB) plus a row block.
+    Returns [m, 2] (x row, z row) pairs.
+    """
+    n = min(x.shape[0], z.shape[0])
+    if n < 2:
+        raise ValueError("the unsupervised initialisation needs at least 2 rows per language")
+    x_sig = _sorted_sqrt_similarity(x[:n], block_size)
+    z_sig = _sorted_sqrt_similarity(z[:n], block_size)
+    pairs, _ = induce_dictionary(
+        x_sig, z_sig, direction=direction, csls_k=csls_k, block_size=block_size
+    )
+    return pairs
 
 
 @dataclasses.dataclass
@@ -112,23 +233,10 @@ class MappingResult:
     seed_size: int
     dictionary_sizes: list[int]
     """Dictionary size after each refinement."""
+    objectives: list[float]
+    """Mean CSLS (or cosine) of the best matches after each refinement."""
     dictionary: torch.Tensor
     """The final [n, 2] (source row, target row) pairs, as indices into the given rows."""
-
-
-def _induce(
-    xw: torch.Tensor, z: torch.Tensor, direction: str, method: str, csls_k: int, block: int
-) -> torch.Tensor:
-    """A dictionary of (source row, target row) pairs from nearest neighbours."""
-    fwd = csls_topk(xw, z, 1, method=method, csls_k=csls_k, block_size=block)[0][:, 0]
-    forward = torch.stack([torch.arange(xw.shape[0]), fwd], 1)
-    if direction == "forward":
-        return forward
-    bwd = csls_topk(z, xw, 1, method=method, csls_k=csls_k, block_size=block)[0][:, 0]
-    backward = torch.stack([bwd, torch.arange(z.shape[0])], 1)
-    if direction == "mutual":
-        return forward[bwd[fwd] == torch.arange(xw.shape[0])]
-    return torch.unique(torch.cat([forward, backward]), dim=0)  # union
 
 
 def map_onto(
@@ -141,33 +249,62 @@ def map_onto(
     method: str = "csls",
     csls_k: int = 10,
     block_size: int = 1024,
+    stochastic: tuple[float, int] | None = None,
+    generator_seed: int = 0,
 ) -> MappingResult:
     """Self-learning Procrustes of normalised source rows x onto target rows z.
 
     ``seed`` is an [n, 2] tensor of (x row, z row) pairs. Each iteration fits the map on the
     current dictionary and induces the next one; it stops once a dictionary repeats.
+    ``stochastic=(p0, interval)`` turns on VecMap's stochastic dictionary induction: the
+    keep probability starts at p0 and doubles every ``interval`` iterations; the dictionary
+    can only converge once it reaches 1.
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}; choose one of {DIRECTIONS}")
+    if x.shape[1] != z.shape[1]:
+        raise ValueError(
+            f"embedding dimensions differ: source {x.shape[1]}, target {z.shape[1]}; "
+            "train every language with the same dimension"
+        )
     if seed.numel() == 0:
         raise ValueError("the seed dictionary is empty: the languages share no usable id")
-    pairs = seed.long()
+    if stochastic is not None and not (0 < stochastic[0] <= 1 and stochastic[1] >= 1):
+        raise ValueError(f"stochastic needs (keep_prob in (0, 1], interval >= 1), {stochastic}")
+    generator = torch.Generator().manual_seed(generator_seed)
+    seed = torch.unique(seed.long(), dim=0)
+    pairs = seed
     sizes: list[int] = []
+    objectives: list[float] = []
     converged = False
     iterations = 0
     matrix = procrustes(x[pairs[:, 0]], z[pairs[:, 1]])
     while iterations < max_iterations:
+        keep_prob = 1.0
+        if stochastic is not None:
+            keep_prob = min(1.0, stochastic[0] * 2.0 ** (iterations // stochastic[1]))
         iterations += 1
-        new = _induce(x @ matrix, z, direction, method, csls_k, block_size)
+        new, objective = induce_dictionary(
+            x @ matrix,
+            z,
+            direction=direction,
+            method=method,
+            csls_k=csls_k,
+            block_size=block_size,
+            keep_prob=keep_prob,
+            generator=generator,
+        )
+        new = torch.unique(new, dim=0)  # sorted rows, so equal dictionaries compare equal
         sizes.append(int(new.shape[0]))
-        if new.shape == pairs.shape and torch.equal(
-            torch.unique(new, dim=0), torch.unique(pairs, dim=0)
-        ):
+        objectives.append(objective)
+        if keep_prob == 1.0 and torch.equal(new, pairs):
             converged = True
             break
         pairs = new
         matrix = procrustes(x[pairs[:, 0]], z[pairs[:, 1]])
-    return MappingResult(matrix, iterations, converged, int(seed.shape[0]), sizes, pairs)
+    return MappingResult(
+        matrix, iterations, converged, int(seed.shape[0]), sizes, objectives, pairs
+    )
 
 
 def bli_precision(

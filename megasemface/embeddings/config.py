@@ -1,0 +1,76 @@
+"""Options of the cross-lingual table build, and its error type."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megasemface.embeddings.mapping import DIRECTIONS, METHODS
+from megasemface.embeddings.skipgram import SkipGramConfig
+
+__all__ = ["INITS", "CLEmbeddingConfig", "CLEmbeddingError"]
+
+INITS = ("identical", "unsupervised")
+
+
+class CLEmbeddingError(ValueError):
+    """The table cannot be built from these inputs; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CLEmbeddingConfig:
+    """Options of a table build."""
+
+    skipgram: SkipGramConfig = dataclasses.field(default_factory=SkipGramConfig)
+    languages: tuple[str, ...] = ()
+    """Languages to use (default: all monolingual entries of the manifest, sorted)."""
+    pivot: str | None = None
+    """Language the others are mapped onto (default: the first language)."""
+    init: str = "identical"
+    """Initial dictionary: ``identical`` (ids both languages use, the joint vocabulary's
+    shared pieces) or ``unsupervised`` (VecMap's similarity-distribution initialisation)."""
+    init_vocab: int = 4000
+    """Most frequent ids per language that the unsupervised initialisation compares."""
+    seed_min_count: int = 5
+    """A shared id seeds the dictionary when it occurs this often in both languages."""
+    dict_min_count: int = 10
+    """Only ids this frequent in their language take part in dictionary induction: rare
+    pieces have noisy vectors and would add spurious pairs."""
+    induction_vocab: int | None = 20000
+    """At most this many of each language's most frequent ids take part in dictionary
+    induction (VecMap's vocabulary cutoff); the map is applied to all rows."""
+    max_iterations: int = 20
+    direction: str = "mutual"
+    retrieval: str = "csls"
+    csls_k: int = 10
+    stochastic: tuple[float, int] | None = None
+    """VecMap's stochastic dictionary induction: (initial keep probability, iterations
+    between its doublings); ``None`` keeps every similarity."""
+    bli_min_count: int = 10
+    """BLI queries and gold targets must occur this often in their language."""
+    block_size: int = 2048
+    max_tokens_per_lang: int | None = None
+    """Read at most about this many tokens per language (whole samples), to bound memory."""
+    row_rms: float = 1.0
+    """Per-dimension RMS of every output row (row norm ``sqrt(dim) * row_rms``)."""
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed_min_count < 1 or self.max_iterations < 0 or self.csls_k < 1:
+            raise CLEmbeddingError("seed_min_count, csls_k >= 1 and max_iterations >= 0 needed")
+        if self.block_size < 1 or not self.row_rms > 0:
+            raise CLEmbeddingError("block_size must be >= 1 and row_rms > 0")
+        if self.init not in INITS:
+            raise CLEmbeddingError(f"unknown init {self.init!r}; choose one of {INITS}")
+        if self.direction not in DIRECTIONS or self.retrieval not in METHODS:
+            raise CLEmbeddingError(
+                f"direction must be one of {DIRECTIONS} and retrieval one of {METHODS}"
+            )
+        if self.init_vocab < 2 or (self.induction_vocab is not None and self.induction_vocab < 2):
+            raise CLEmbeddingError("init_vocab and induction_vocab must be >= 2")
+        if self.stochastic is not None and not (
+            0 < self.stochastic[0] <= 1 and self.stochastic[1] >= 1
+        ):
+            raise CLEmbeddingError(
+                f"stochastic needs (keep probability in (0, 1], interval >= 1), "
+                f"got {self.stochastic}"
+            )

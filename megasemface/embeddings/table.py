@@ -1,0 +1,154 @@
+"""The mapping and merge phases of the table build, on spaces already trained.
+
+Kept apart from the reading and training of :mod:`megasemface.embeddings.build` so that they
+can run (and be benchmarked) on any [V, d] spaces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from megasemface.embeddings.config import CLEmbeddingConfig, CLEmbeddingError
+from megasemface.embeddings.mapping import map_onto, unsupervised_seed
+
+__all__ = ["induction_rows", "map_language", "merge_table"]
+
+
+def induction_rows(
+    counts: np.ndarray, trained: np.ndarray, config: CLEmbeddingConfig
+) -> np.ndarray:
+    """Ids taking part in dictionary induction, most frequent first (ties by id)."""
+    ids = np.flatnonzero(trained & (counts >= config.dict_min_count))
+    ids = ids[np.argsort(-counts[ids], kind="stable")]
+    return ids[: config.induction_vocab] if config.induction_vocab else ids
+
+
+def _seed(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    x_rows: np.ndarray,
+    z_rows: np.ndarray,
+    x_counts: np.ndarray,
+    z_counts: np.ndarray,
+    config: CLEmbeddingConfig,
+) -> torch.Tensor:
+    """The initial dictionary, as (position in x_rows, position in z_rows) pairs."""
+    if config.init == "unsupervised":
+        n = config.init_vocab
+        return unsupervised_seed(
+            x[torch.from_numpy(x_rows[:n])],
+            z[torch.from_numpy(z_rows[:n])],
+            csls_k=config.csls_k,
+            block_size=config.block_size,
+        )
+    floor = max(config.seed_min_count, config.dict_min_count)
+    shared = np.intersect1d(x_rows, z_rows)
+    shared = shared[(x_counts[shared] >= floor) & (z_counts[shared] >= floor)]
+    position_x = {int(i): p for p, i in enumerate(x_rows)}
+    position_z = {int(i): p for p, i in enumerate(z_rows)}
+    return torch.tensor(
+        [[position_x[int(i)], position_z[int(i)]] for i in shared], dtype=torch.int64
+    ).reshape(-1, 2)
+
+
+def map_language(
+    lang: str,
+    pivot: str,
+    spaces: dict[str, torch.Tensor],
+    counts: dict[str, np.ndarray],
+    trained: dict[str, np.ndarray],
+    config: CLEmbeddingConfig,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The orthogonal map of ``lang`` onto ``pivot`` and its report entry."""
+    x_rows = induction_rows(counts[lang], trained[lang], config)
+    z_rows = induction_rows(counts[pivot], trained[pivot], config)
+    if min(len(x_rows), len(z_rows)) < 2:
+        raise CLEmbeddingError(
+            f"{lang} and {pivot} need >= 2 ids seen >= {config.dict_min_count} times each "
+            f"(have {len(x_rows)} and {len(z_rows)}); lower dict_min_count or use more data"
+        )
+    x, z = spaces[lang], spaces[pivot]
+    seed = _seed(x, z, x_rows, z_rows, counts[lang], counts[pivot], config)
+    if seed.numel() == 0:
+        raise CLEmbeddingError(
+            f"{lang} and {pivot} share no id seen >= {config.seed_min_count} times in "
+            "both; lower seed_min_count, use more data or --init unsupervised"
+        )
+    seed_identical = float((x_rows[seed[:, 0].numpy()] == z_rows[seed[:, 1].numpy()]).mean())
+    result = map_onto(
+        x[torch.from_numpy(x_rows)],
+        z[torch.from_numpy(z_rows)],
+        seed,
+        max_iterations=config.max_iterations,
+        direction=config.direction,
+        method=config.retrieval,
+        csls_k=config.csls_k,
+        block_size=config.block_size,
+        stochastic=config.stochastic,
+        generator_seed=config.skipgram.seed,
+    )
+    final = result.dictionary.numpy()
+    entry = {
+        "onto": pivot,
+        "init": config.init,
+        "induction_rows": [len(x_rows), len(z_rows)],
+        "seed_dictionary": result.seed_size,
+        # The share of seed pairs that are one piece in both languages: 1 for the identical
+        # seed; for the unsupervised one, a sign of whether it found the shared pieces.
+        "seed_identical_fraction": round(seed_identical, 4),
+        "iterations": result.iterations,
+        "converged": result.converged,
+        "dictionary_sizes": result.dictionary_sizes,
+        "objectives": [round(o, 4) for o in result.objectives],
+        "final_identical_fraction": round(
+            float((x_rows[final[:, 0]] == z_rows[final[:, 1]]).mean()), 4
+        ),
+    }
+    return result.matrix, entry
+
+
+def merge_table(
+    languages: Sequence[str],
+    mapped: dict[str, torch.Tensor],
+    counts: dict[str, np.ndarray],
+    trained: dict[str, np.ndarray],
+    config: CLEmbeddingConfig,
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """One row per id: the mean of its languages' mapped vectors, or a random direction.
+
+    An id trained in no language (never seen, or rarer than ``min_count`` everywhere) gets a
+    random direction from a fixed seed: distinct from every other row, meaning nothing.
+    Returns the table and the number of ids of each kind.
+    """
+    vocab_size, dim = mapped[languages[0]].shape
+    total = torch.zeros(vocab_size, dim)
+    uses = torch.zeros(vocab_size)
+    seen = np.zeros(vocab_size, dtype=bool)
+    # A block of rows at a time, so that temporaries are block-sized, not [V, d].
+    for start in range(0, vocab_size, config.block_size):
+        rows = slice(start, start + config.block_size)
+        for lang in languages:
+            mask = torch.from_numpy(trained[lang][rows])
+            total[rows][mask] += torch.nn.functional.normalize(mapped[lang][rows][mask], dim=1)
+            uses[rows] += mask
+    for lang in languages:
+        seen |= counts[lang] > 0
+    untrained = uses == 0
+    generator = torch.Generator().manual_seed(config.skipgram.seed + 7919)
+    total[untrained] = torch.randn(int(untrained.sum()), dim, generator=generator)
+    table = total.div_(total.norm(dim=1, keepdim=True).clamp_min_(1e-12))
+    table.mul_(math.sqrt(dim) * config.row_rms)
+    if not torch.isfinite(table).all():
+        raise CLEmbeddingError("the table holds NaN or infinite values; lower the lr")
+    ids = {
+        "shared": int((uses > 1).sum()),
+        "single_language": int((uses == 1).sum()),
+        "rare": int((untrained.numpy() & seen).sum()),
+        "unseen": int((~seen).sum()),
+    }
+    return table, ids
