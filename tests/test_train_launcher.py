@@ -5,23 +5,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from launch import ROOT, environment, free_port, launch, train_command
 from safetensors.torch import save_file
 
 from megasemface.data.shard_builder import ShardBuildConfig, build_shards
 from megasemface.data.textio import parse_lang_path
 from megasemface.data.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-DEEPSPEED = Path(sys.executable).with_name("deepspeed")
 CONFIGS = {
     1: ROOT / "ds_configs" / "zero1_bf16.json",  # bf16 works on the CPU accelerator too
     2: ROOT / "ds_configs" / "cpu_fp32_zero2.json",
@@ -30,12 +27,6 @@ CONFIGS = {
 
 
 pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,44 +42,9 @@ def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model:
 
 
 def command(data: dict, out: Path, *args: str, zero: int = 2, procs: int = 2) -> list[str]:
-    return [
-        str(DEEPSPEED),
-        "--num_accelerators",
-        str(procs),
-        "--master_port",
-        str(_free_port()),
-        str(ROOT / "megasemface" / "train.py"),
-        "--deepspeed_config",
-        str(CONFIGS[zero]),
-        "--data",
-        str(data["shards"]),
-        "--spm-model",
-        str(data["spm"]),
-        "--output-dir",
-        str(out),
-        "--preset",
-        "tiny",
-        "--max-tokens",
-        "512",
-        "--log-interval",
-        "1",
-        "--cl-table",
-        str(data["cl"]),
-        *args,
-    ]
-
-
-def environment() -> dict[str, str]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return env
-
-
-def launch(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, env=environment(), cwd=ROOT, timeout=timeout
+    return train_command(
+        data, out, "--cl-table", str(data["cl"]), *args, config=CONFIGS[zero], procs=procs
     )
-    return result
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -262,7 +218,7 @@ def test_sigterm_on_one_rank_saves_and_exits_cleanly(data: dict, tmp_path: Path)
 
 def test_unreachable_tracking_server_does_not_stop_training(data: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    uri = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
     result = launch(
         command(

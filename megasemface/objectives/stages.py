@@ -41,6 +41,7 @@ __all__ = [
     "SemFaceModel",
     "StageOutput",
     "cross_entropy",
+    "teacher_forced_logits",
 ]
 
 
@@ -256,6 +257,28 @@ class SemFaceModel(nn.Module):
         return params
 
 
+def teacher_forced_logits(
+    model: Seq2SeqModel, special: SpecialTokens, src: SequenceBatch, tgt: SequenceBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [N, V] and targets [N] of ``tgt`` given ``src``: the encoder reads ``src </s>``,
+    the decoder ``<tgt lang> tgt`` and predicts ``tgt </s>`` (N: target tokens and </s>)."""
+    sp = special
+    source, source_lengths = append_token(src.tokens_BT, src.lengths_B, sp.eos, sp.pad)
+    tags = torch.tensor(sp.lang_tags, device=tgt.langs_B.device)[tgt.langs_B]
+    inputs, lengths = prepend_tokens(tgt.tokens_BT, tgt.lengths_B, tags)
+    targets, _ = append_token(tgt.tokens_BT, tgt.lengths_B, sp.eos, sp.pad)
+    target_mask = lengths_to_mask(lengths, targets.shape[1])
+    hidden = model(
+        source,
+        lengths_to_mask(source_lengths, source.shape[1]),
+        src.langs_B,
+        inputs,
+        target_mask,
+        tgt.langs_B,
+    )
+    return model.decoder.logits(hidden[target_mask]), targets[target_mask]
+
+
 class DenoisingSeq2Seq(nn.Module):
     """The mBART-style baseline: the whole encoder-decoder trained to reconstruct a sentence
     from a copy with Poisson(3.5) spans over 35% of tokens infilled (one mask per span) and
@@ -302,21 +325,9 @@ class DenoisingSeq2Seq(nn.Module):
             ratio=obj.infill_ratio,
             poisson_lambda=obj.poisson_lambda,
         )
-        source, source_lengths = append_token(source, source_lengths, sp.eos, sp.pad)
-        tags = torch.tensor(sp.lang_tags, device=batch.langs_B.device)[batch.langs_B]
-        inputs, lengths = prepend_tokens(batch.tokens_BT, batch.lengths_B, tags)
-        targets, _ = append_token(batch.tokens_BT, batch.lengths_B, sp.eos, sp.pad)
-        target_mask = lengths_to_mask(lengths, targets.shape[1])
-        hidden = self.model(
-            source,
-            lengths_to_mask(source_lengths, source.shape[1]),
-            batch.langs_B,
-            inputs,
-            target_mask,
-            batch.langs_B,
+        logits, wanted = teacher_forced_logits(
+            self.model, sp, SequenceBatch(source, source_lengths, batch.langs_B), batch
         )
-        logits = self.model.decoder.logits(hidden[target_mask])
-        wanted = targets[target_mask]
         loss = cross_entropy(logits, wanted, obj.label_smoothing)
         accuracy = (logits.detach().argmax(-1) == wanted).float().mean().item()
         return StageOutput(

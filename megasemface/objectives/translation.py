@@ -25,11 +25,8 @@ from megasemface.objectives.noising import drop_and_shuffle
 from megasemface.objectives.sequences import (
     SequenceBatch,
     SpecialTokens,
-    append_token,
-    lengths_to_mask,
-    prepend_tokens,
 )
-from megasemface.objectives.stages import StageOutput, cross_entropy
+from megasemface.objectives.stages import StageOutput, cross_entropy, teacher_forced_logits
 
 __all__ = ["TASKS", "TranslationModel"]
 
@@ -82,22 +79,7 @@ class TranslationModel(nn.Module):
         self, src: SequenceBatch, tgt: SequenceBatch, prefix: str = "mt"
     ) -> StageOutput:
         """Label-smoothed cross-entropy of ``tgt`` given ``src`` (teacher forcing)."""
-        sp = self.special
-        source, source_lengths = append_token(src.tokens_BT, src.lengths_B, sp.eos, sp.pad)
-        tags = torch.tensor(sp.lang_tags, device=tgt.langs_B.device)[tgt.langs_B]
-        inputs, lengths = prepend_tokens(tgt.tokens_BT, tgt.lengths_B, tags)
-        targets, _ = append_token(tgt.tokens_BT, tgt.lengths_B, sp.eos, sp.pad)
-        target_mask = lengths_to_mask(lengths, targets.shape[1])
-        hidden = self.model(
-            source,
-            lengths_to_mask(source_lengths, source.shape[1]),
-            src.langs_B,
-            inputs,
-            target_mask,
-            tgt.langs_B,
-        )
-        logits = self.model.decoder.logits(hidden[target_mask])
-        wanted = targets[target_mask]
+        logits, wanted = teacher_forced_logits(self.model, self.special, src, tgt)
         loss = cross_entropy(logits, wanted, self.label_smoothing)
         with torch.no_grad():
             nll = cross_entropy(logits, wanted, 0.0)

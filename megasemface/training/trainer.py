@@ -107,6 +107,10 @@ class Trainer:
                 "'scheduler' from the DeepSpeed config or pass --lr-schedule deepspeed"
             )
         self.base_lr = config.lr if config.lr is not None else self.engine.lr
+        if self.lr_schedule == "deepspeed" and config.lr is not None:
+            if ds_config.get("scheduler"):
+                raise ValueError("--lr would fight the DeepSpeed config's scheduler; set it there")
+            self.lr_schedule = "constant"  # --lr replaces the config's optimizer lr
         self.checkpoints = CheckpointManager(config.output_dir, config.keep_last, self.rank)
         self.loader = ShardLoader(
             ShardSource.from_manifest(self.manifest),
@@ -302,6 +306,8 @@ class Trainer:
     def _lr_at(self, step: int) -> float:
         """``--lr-schedule inverse_sqrt``: linear warm-up, then decay with 1/sqrt(step) (the
         paper's fine-tuning schedule); a pure function of the step, so resume is exact."""
+        if self.lr_schedule == "constant":
+            return self.base_lr
         warmup = self.config.warmup_steps
         return self.base_lr * min(step / warmup, math.sqrt(warmup / step))
 
