@@ -78,14 +78,14 @@ class PipelineConfig:
     test_sentences: int = 1000
     """Test sentences translated per direction (0: all)."""
     valid_sentences: int = 200
-    pretrain_steps: int = 400
-    finetune_steps: int = 400
-    valid_interval: int = 200
+    pretrain_steps: int = 300
+    finetune_steps: int = 300
+    valid_interval: int = 150
     max_tokens: int = 2048
     """Tokens per batch and rank."""
     warmup_steps: int = 100
     lr: float = 5e-4
-    denoise_schedule: str = "0:1,200:0.1,400:0"
+    denoise_schedule: str = "0:1,150:0.1,300:0"
     beam: int = 1
     """Beam size when translating the test set (1: greedy)."""
     cl_dim_from_model: bool = True
