@@ -41,7 +41,8 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 
 bench: setup
-	$(PY) benchmarks/run_all.py
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf demo runs .pytest_cache .ruff_cache

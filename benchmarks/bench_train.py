@@ -7,7 +7,7 @@ this process on a batch of the same size (forward, backward and Adam; no loader,
 no logging); goal >= 0.9 of it. The time a checkpoint blocks training is reported as a share
 of the wall time between checkpoints at the default interval (500 steps); goal <= 1%.
 
-Run: ``python benchmarks/bench_train.py [--steps 60]``.
+Run: ``python benchmarks/bench_train.py [--steps 60] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -150,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--locale-dir", type=Path, default=Path(DEFAULT_LOCALE_DIR))
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    print(report(run(args.steps, args.locale_dir)))
+    results = run(args.steps, args.locale_dir)
+    print(report(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
