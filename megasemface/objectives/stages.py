@@ -40,6 +40,7 @@ __all__ = [
     "ObjectiveConfig",
     "SemFaceModel",
     "StageOutput",
+    "check_languages",
     "cross_entropy",
     "teacher_forced_logits",
 ]
@@ -97,6 +98,15 @@ class StageOutput:
         )
 
 
+def check_languages(config: ModelConfig, special: SpecialTokens) -> None:
+    """The model has one language embedding per language tag of the tokenizer."""
+    if len(special.lang_tags) != config.num_langs:
+        raise ValueError(
+            f"the tokenizer has {len(special.lang_tags)} languages, the model config "
+            f"{config.num_langs}"
+        )
+
+
 def cross_entropy(
     logits_NV: torch.Tensor, targets_N: torch.Tensor, smoothing: float
 ) -> torch.Tensor:
@@ -116,11 +126,7 @@ class SemFaceModel(nn.Module):
         objective: ObjectiveConfig | None = None,
     ) -> None:
         super().__init__()
-        if len(special.lang_tags) != config.num_langs:
-            raise ValueError(
-                f"the tokenizer has {len(special.lang_tags)} languages, the model config "
-                f"{config.num_langs}"
-            )
+        check_languages(config, special)
         self.config = config
         self.special = special
         self.objective = objective or ObjectiveConfig()

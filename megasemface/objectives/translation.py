@@ -26,7 +26,12 @@ from megasemface.objectives.sequences import (
     SequenceBatch,
     SpecialTokens,
 )
-from megasemface.objectives.stages import StageOutput, cross_entropy, teacher_forced_logits
+from megasemface.objectives.stages import (
+    StageOutput,
+    check_languages,
+    cross_entropy,
+    teacher_forced_logits,
+)
 
 __all__ = ["TASKS", "TranslationModel"]
 
@@ -46,11 +51,7 @@ class TranslationModel(nn.Module):
         shuffle_window: int = 3,
     ) -> None:
         super().__init__()
-        if len(special.lang_tags) != config.num_langs:
-            raise ValueError(
-                f"the tokenizer has {len(special.lang_tags)} languages, the model config "
-                f"{config.num_langs}"
-            )
+        check_languages(config, special)
         self.config = config
         self.special = special
         self.label_smoothing = label_smoothing
@@ -82,7 +83,8 @@ class TranslationModel(nn.Module):
         logits, wanted = teacher_forced_logits(self.model, self.special, src, tgt)
         loss = cross_entropy(logits, wanted, self.label_smoothing)
         with torch.no_grad():
-            nll = cross_entropy(logits, wanted, 0.0)
+            # Without smoothing the loss is the NLL: no second softmax over the vocabulary.
+            nll = loss.detach() if not self.label_smoothing else cross_entropy(logits, wanted, 0.0)
             accuracy = (logits.argmax(-1) == wanted).float().mean().item()
         return StageOutput(
             loss,
