@@ -6,12 +6,13 @@ end at once or never, so every output is forced to the same length (min length =
 N tokens, then </s>), which makes the work per sentence fixed and comparable. Figures:
 sentences/s and output tokens/s (the returned tokens and their </s>).
 
-The peer, measured in the same run, is the same model scoring the same number of target tokens
-teacher-forced in one forward pass (encoder, decoder, output layer and log-softmax over every
-position): the most tokens/s generation could reach. Generation falls short of it because each
-step runs the decoder again over the whole prefix (no key/value cache: step t costs t
-positions, so N steps cost about N/2 times a teacher-forced pass), computes the output layer
-for the last position only, and beam search runs K rows a sentence.
+Two peers are measured in the same run. The same model scoring the same number of target
+tokens teacher-forced in one forward pass (encoder, decoder, output layer and log-softmax over
+every position) is the most tokens/s generation could reach: generation falls short of it
+because each step is a separate small pass over one position per row and beam search runs K
+rows a sentence. Greedy search without the key/value cache (``SearchConfig(incremental=
+False)``: every step re-runs the decoder over the whole prefix, so N steps cost about N/2
+teacher-forced passes) shows what the cache gains.
 
 Run: ``python benchmarks/bench_translate.py [--presets tiny,paper] [--threads N] [--json F]``.
 """
@@ -34,7 +35,8 @@ EOS, TAG = 2, 6
 # whole benchmark within about two minutes on 2 CPU cores.
 SHAPES = {"tiny": (64, 20, 20), "paper": (4, 16, 16)}
 REPEATS = {"tiny": 3, "paper": 2}
-BEAMS = (1, 5)
+MODES = (("greedy", 1, True), ("beam 5", 5, True), ("greedy, no cache", 1, False))
+"""Name, beam size, key/value cache."""
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> float:
@@ -61,8 +63,10 @@ def bench(preset: str, repeats: int | None = None) -> dict[str, dict[str, float]
     langs_B = torch.zeros(sentences, dtype=torch.long)
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
 
-    def translate(beam: int, length: int) -> list[Hypothesis]:
-        fixed = SearchConfig(beam=beam, min_len=length, max_len_a=0, max_len_b=length)
+    def translate(beam: int, length: int, incremental: bool) -> list[Hypothesis]:
+        fixed = SearchConfig(
+            beam=beam, min_len=length, max_len_a=0, max_len_b=length, incremental=incremental
+        )
         return search(
             model,
             src_BS,
@@ -76,13 +80,12 @@ def bench(preset: str, repeats: int | None = None) -> dict[str, dict[str, float]
         )
 
     results: dict[str, dict[str, float]] = {}
-    for beam in BEAMS:
-        translate(beam, 2)  # warm-up: allocator and kernels, at little cost
-        hypotheses = translate(beam, out_len)
+    for name, beam, incremental in MODES:
+        translate(beam, 2, incremental)  # warm-up: allocator and kernels, at little cost
+        hypotheses = translate(beam, out_len, incremental)
         assert all(len(h.tokens) == out_len for h in hypotheses)
-        seconds = _timed(lambda beam=beam: translate(beam, out_len), repeats)
+        seconds = _timed(lambda b=beam, i=incremental: translate(b, out_len, i), repeats)
         tokens = sum(len(h.tokens) + 1 for h in hypotheses)
-        name = "greedy" if beam == 1 else f"beam {beam}"
         results[name] = {
             "params_m": params_m,
             "seconds": seconds,

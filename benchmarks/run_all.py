@@ -193,6 +193,17 @@ def _translate_rows(r: Figures, others: dict[str, Figures]) -> list[Row]:
                         f"{rate / bound:.1%}",
                     )
                 )
+        if "greedy" in modes and "greedy, no cache" in modes:
+            cached = modes["greedy"]["tokens_per_s"]
+            uncached = modes["greedy, no cache"]["tokens_per_s"]
+            rows.append(
+                (
+                    f"translation, {preset}, greedy: key/value cache",
+                    f"{cached:,.0f} output tokens/s",
+                    f"no cache: {uncached:,.0f} tokens/s",
+                    f"{cached / uncached:.2f}x",
+                )
+            )
     return rows
 
 

@@ -20,7 +20,7 @@ from megasemface.inference.search import (
     search,
 )
 from megasemface.models.config import build_model_config
-from megasemface.models.transformer import EncoderOutput, Seq2SeqModel
+from megasemface.models.transformer import DecoderCache, EncoderOutput, Seq2SeqModel
 
 EOS, PAD, TAG = 2, 3, 5
 BANNED = (0, 1, 3, 4, 5)  # unk, bos, pad, mask, the tag: generation picks among 2, 6, 7...
@@ -91,12 +91,16 @@ class Counting:
         return self.inner.encode(src, mask, langs)  # type: ignore[attr-defined]
 
     def decode_step(
-        self, prefix: torch.Tensor, langs: torch.Tensor, memory: EncoderOutput
+        self,
+        prefix: torch.Tensor,
+        langs: torch.Tensor,
+        memory: EncoderOutput,
+        cache: DecoderCache | None = None,
     ) -> torch.Tensor:
         self.steps += 1
         self.rows.append(prefix.shape[0])
         self._collective()
-        return self.inner.decode_step(prefix, langs, memory)  # type: ignore[attr-defined]
+        return self.inner.decode_step(prefix, langs, memory, cache)  # type: ignore[attr-defined]
 
     def _collective(self) -> None:
         if self.collective is not None:
@@ -117,7 +121,11 @@ class Table:
         return EncoderOutput(hidden, hidden, mask)
 
     def decode_step(
-        self, prefix: torch.Tensor, langs: torch.Tensor, memory: EncoderOutput
+        self,
+        prefix: torch.Tensor,
+        langs: torch.Tensor,
+        memory: EncoderOutput,
+        cache: DecoderCache | None = None,
     ) -> torch.Tensor:
         rows = []
         for generated in prefix[:, 1:].tolist():
@@ -126,6 +134,11 @@ class Table:
                 probs[token] = p
             rows.append(probs.log().float())
         return torch.stack(rows)
+
+
+def search_select(memory: EncoderOutput, rows: torch.Tensor | list[int]) -> EncoderOutput:
+    index = torch.as_tensor(rows, dtype=torch.long)
+    return EncoderOutput(*(t.index_select(0, index) for t in dataclasses.astuple(memory)))
 
 
 def one_sentence() -> tuple[torch.Tensor, ...]:
@@ -161,6 +174,72 @@ def test_beam_search_scores_are_its_tokens_log_probs(model: Seq2SeqModel) -> Non
                 logp = model.decode_step(torch.tensor([tokens[:t]]), torch.tensor([1]), memory)
                 total += float(logp[0, tokens[t]])
             assert hyp.log_prob == pytest.approx(total, abs=1e-4)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_incremental_decoding_equals_recomputing_every_prefix(
+    model: Seq2SeqModel, beam: int
+) -> None:
+    """The key/value cache follows the rows through beam reordering and compaction."""
+    batch = make_batch([9, 3, 5, 1, 7, 2, 12, 4], seed=3)
+    for lenpen in (1.0, 0.0):
+        config = SearchConfig(beam=beam, lenpen=lenpen, max_len_a=1.5, max_len_b=3)
+        cached = run(model, batch, config)
+        full = run(model, batch, dataclasses.replace(config, incremental=False))
+        assert [h.tokens for h in cached] == [h.tokens for h in full]
+        assert [h.log_prob for h in cached] == pytest.approx([h.log_prob for h in full], abs=1e-5)
+        assert len({len(h.tokens) for h in cached}) > 2
+
+
+def test_decoder_cache_steps_equal_full_prefixes(model: Seq2SeqModel) -> None:
+    src, mask, langs = make_batch([6, 4, 9], seed=4)
+    tokens = torch.randint(6, 64, (3, 7), generator=torch.Generator().manual_seed(5))
+    tokens[:, 0] = TAG
+    tgt_langs = torch.ones(3, dtype=torch.long)
+    with torch.no_grad():
+        memory = model.encode(src, mask, langs)
+        cache = DecoderCache()
+        first = model.decode_step(tokens[:, :3], tgt_langs, memory, cache)  # several at once
+        torch.testing.assert_close(first, model.decode_step(tokens[:, :3], tgt_langs, memory))
+        order = torch.tensor([2, 0, 0])  # reorder and duplicate rows, as beam search does
+        cache, memory, tokens = cache.select(order), search_select(memory, order), tokens[order]
+        for t in range(4, 8):
+            step = model.decode_step(tokens[:, :t], tgt_langs, memory, cache)
+            torch.testing.assert_close(step, model.decode_step(tokens[:, :t], tgt_langs, memory))
+        assert cache.length == 7
+        with pytest.raises(ValueError, match="already in the cache"):
+            model.decode_step(tokens, tgt_langs, memory, cache)
+
+
+def test_cached_and_uncached_steps_call_the_same_modules(model: Seq2SeqModel) -> None:
+    """ZeRO-3 gathers a module's weights when it is called, collectively: a rank decoding
+    from its cache and a rank running an uncached dummy step (lockstep) must call the same
+    modules in the same order."""
+    calls: list[str] = []
+    handles = [
+        module.register_forward_pre_hook(lambda m, _, name=name: calls.append(name))
+        for name, module in model.decoder.named_modules()
+    ]
+    src, mask, langs = make_batch([5, 3])
+    prefix = torch.tensor([[TAG, 7, 8], [TAG, 9, 10]])
+    tgt_langs = torch.ones(2, dtype=torch.long)
+    try:
+        with torch.no_grad():
+            memory = model.encode(src, mask, langs)
+            cache = DecoderCache()
+            sequences = []
+            for t in (1, 2, 3):
+                calls.clear()
+                model.decode_step(prefix[:, :t], tgt_langs, memory, cache)
+                sequences.append(list(calls))
+            calls.clear()
+            model.decode_step(prefix[:1, :1], tgt_langs[:1], search_select(memory, [0]))
+            sequences.append(list(calls))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert "layers.0.cross_attn.kv_proj" in sequences[0]
+    assert all(seq == sequences[0] for seq in sequences)
 
 
 def test_beam_finds_what_greedy_misses() -> None:

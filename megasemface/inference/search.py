@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 
 from megasemface.data.tokenizer import EOS_ID
-from megasemface.models.transformer import EncoderOutput
+from megasemface.models.transformer import DecoderCache, EncoderOutput
 
 __all__ = [
     "Hypothesis",
@@ -57,9 +57,15 @@ class Seq2SeqScorer(Protocol):
     ) -> EncoderOutput: ...
 
     def decode_step(
-        self, prefix_BT: torch.Tensor, tgt_langs_B: torch.Tensor, memory: EncoderOutput
+        self,
+        prefix_BT: torch.Tensor,
+        tgt_langs_B: torch.Tensor,
+        memory: EncoderOutput,
+        cache: DecoderCache | None = None,
     ) -> torch.Tensor:
-        """Log-probabilities [B, V] of the token after each prefix."""
+        """Log-probabilities [B, V] of the token after each prefix; a scorer may keep what it
+        needs between steps in ``cache`` (the search keeps its rows in step with the prefixes'
+        rows) or ignore it."""
         ...
 
 
@@ -77,6 +83,9 @@ class SearchConfig:
     """...capped by the decoder's position embeddings."""
     min_len: int = 0
     """``</s>`` is forbidden before this many tokens (unless the maximum comes first)."""
+    incremental: bool = True
+    """Keep the decoder's keys and values between steps (a :class:`DecoderCache`), so a step
+    runs the new position only; off re-runs the decoder over every prefix."""
     exact_stop: bool = False
     """Beam search stops a sentence when none of its live hypotheses can beat its K finished
     ones. By default a live hypothesis is judged by its score if it ended now, which is exact
@@ -194,6 +203,7 @@ def greedy_search(
     prefix_RT = state.tags_B[:, None]
     langs_R = state.langs_B
     memory = state.memory
+    cache = DecoderCache() if config.incremental else None
     sums_R = torch.zeros(state.batch, device=src_BS.device)
     results: list[Hypothesis | None] = [None] * state.batch
     step = 0
@@ -202,7 +212,7 @@ def greedy_search(
             state.dummy_step(scorer)
             continue
         logp_RV = _constrain(
-            scorer.decode_step(prefix_RT, langs_R, memory),
+            scorer.decode_step(prefix_RT, langs_R, memory, cache),
             step,
             limit_R,
             config.min_len,
@@ -222,6 +232,7 @@ def greedy_search(
             prefix_RT, token_R, sums_R = prefix_RT[keep], token_R[keep], sums_R[keep]
             sentence_R, langs_R, limit_R = sentence_R[keep], langs_R[keep], limit_R[keep]
             memory = _select(memory, keep)
+            cache = cache.select(keep) if cache is not None else None
         prefix_RT = torch.cat([prefix_RT, token_R[:, None]], dim=1)
         step += 1
     return [_require(hyp) for hyp in results]
@@ -262,6 +273,7 @@ def beam_search(
     prefix_RT = state.tags_B[expand_R][:, None]
     langs_R = state.langs_B[expand_R]
     memory = _select(state.memory, expand_R) if state.batch else state.memory
+    cache = DecoderCache() if config.incremental else None
     # All K rows of a sentence start equal: only the first may extend at step 0, so that the
     # first K candidates are K different tokens.
     sums_BK = torch.zeros(state.batch, beam, device=device)
@@ -274,7 +286,7 @@ def beam_search(
             continue
         count = sentence_B.numel()
         logp_RV = _constrain(
-            scorer.decode_step(prefix_RT, langs_R, memory),
+            scorer.decode_step(prefix_RT, langs_R, memory, cache),
             step,
             limit_B.repeat_interleave(beam),
             config.min_len,
@@ -310,6 +322,7 @@ def beam_search(
             .flatten()
         )
         prefix_RT = torch.cat([prefix_RT[rows_R], token_BC.gather(1, order_BK).view(-1, 1)], 1)
+        cache = cache.select(rows_R) if cache is not None else None
 
         keep = [
             b
@@ -324,6 +337,7 @@ def beam_search(
             sentence_B, limit_B, sums_BK = sentence_B[keep_B], limit_B[keep_B], sums_BK[keep_B]
             prefix_RT, langs_R = prefix_RT[keep_R], langs_R[keep_R]
             memory = _select(memory, keep_R)
+            cache = cache.select(keep_R) if cache is not None else None
         step += 1
     return [_best(hyps) for hyps in finished]
 

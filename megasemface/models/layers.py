@@ -6,23 +6,72 @@ Masks are boolean with True for real tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megasemface.models.config import ModelConfig
 
-__all__ = ["Embeddings", "FeedForward", "MultiHeadAttention", "TransformerLayer", "attention_mask"]
+__all__ = [
+    "Embeddings",
+    "FeedForward",
+    "KVCache",
+    "MultiHeadAttention",
+    "TransformerLayer",
+    "attention_mask",
+]
 
 
 def attention_mask(key_mask_BS: torch.Tensor, query_len: int, causal: bool) -> torch.Tensor:
-    """The [B, 1, T, S] boolean mask SDPA takes: True where a query may attend to a key."""
+    """The [B, 1, T, S] boolean mask SDPA takes: True where a query may attend to a key.
+
+    With ``causal`` the T queries are the last T of the S positions (S > T when earlier
+    positions come from a key/value cache).
+    """
     mask = key_mask_BS[:, None, None, :]
     if causal:
         keys = key_mask_BS.shape[1]
-        allowed = torch.ones(query_len, keys, dtype=torch.bool, device=key_mask_BS.device).tril()
-        mask = mask & allowed
+        allowed = torch.ones(query_len, keys, dtype=torch.bool, device=key_mask_BS.device)
+        mask = mask & allowed.tril(diagonal=keys - query_len)
     return mask
+
+
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values [R, H, S, K] of one attention, kept between incremental decoding steps.
+
+    ``static``: cross-attention, whose keys and values are projected from the encoder memory
+    once; otherwise self-attention, which appends the new positions' keys and values.
+    """
+
+    static: bool
+    k_RHSK: torch.Tensor | None = None
+    v_RHSK: torch.Tensor | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Cross-attention keys and values, once projected, are all there is."""
+        return self.static and self.k_RHSK is not None
+
+    def update(
+        self, k_RHSK: torch.Tensor, v_RHSK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores new keys and values (after the cached ones for self-attention); returns all."""
+        if not self.static and self.k_RHSK is not None and self.v_RHSK is not None:
+            k_RHSK = torch.cat([self.k_RHSK, k_RHSK], dim=2)
+            v_RHSK = torch.cat([self.v_RHSK, v_RHSK], dim=2)
+        self.k_RHSK, self.v_RHSK = k_RHSK, v_RHSK
+        return k_RHSK, v_RHSK
+
+    def select(self, index_R: torch.Tensor) -> KVCache:
+        """The rows ``index_R`` (search reorders and drops hypotheses)."""
+        if self.k_RHSK is None or self.v_RHSK is None:
+            return KVCache(self.static)
+        return KVCache(
+            self.static, self.k_RHSK.index_select(0, index_R), self.v_RHSK.index_select(0, index_R)
+        )
 
 
 class MultiHeadAttention(nn.Module):
@@ -37,13 +86,30 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model)
 
     def forward(
-        self, x_BTD: torch.Tensor, source_BSD: torch.Tensor, mask_B1TS: torch.Tensor
+        self,
+        x_BTD: torch.Tensor,
+        source_BSD: torch.Tensor,
+        mask_B1TS: torch.Tensor | None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
+        """Attention of ``x`` over ``source``; with a ``cache``, over the cached keys and values
+        too (``source`` is then the new positions for self-attention, the memory for
+        cross-attention)."""
         batch, length, dim = x_BTD.shape
         heads = self.num_heads
         q_BHTK = self.q_proj(x_BTD).view(batch, length, heads, -1).transpose(1, 2)
-        kv = self.kv_proj(source_BSD).view(batch, source_BSD.shape[1], 2, heads, -1)
-        k_BHSK, v_BHSK = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        if cache is not None and cache.complete:
+            # Projects nothing, yet calls the module: under ZeRO-3 every module call gathers
+            # its weights collectively, so a cached step must call the same modules as an
+            # uncached one on another rank (lockstep decoding).
+            self.kv_proj(source_BSD[:, :0])
+            k_BHSK, v_BHSK = cache.k_RHSK, cache.v_RHSK
+            assert k_BHSK is not None and v_BHSK is not None
+        else:
+            kv = self.kv_proj(source_BSD).view(batch, source_BSD.shape[1], 2, heads, -1)
+            k_BHSK, v_BHSK = kv.permute(2, 0, 3, 1, 4).unbind(0)
+            if cache is not None:
+                k_BHSK, v_BHSK = cache.update(k_BHSK, v_BHSK)
         out_BHTK = F.scaled_dot_product_attention(
             q_BHTK,
             k_BHSK,
@@ -91,14 +157,19 @@ class TransformerLayer(nn.Module):
         self_mask_B1TT: torch.Tensor,
         memory_BSD: torch.Tensor | None = None,
         memory_mask_B1TS: torch.Tensor | None = None,
+        cache: tuple[KVCache, KVCache] | None = None,
     ) -> torch.Tensor:
+        """``cache``: self- and cross-attention caches of incremental decoding."""
+        self_cache, cross_cache = cache if cache is not None else (None, None)
         h = self.self_norm(x_BTD)
-        x_BTD = x_BTD + self.dropout(self.self_attn(h, h, self_mask_B1TT))
+        x_BTD = x_BTD + self.dropout(self.self_attn(h, h, self_mask_B1TT, self_cache))
         if self.cross_attn is not None:
             assert self.cross_norm is not None and memory_BSD is not None
             assert memory_mask_B1TS is not None
             h = self.cross_norm(x_BTD)
-            x_BTD = x_BTD + self.dropout(self.cross_attn(h, memory_BSD, memory_mask_B1TS))
+            x_BTD = x_BTD + self.dropout(
+                self.cross_attn(h, memory_BSD, memory_mask_B1TS, cross_cache)
+            )
         return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))
 
 
@@ -119,10 +190,13 @@ class Embeddings(nn.Module):
         with torch.no_grad():
             self.tokens.weight[config.pad_id].zero_()
 
-    def forward(self, tokens_BT: torch.Tensor, langs_B: torch.Tensor) -> torch.Tensor:
-        length = tokens_BT.shape[1]
-        if length > self.max_len:
-            raise ValueError(f"sequence of {length} tokens exceeds max_len={self.max_len}")
-        positions = torch.arange(length, device=tokens_BT.device)
+    def forward(
+        self, tokens_BT: torch.Tensor, langs_B: torch.Tensor, start: int = 0
+    ) -> torch.Tensor:
+        """``start``: the position of the first token (after cached ones when decoding)."""
+        end = start + tokens_BT.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"sequence of {end} tokens exceeds max_len={self.max_len}")
+        positions = torch.arange(start, end, device=tokens_BT.device)
         x = self.tokens(tokens_BT) + self.positions(positions) + self.languages(langs_B)[:, None]
         return self.dropout(self.norm(x))

@@ -11,9 +11,15 @@ import torch
 from torch import nn
 
 from megasemface.models.config import ModelConfig
-from megasemface.models.layers import Embeddings, TransformerLayer, attention_mask
+from megasemface.models.layers import Embeddings, KVCache, TransformerLayer, attention_mask
 
-__all__ = ["EncoderOutput", "Seq2SeqModel", "TransformerDecoder", "TransformerEncoder"]
+__all__ = [
+    "DecoderCache",
+    "EncoderOutput",
+    "Seq2SeqModel",
+    "TransformerDecoder",
+    "TransformerEncoder",
+]
 
 
 @dataclasses.dataclass
@@ -24,6 +30,28 @@ class EncoderOutput:
     """The last layer's activation before the final LayerNorm (the paper's h_i in Eq. 1)."""
     mask_BT: torch.Tensor
     """True for real tokens."""
+
+
+@dataclasses.dataclass
+class DecoderCache:
+    """What incremental decoding keeps between steps: every decoder layer's self-attention
+    keys and values of the positions decoded so far, and its cross-attention keys and values
+    of the encoder memory (projected once).
+
+    Starts empty and fills on the first ``decode_step`` that gets it. Its rows follow the
+    decoder rows: whoever reorders or drops rows (beam search) calls ``select`` with the same
+    index.
+    """
+
+    layers: list[tuple[KVCache, KVCache]] = dataclasses.field(default_factory=list)
+    length: int = 0
+    """Positions cached."""
+
+    def select(self, index_R: torch.Tensor) -> DecoderCache:
+        return DecoderCache(
+            [(own.select(index_R), cross.select(index_R)) for own, cross in self.layers],
+            self.length,
+        )
 
 
 class TransformerEncoder(nn.Module):
@@ -66,14 +94,32 @@ class TransformerDecoder(nn.Module):
         memory_BSD: torch.Tensor,
         memory_mask_BS: torch.Tensor,
         causal: bool = True,
+        cache: DecoderCache | None = None,
     ) -> torch.Tensor:
-        """Returns the final hidden states [B, T, D]; ``logits`` projects them."""
+        """Returns the final hidden states [B, T, D]; ``logits`` projects them.
+
+        With a ``cache`` (causal, unpadded rows only), ``tokens_BT`` are the positions after
+        the cached ones; the cache takes their keys and values.
+        """
         length = tokens_BT.shape[1]
-        x = self.embed(tokens_BT, langs_B)
+        start = 0 if cache is None else cache.length
+        if cache is not None:
+            if not causal or not bool(mask_BT.all()):
+                raise ValueError("a decoder cache needs causal attention over unpadded rows")
+            if not cache.layers:
+                cache.layers = [(KVCache(False), KVCache(True)) for _ in self.layers]
+            mask_BT = torch.ones(
+                tokens_BT.shape[0], start + length, dtype=torch.bool, device=tokens_BT.device
+            )
+        x = self.embed(tokens_BT, langs_B, start)
         self_mask = attention_mask(mask_BT, length, causal=causal)
         cross_mask = attention_mask(memory_mask_BS, length, causal=False)
-        for layer in self.layers:
-            x = layer(x, self_mask, memory_BSD, cross_mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(
+                x, self_mask, memory_BSD, cross_mask, None if cache is None else cache.layers[i]
+            )
+        if cache is not None:
+            cache.length = start + length
         return self.final_norm(x)
 
     def logits(self, hidden_ND: torch.Tensor) -> torch.Tensor:
@@ -96,17 +142,24 @@ class Seq2SeqModel(nn.Module):
         return self.encoder(src_BS, src_mask_BS, src_langs_B)
 
     def decode_step(
-        self, prefix_BT: torch.Tensor, tgt_langs_B: torch.Tensor, memory: EncoderOutput
+        self,
+        prefix_BT: torch.Tensor,
+        tgt_langs_B: torch.Tensor,
+        memory: EncoderOutput,
+        cache: DecoderCache | None = None,
     ) -> torch.Tensor:
         """fp32 log-probabilities [B, V] of the token after each prefix.
 
         Prefixes start with the target language tag and have no padding (search extends every
-        row by one token per step). The decoder is re-run over the whole prefix: no key/value
-        cache, so a step costs O(T) attention rows.
+        row by one token per step). With a ``cache`` only the positions after the cached ones
+        are run, and the cache takes them; without, the decoder re-runs the whole prefix.
         """
-        mask = torch.ones_like(prefix_BT, dtype=torch.bool)
+        new_BT = prefix_BT if cache is None else prefix_BT[:, cache.length :]
+        if new_BT.shape[1] == 0:
+            raise ValueError("no prefix position to decode: empty, or all already in the cache")
+        mask = torch.ones_like(new_BT, dtype=torch.bool)
         hidden = self.decoder(
-            prefix_BT, mask, tgt_langs_B, memory.hidden_BTD, memory.mask_BT, causal=True
+            new_BT, mask, tgt_langs_B, memory.hidden_BTD, memory.mask_BT, causal=True, cache=cache
         )
         return torch.log_softmax(self.decoder.logits(hidden[:, -1]).float(), dim=-1)
 
