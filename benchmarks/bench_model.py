@@ -6,7 +6,8 @@ backward and Adam) is timed, and its FLOPs are counted with torch's FlopCounterM
 them, the same run measures the machine's fp32 matrix-multiply peak, so that "model FLOPs/s"
 reads as a share of what this machine can do. The VQ layer's share of step time (its calls
 timed in isolation on the same tokens) stands beside its share of the step's FLOPs, for the
-flat and the product codebook.
+flat and the product codebook. The step, the peak matmul and the VQ calls take turns, and each
+share is the median of per-round ratios, so load from other processes cancels out.
 
 Run: ``python benchmarks/bench_model.py [--presets tiny,paper] [--json out.json]``.
 """
@@ -31,26 +32,42 @@ SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
 SHAPES = {"tiny": (32, 32), "paper": (4, 32)}  # sentences x tokens per batch
 
 
-def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-    """fp32 FLOP/s of a large square matmul: the machine's practical peak."""
+PEAK_SIZE = 2048
+
+
+def _matmul_operands(size: int = PEAK_SIZE) -> Callable[[], None]:
     a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
+
+    def matmul() -> None:
+        a @ b
+
+    return matmul
+
+
+def matmul_peak(size: int = PEAK_SIZE, repeats: int = 5) -> float:
+    """fp32 FLOP/s of a large square matmul: the machine's practical peak."""
+    matmul = _matmul_operands(size)
+    matmul()
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        a @ b
+        matmul()
         best = min(best, time.perf_counter() - started)
     return 2 * size**3 / best
 
 
-def _timed(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _alternating(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each call, the calls taking turns: on a shared machine a burst of load
+    then slows neighbouring calls alike, and per-round ratios stay true."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return times
 
 
 def _batch(vocab: int, sentences: int, length: int) -> SequenceBatch:
@@ -60,6 +77,8 @@ def _batch(vocab: int, sentences: int, length: int) -> SequenceBatch:
 
 
 def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
+    """One preset and codebook layout; the step, the peak matmul and the VQ calls alternate."""
+    matmul = _matmul_operands()
     config = build_model_config(preset, [f"vq.layout={layout}"])
     torch.manual_seed(0)
     model = SemFaceModel(config, build_interface("vq", config), SPECIAL)
@@ -72,7 +91,6 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
         model.joint_loss(batch, generator).loss.backward()
         optimizer.step()
 
-    step_time = _timed(step, repeats)
     with FlopCounterMode(display=False) as counter:
         model.joint_loss(batch, generator).loss.backward()
     total = counter.get_total_flops()
@@ -87,12 +105,15 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
         (out.quantized.sum() + out.diversity_loss).backward()
         quantizer(h, detach_weights=True).quantized.sum().backward()
 
-    vq_time = _timed(vq_calls, repeats)
     # Counted on the same isolated calls: FlopCounterMode attributes a custom autograd
     # Function's backward (the chunked VQ recomputation) to no module.
     with FlopCounterMode(display=False) as counter:
         vq_calls()
     vq_flops = counter.get_total_flops()
+
+    times = _alternating({"step": step, "matmul": matmul, "vq": vq_calls}, repeats)
+    step_time = statistics.median(times["step"])
+    peak_flops = [2 * PEAK_SIZE**3 / t for t in times["matmul"]]
     real_tokens = float(batch.lengths_B.sum())
     return {
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
@@ -100,14 +121,22 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
         "tokens_per_s": 2 * real_tokens / step_time,  # each sentence feeds both stages
         "flops_per_step": float(total),
         "flops_per_s": total / step_time,
-        "vq_time_share": vq_time / step_time,
+        "matmul_peak": statistics.median(peak_flops),
+        "share_of_peak": statistics.median(
+            total / t / peak for t, peak in zip(times["step"], peak_flops, strict=True)
+        ),
+        "vq_time_share": statistics.median(
+            v / t for v, t in zip(times["vq"], times["step"], strict=True)
+        ),
         "vq_flop_share": vq_flops / total,
     }
 
 
-def report(peak: float, results: dict[str, dict[str, float]]) -> str:
+def report(results: dict[str, dict[str, float]]) -> str:
     rows = [
-        f"fp32 matmul peak of this machine: {peak / 1e9:,.1f} GFLOP/s",
+        f"fp32 matmul peak ({PEAK_SIZE}-square, timed in turn with each step): "
+        + ", ".join(f"{name} {r['matmul_peak'] / 1e9:,.1f}" for name, r in results.items())
+        + " GFLOP/s",
         "",
         "| preset, codebook | params | step | tokens/s | model FLOP/s (share of peak) "
         "| VQ time share / FLOP share |",
@@ -117,19 +146,18 @@ def report(peak: float, results: dict[str, dict[str, float]]) -> str:
         rows.append(
             f"| {name} | {r['params_m']:.1f}M | {r['step_s'] * 1e3:,.0f} ms "
             f"| {r['tokens_per_s']:,.0f} | {r['flops_per_s'] / 1e9:,.1f} G "
-            f"({r['flops_per_s'] / peak:.0%}) | {r['vq_time_share']:.0%} / "
+            f"({r['share_of_peak']:.0%}) | {r['vq_time_share']:.0%} / "
             f"{r['vq_flop_share']:.0%} |"
         )
     return "\n".join(rows)
 
 
-def run(presets: list[str], repeats: int = 3) -> tuple[float, dict[str, dict[str, float]]]:
-    peak = matmul_peak()
-    results = {}
-    for preset in presets:
-        for layout in ("flat", "product"):
-            results[f"{preset}, {layout}"] = bench(preset, layout, repeats)
-    return peak, results
+def run(presets: list[str], repeats: int = 3) -> dict[str, dict[str, float]]:
+    return {
+        f"{preset}, {layout}": bench(preset, layout, repeats)
+        for preset in presets
+        for layout in ("flat", "product")
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    peak, results = run(args.presets.split(","), args.repeats)
-    print(report(peak, results))
+    results = run(args.presets.split(","), args.repeats)
+    print(report(results))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"matmul_peak": peak, "results": results}, handle, indent=1)
+            json.dump({"results": results}, handle, indent=1)
     return 0
 
 

@@ -62,7 +62,8 @@ def build_parser(
         "seed",
     ):
         add(f"--{name.replace('_', '-')}", type=int, dest=name)
-    add("--lr", type=float)
+    add("--lr", type=float, help="fine-tuning peak learning rate")
+    add("--pretrain-lr", type=float, help="pre-training learning rate")
     add("--denoise-schedule")
     add("--deepspeed-config", type=Path)
     add("--hostfile", type=Path, help="DeepSpeed hostfile for multi-node runs")

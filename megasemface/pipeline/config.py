@@ -78,14 +78,18 @@ class PipelineConfig:
     test_sentences: int = 1000
     """Test sentences translated per direction (0: all)."""
     valid_sentences: int = 200
-    pretrain_steps: int = 300
-    finetune_steps: int = 300
-    valid_interval: int = 150
+    pretrain_steps: int = 400
+    finetune_steps: int = 800
+    valid_interval: int = 200
     max_tokens: int = 2048
     """Tokens per batch and rank."""
     warmup_steps: int = 100
-    lr: float = 5e-4
-    denoise_schedule: str = "0:1,150:0.1,300:0"
+    """Fine-tuning warm-up of the inverse square-root schedule."""
+    lr: float = 2e-3
+    """Fine-tuning peak learning rate."""
+    pretrain_lr: float = 1e-3
+    """Pre-training learning rate (constant)."""
+    denoise_schedule: str = "0:1,400:0.1,800:0"
     beam: int = 1
     """Beam size when translating the test set (1: greedy)."""
     cl_dim_from_model: bool = True
@@ -161,6 +165,7 @@ PRESETS: dict[str, dict[str, object]] = {
         "valid_interval": 2000,
         "warmup_steps": 4000,
         "lr": 1e-4,
+        "pretrain_lr": 1e-4,
         "max_tokens": 4096,
         "beam": 5,
         "denoise_schedule": "0:1,100000:0.1,300000:0",

@@ -146,7 +146,7 @@ class Pipeline:
             "--tag",
             f"system={system.display}",
             "--lr",
-            str(self.config.lr),
+            str(self.config.pretrain_lr),
             *system.options,
         ]
         if system.interface == "cl":
