@@ -1,33 +1,11 @@
-"""Compare runs tracked in MLflow: select them, tabulate params and metrics, plot them.
+"""Run records and their selection: the MLflow store, filters, lineage and metric values.
 
-Usage::
-
-    records = select_runs("sqlite:///runs/demo/mlflow.db", tags={"stage": "finetune"})
-    print(format_table(records, DEFAULT_COLUMNS, "markdown"))
-    plot_curves(records, "loss.png", metric="loss")
-    plot_bars(records, "bleu.png", metric="test_bleu")
-
-What the trainer logs, and so what this module reads: tags ``stage``, ``interface``,
-``git_commit``, ``system`` and ``direction`` (fine-tuning), lineage tags
-``parent_<role>_run`` holding the MLflow run id of a parent run (``parent_encoder_run``,
-``parent_decoder_run``, ``parent_init_run``); params flattened from the resolved config with
-dotted keys (``train.preset``, ``model.d_model``, ``deepspeed.zero_optimization.stage``);
-metrics per step (``loss``, ``lr``, ``valid_bleu``, ``test_bleu``, ...).
-
-Columns are named as in MLflow's own search results: ``tags.<key>``, ``params.<key>``,
-``metrics.<key>``, or one of the run attributes ``name``, ``run_id``, ``experiment``,
-``status``, ``start``, ``duration`` and ``lineage``.
-
-Plots are drawn with matplotlib's object-oriented API on its Agg canvas (no pyplot, no
-display, no global backend switch), so they work on headless machines and from threads.
+Part of :mod:`megasemface.tracking.compare`, which re-exports the public names.
 """
 
 from __future__ import annotations
 
-import csv
-import datetime
 import functools
-import io
 import math
 import os
 import re
@@ -37,71 +15,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
     from mlflow import MlflowClient
     from mlflow.entities import Experiment, Run
 
 __all__ = [
-    "DEFAULT_COLUMNS",
-    "SYSTEM_ORDER",
-    "Column",
     "CompareError",
     "MetricAgg",
     "ParentLink",
     "RunRecord",
-    "TableFormat",
     "build_filter",
     "format_lineage",
-    "format_table",
     "metric_history",
     "metric_value",
-    "parse_column",
-    "plot_bars",
-    "plot_curves",
     "resolve_param_key",
     "resolve_tracking_uri",
     "select_runs",
 ]
 
 MetricAgg = Literal["last", "min", "max"]
-TableFormat = Literal["table", "markdown", "csv"]
 
-DEFAULT_COLUMNS: tuple[str, ...] = (
-    "name",
-    "tags.system",
-    "tags.stage",
-    "tags.interface",
-    "tags.direction",
-    "metrics.loss",
-    "metrics.valid_bleu",
-    "metrics.test_bleu",
-    "metrics.test_chrf",
-    "status",
-    "duration",
-    "lineage",
-)
-
-# The paper's comparison, in its order; other systems follow in the order first seen.
-SYSTEM_ORDER: tuple[str, ...] = ("Transformer", "XLM", "mBART", "CL-SemFace", "VQ-SemFace")
-
-_ATTRIBUTES: dict[str, str] = {
-    "name": "run",
-    "run_id": "run_id",
-    "experiment": "experiment",
-    "status": "status",
-    "start": "start",
-    "duration": "duration",
-    "lineage": "lineage",
-}
-_PREFIXES: dict[str, Literal["tag", "param", "metric"]] = {
-    "tags.": "tag",
-    "params.": "param",
-    "metrics.": "metric",
-}
 _PARENT_TAG = re.compile(r"^parent_(.+)_run$")
 _ROLE_ORDER = ("encoder", "decoder", "init")
 _MAX_LINEAGE_DEPTH = 8  # lineage chains are two or three runs deep; this only stops runaways
-_MISSING = "-"
 
 
 class CompareError(ValueError):
@@ -442,7 +377,7 @@ def format_lineage(links: Sequence[ParentLink]) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Metrics and columns
+# Metrics
 # --------------------------------------------------------------------------------------------
 
 
@@ -479,281 +414,3 @@ def resolve_param_key(records: Iterable[RunRecord], key: str) -> str:
     if len(matches) > 1:
         raise CompareError(f"param {key!r} is ambiguous ({', '.join(matches)}): give the full key")
     return matches[0] if matches else key
-
-
-@dataclass(frozen=True, slots=True)
-class Column:
-    """One table column: a run attribute, or a tag, param or metric by key."""
-
-    kind: Literal["attribute", "tag", "param", "metric"]
-    key: str
-
-    @property
-    def spec(self) -> str:
-        """The column as written in a column list (``tags.system``, ``duration``)."""
-        return self.key if self.kind == "attribute" else f"{self.kind}s.{self.key}"
-
-    def header(self, metric_agg: MetricAgg = "last") -> str:
-        """Column title: the key alone (``system``, ``test_bleu (max)``)."""
-        if self.kind == "attribute":
-            return _ATTRIBUTES[self.key]
-        if self.kind == "metric" and metric_agg != "last":
-            return f"{self.key} ({metric_agg})"
-        return self.key
-
-
-def parse_column(spec: str | Column) -> Column:
-    """``"tags.system"``, ``"params.train.preset"``, ``"metrics.loss"`` or an attribute name."""
-    if isinstance(spec, Column):
-        return spec
-    text = spec.strip()
-    if text in _ATTRIBUTES:
-        return Column("attribute", text)
-    for prefix, kind in _PREFIXES.items():
-        if text.startswith(prefix) and len(text) > len(prefix):
-            return Column(kind, text[len(prefix) :])
-    raise CompareError(
-        f"unknown column {spec!r}: use tags.<key>, params.<key>, metrics.<key> or one of "
-        f"{', '.join(_ATTRIBUTES)}"
-    )
-
-
-def _cell(record: RunRecord, column: Column, agg: MetricAgg) -> str | float | None:
-    """The raw value of one cell; None where the run has none."""
-    if column.kind == "tag":
-        return record.tags.get(column.key) or None
-    if column.kind == "param":
-        return record.params.get(column.key)
-    if column.kind == "metric":
-        return metric_value(record, column.key, agg)
-    if column.key == "name":
-        return record.name
-    if column.key == "run_id":
-        return record.run_id
-    if column.key == "experiment":
-        return record.experiment
-    if column.key == "status":
-        return record.status
-    if column.key == "duration":
-        return record.duration_s
-    if column.key == "start":
-        return None if record.start_time_ms is None else _iso(record.start_time_ms)
-    return format_lineage(record.lineage) or None
-
-
-def _iso(ms: int) -> str:
-    moment = datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _human_duration(seconds: float) -> str:
-    total = round(seconds)
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m{secs:02d}s"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
-def _human_number(value: float) -> str:
-    if not math.isfinite(value):
-        return str(value)
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
-
-
-def _render(value: str | float | None, column: Column, fmt: TableFormat) -> str:
-    if value is None:
-        return "" if fmt == "csv" else _MISSING
-    if isinstance(value, str):
-        return value
-    if fmt == "csv":
-        # Full precision: the CSV is for reading back, not for eyes.
-        return repr(round(value, 3)) if column.key == "duration" else repr(value)
-    if column.kind == "attribute" and column.key == "duration":
-        return _human_duration(value)
-    return _human_number(value)
-
-
-def format_table(
-    records: Sequence[RunRecord],
-    columns: Sequence[str | Column] = DEFAULT_COLUMNS,
-    fmt: TableFormat = "table",
-    *,
-    metric_agg: MetricAgg = "last",
-) -> str:
-    """The runs as a table: aligned plain text, a Markdown table or CSV (with a header row).
-
-    Missing values are ``-`` in text and Markdown and empty in CSV. CSV numbers keep full
-    precision (durations in seconds, start times in ISO 8601 UTC).
-    """
-    if fmt not in get_args(TableFormat):
-        raise CompareError(f"unknown table format {fmt!r}; use one of table, markdown, csv")
-    cols = [parse_column(c) for c in columns]
-    if not cols:
-        raise CompareError("no columns to show")
-    raw = [[_cell(r, c, metric_agg) for c in cols] for r in records]
-    headers = [c.header(metric_agg) for c in cols]
-    rows = [[_render(v, c, fmt) for v, c in zip(row, cols, strict=True)] for row in raw]
-    if fmt == "csv":
-        out = io.StringIO()
-        writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(headers)
-        writer.writerows(rows)
-        return out.getvalue()
-    # Numbers are right-aligned: a column of numbers (and blanks) reads by magnitude.
-    numeric = [
-        any(isinstance(row[i], float | int) for row in raw)
-        and all(v is None or isinstance(v, float | int) for v in (row[i] for row in raw))
-        for i in range(len(cols))
-    ]
-    if fmt == "markdown":
-        cells = [[_md_escape(text) for text in row] for row in [headers, *rows]]
-        rule = ["---:" if num else "---" for num in numeric]
-        lines = [cells[0], rule, *cells[1:]]
-        return "\n".join("| " + " | ".join(line) + " |" for line in lines) + "\n"
-    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(cols))]
-    lines = []
-    for row in [headers, ["-" * w for w in widths], *rows]:
-        padded = [
-            text.rjust(w) if num else text.ljust(w)
-            for text, w, num in zip(row, widths, numeric, strict=True)
-        ]
-        lines.append("  ".join(padded).rstrip())
-    return "\n".join(lines) + "\n"
-
-
-def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-# --------------------------------------------------------------------------------------------
-# Plots
-# --------------------------------------------------------------------------------------------
-
-
-def _figure(width: float = 8.0, height: float = 5.0) -> Figure:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise CompareError("plots need matplotlib: pip install matplotlib") from exc
-    # A bare Figure renders through the Agg canvas on savefig: no pyplot state, no display.
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
-
-
-def _labels(records: Sequence[RunRecord]) -> list[str]:
-    """Run names, with a short run id added where names repeat."""
-    counts: dict[str, int] = {}
-    for record in records:
-        counts[record.name] = counts.get(record.name, 0) + 1
-    return [r.name if counts[r.name] == 1 else f"{r.name} ({r.run_id[:8]})" for r in records]
-
-
-def _no_metric(records: Sequence[RunRecord], metric: str) -> CompareError:
-    logged = sorted({k for r in records for k in r.metrics if not k.startswith("system/")})
-    return CompareError(
-        f"none of the {len(records)} runs logged metric {metric!r}; they logged: "
-        f"{', '.join(logged) or 'no metrics'}"
-    )
-
-
-def plot_curves(
-    records: Sequence[RunRecord],
-    path: str | os.PathLike[str],
-    *,
-    metric: str = "loss",
-    title: str | None = None,
-    log_y: bool = False,
-) -> Path:
-    """Write a PNG with one curve per run of ``metric`` against the training step.
-
-    Runs that never logged the metric are left out; if none did, :class:`CompareError`.
-    """
-    with_metric = [r for r in records if metric in r.metrics]
-    if not with_metric:
-        raise _no_metric(records, metric)
-    from matplotlib.ticker import MaxNLocator
-
-    fig = _figure()
-    ax = fig.add_subplot()
-    for record, label in zip(with_metric, _labels(with_metric), strict=True):
-        points = metric_history(record, metric)
-        steps, values = [p[0] for p in points], [p[1] for p in points]
-        ax.plot(steps, values, label=label, marker="o" if len(points) < 2 else None)
-    ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel(metric)
-    if log_y:
-        ax.set_yscale("log")
-    ax.set_title(title or f"{metric} per step")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    return _save(fig, path)
-
-
-def plot_bars(
-    records: Sequence[RunRecord],
-    path: str | os.PathLike[str],
-    *,
-    metric: str = "test_bleu",
-    label_tag: str = "system",
-    group_tag: str = "direction",
-    metric_agg: MetricAgg = "last",
-    title: str | None = None,
-) -> Path:
-    """Write a PNG with one bar per system (tag ``label_tag``, else the run name).
-
-    With several directions (tag ``group_tag``) the bars are grouped by direction, one colour
-    per system. Several runs of one system and direction (seeds) give their mean, with the
-    range as an error bar. Runs without the metric are left out.
-    """
-    untagged = f"(no {group_tag})"
-    values: dict[tuple[str, str], list[float]] = {}
-    for record in records:
-        value = metric_value(record, metric, metric_agg)
-        if value is None or math.isnan(value):
-            continue
-        group = record.tags.get(group_tag) or untagged
-        key = (group, record.tags.get(label_tag) or record.name)
-        values.setdefault(key, []).append(value)
-    if not values:
-        raise _no_metric(records, metric)
-    seen = list(dict.fromkeys(system for _, system in values))
-    systems = [s for s in SYSTEM_ORDER if s in seen] + [s for s in seen if s not in SYSTEM_ORDER]
-    groups = sorted({group for group, _ in values})
-    width = 0.8 / len(systems) if len(groups) > 1 else 0.6
-    fig = _figure(max(6.0, 1.2 * len(systems) * len(groups) + 2.0), 5.0)
-    ax = fig.add_subplot()
-    colors = [f"C{i % 10}" for i in range(len(systems))]
-    for i, system in enumerate(systems):
-        xs, means, low, high = [], [], [], []
-        for g, group in enumerate(groups):
-            found = values.get((group, system))
-            if not found:
-                continue
-            mean = sum(found) / len(found)
-            xs.append(g + (i - (len(systems) - 1) / 2) * width if len(groups) > 1 else i)
-            means.append(mean)
-            low.append(mean - min(found))
-            high.append(max(found) - mean)
-        spread = [low, high] if any(low) or any(high) else None
-        bars = ax.bar(xs, means, width, label=system, color=colors[i], yerr=spread, capsize=3)
-        ax.bar_label(bars, fmt="%.1f", fontsize="small")
-    if len(groups) > 1:
-        ax.set_xticks(range(len(groups)), groups)
-        ax.legend(fontsize="small")
-    else:
-        ax.set_xticks(range(len(systems)), systems)
-    ax.set_ylabel(metric if metric_agg == "last" else f"{metric} ({metric_agg})")
-    only = f" ({groups[0]})" if len(groups) == 1 and groups[0] != untagged else ""
-    ax.set_title(title or f"{metric} by system{only}")
-    ax.grid(True, axis="y", alpha=0.3)
-    return _save(fig, path)
-
-
-def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=100)  # fixed size whatever the user's matplotlibrc
-    return out
