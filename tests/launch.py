@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,37 @@ def check_finished(result: subprocess.CompletedProcess[str], out: Path, steps: i
     """The run exited 0 and its last checkpoint is complete."""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (out / "checkpoints" / f"step-{steps:08d}" / "COMPLETE").is_file()
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Per-step losses of a run's metrics.jsonl (a resumed run re-logs the steps after its
+    checkpoint: the last record of a step wins)."""
+    found = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            found[record["step"]] = record["loss"]
+    return found
+
+
+def kill_after_checkpoint(cmd: list[str], out: Path, step: int, timeout: float = 240) -> None:
+    """Starts ``cmd`` and SIGKILLs the launcher and every rank once the checkpoint of ``step``
+    is complete (no goodbye: what a preempted or crashed job leaves)."""
+    proc = subprocess.Popen(
+        cmd,
+        env=environment(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    marker = out / "checkpoints" / f"step-{step:08d}" / "COMPLETE"
+    deadline = time.monotonic() + timeout
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), f"no complete checkpoint of step {step} before the kill"
 
 
 def _live_trainer() -> type:

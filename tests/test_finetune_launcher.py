@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import ROOT, check_finished, ds_config, launch, train_command
+from launch import (
+    ROOT,
+    check_finished,
+    ds_config,
+    kill_after_checkpoint,
+    launch,
+    losses,
+    train_command,
+)
 
 from megasemface.data.shard_builder import ShardBuildConfig, build_shards
 from megasemface.data.textio import parse_lang_path, parse_parallel
@@ -75,6 +83,29 @@ def _finetune(data: dict, out: Path, shards: Path, *args: str, zero: int) -> lis
         "2",
         *args,
         config=ds_config(zero, out.parent),
+    )
+
+
+def _unsupervised(data: dict, out: Path, *args: str, zero: int) -> list[str]:
+    """Unsupervised fine-tuning from the random model directory, short back-translations;
+    validation at the last step unless ``args`` say otherwise."""
+    steps = args[args.index("--steps") + 1]
+    return _finetune(
+        data,
+        out,
+        data["mono"],
+        "--finetune-mode",
+        "unsupervised",
+        "--init-from",
+        str(data["init"]),
+        "--max-len-a",
+        "1.0",
+        "--max-len-b",
+        "5",
+        "--valid-interval",
+        steps,
+        *args,
+        zero=zero,
     )
 
 
@@ -154,26 +185,7 @@ def test_unsupervised_finetune_zero3_back_translates_in_lockstep(
     data: dict, tmp_path: Path
 ) -> None:
     out = tmp_path / "unsupervised"
-    cmd = _finetune(
-        data,
-        out,
-        data["mono"],
-        "--finetune-mode",
-        "unsupervised",
-        "--init-from",
-        str(data["init"]),
-        "--denoise-schedule",
-        "0:1,2:0.5,4:0",
-        "--steps",
-        "4",
-        "--valid-interval",
-        "4",
-        "--max-len-a",
-        "1.0",
-        "--max-len-b",
-        "5",
-        zero=3,
-    )
+    cmd = _unsupervised(data, out, "--denoise-schedule", "0:1,2:0.5,4:0", "--steps", "4", zero=3)
     result = launch(cmd, timeout=400)
     check_finished(result, out, 4)
     client, run = _mlflow_run(out)
@@ -184,6 +196,43 @@ def test_unsupervised_finetune_zero3_back_translates_in_lockstep(
     assert weights == {1: 0.75, 2: 0.5, 3: 0.25, 4: 0.0}
     assert client.get_metric_history(run.info.run_id, "bt")  # back-translation trained
     assert (out / "best" / "model.safetensors").is_file()
+
+
+def test_killed_unsupervised_finetune_resumes_exactly(data: dict, tmp_path: Path) -> None:
+    """Back-translation, the denoising schedule, validation and the best model all carry over
+    a kill: the resumed run logs the very losses and scores of an uninterrupted one."""
+
+    def command(out: Path) -> list[str]:
+        args = ["--denoise-schedule", "0:1,6:0", "--steps", "6", "--save-interval", "2"]
+        return _unsupervised(data, out, *args, "--valid-interval", "3", zero=2)
+
+    reference = tmp_path / "reference"
+    check_finished(launch(command(reference), timeout=400), reference, 6)
+    out = tmp_path / "killed"
+    kill_after_checkpoint(command(out), out, 4)  # after the validation of step 3
+    assert not (out / "checkpoints" / "step-00000006").exists()
+    result = launch(command(out), timeout=400)
+    assert "resuming from" in result.stdout
+    check_finished(result, out, 6)
+    assert losses(out) == losses(reference)
+
+    def scores(run_dir: Path) -> dict[str, dict[int, float]]:
+        client, run = _mlflow_run(run_dir)
+        found: dict[str, dict[int, float]] = {}
+        for key in ("valid_bleu", "valid_chrf", "best_valid_bleu", "denoise_weight", "bt"):
+            history = client.get_metric_history(run.info.run_id, key)
+            # A resumed run logs again the steps after its checkpoint: the newest value wins.
+            for m in sorted(history, key=lambda m: m.timestamp):
+                found.setdefault(key, {})[m.step] = m.value
+        return found
+
+    assert scores(out) == scores(reference)
+    assert sorted(scores(out)["valid_bleu"]) == [3, 6]
+    best, best_reference = (
+        json.loads((r / "best" / "config.json").read_text()) for r in (out, reference)
+    )
+    assert best["meta"]["step"] == best_reference["meta"]["step"]
+    assert best["meta"]["valid_bleu"] == best_reference["meta"]["valid_bleu"]
 
 
 def test_finetune_refuses_wrong_data_and_model(data: dict, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -12,7 +11,15 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from launch import ROOT, environment, free_port, launch, train_command
+from launch import (
+    ROOT,
+    environment,
+    free_port,
+    kill_after_checkpoint,
+    launch,
+    losses,
+    train_command,
+)
 from safetensors.torch import save_file
 
 from megasemface.data.shard_builder import ShardBuildConfig, build_shards
@@ -45,16 +52,6 @@ def command(data: dict, out: Path, *args: str, zero: int = 2, procs: int = 2) ->
     return train_command(
         data, out, "--cl-table", str(data["cl"]), *args, config=CONFIGS[zero], procs=procs
     )
-
-
-def losses(out: Path) -> dict[int, float]:
-    """Per-step losses (a resumed run re-logs steps after its checkpoint: keep the last)."""
-    found = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            found[record["step"]] = record["loss"]
-    return found
 
 
 def run_status(out: Path) -> str:
@@ -147,21 +144,8 @@ def test_killed_run_resumes_exactly(data: dict, tmp_path: Path) -> None:
     check_finished(launch(command(data, reference, *args)), reference, 7)
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        command(data, out, *args),
-        env=environment(),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    marker = out / "checkpoints" / "step-00000003" / "COMPLETE"
-    deadline = time.monotonic() + 240
-    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, no goodbye
-    proc.wait()
-    assert marker.exists() and not (out / "checkpoints" / "step-00000007").exists()
+    kill_after_checkpoint(command(data, out, *args), out, 3)
+    assert not (out / "checkpoints" / "step-00000007").exists()
 
     result = launch(command(data, out, *args))
     assert "resuming from" in result.stdout
