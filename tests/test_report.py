@@ -1,0 +1,46 @@
+"""The paper-shaped tables of the pipeline's report."""
+
+from __future__ import annotations
+
+import pytest
+
+from megasemface.pipeline.report import baseline_of, paper_table
+from megasemface.tracking.compare import RunRecord
+
+DIRECTIONS = ["en-de", "de-en"]
+
+
+def _record(key: str, display: str, en_de: float, de_en: float) -> RunRecord:
+    return RunRecord(
+        run_id=key,
+        name=f"run-{key}",
+        experiment="e",
+        status="FINISHED",
+        start_time_ms=0,
+        end_time_ms=1000,
+        params={},
+        tags={"system_key": key, "system": display},
+        metrics={"test_bleu_en-de": en_de, "test_bleu_de-en": de_en},
+        tracking_uri="sqlite:///x.db",
+    )
+
+
+RECORDS = [
+    _record("transformer", "Transformer", 1.0, 3.0),
+    _record("xlm", "XLM", 4.0, 6.0),
+    _record("vq", "VQ-SemFace", 6.5, 7.5),
+]
+
+
+def test_gains_are_measured_from_the_papers_baseline_row() -> None:
+    assert baseline_of(RECORDS, "supervised").tags["system"] == "Transformer"
+    assert baseline_of(RECORDS, "unsupervised").tags["system"] == "XLM"
+    assert baseline_of(RECORDS[2:], "unsupervised").tags["system"] == "VQ-SemFace"
+
+    table, values = paper_table(RECORDS, DIRECTIONS, baseline_of(RECORDS, "unsupervised"))
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert [row[-1].rstrip(" |") for row in rows] == ["-3.00", "-", "+2.00"]
+    assert values["VQ-SemFace"] == pytest.approx({"en-de": 6.5, "de-en": 7.5, "avg": 7.0})
+
+    table, _ = paper_table(RECORDS, DIRECTIONS)  # default: the first row
+    assert table.splitlines()[2].endswith("| 2.00 | - |")
