@@ -89,6 +89,7 @@ def test_run_receives_params_metrics_tags_and_artifacts(tmp_path: Path, template
     assert tracker.tracking_uri == f"sqlite:///{out}/mlflow.db"
     run_id = tracker.run_id
     assert run_id is not None  # created synchronously by the constructor
+    assert tracker.reachable
 
     many = {f"p{i:03d}": i for i in range(250)}  # more than one 100-param batch
     tracker.log_params(
@@ -249,6 +250,7 @@ def test_unreachable_server_never_blocks_and_warns_once(
     time.sleep(1.5)  # at least one backoff retry has failed again by now: still one warning
     outage = warnings()
     assert len(outage) == 1
+    assert not tracker.reachable  # so the trainer does not wait for it at checkpoints
     assert uri in outage[0].getMessage() and "500 metric points" in outage[0].getMessage()
 
     start = time.perf_counter()

@@ -203,7 +203,7 @@ def test_sigterm_on_one_rank_saves_and_exits_cleanly(data: dict, tmp_path: Path)
 def test_unreachable_tracking_server_does_not_stop_training(data: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    started = time.monotonic()
+    # MLflow's own client would retry for minutes; launch() times out long before that.
     result = launch(
         command(
             data,
@@ -220,7 +220,7 @@ def test_unreachable_tracking_server_does_not_stop_training(data: dict, tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(losses(out)) == [1, 2, 3]
-    assert time.monotonic() - started < 120
+    assert f"MLflow tracking at {uri} is unavailable" in result.stdout + result.stderr
 
 
 def test_flat_codebook_split_over_two_model_parallel_ranks(data: dict, tmp_path: Path) -> None:

@@ -189,6 +189,11 @@ class Tracker:
     def log_dict(self, obj: Any, name: str) -> None:
         """Store ``obj`` as a JSON (or YAML, by the extension of ``name``) artifact."""
 
+    @property
+    def reachable(self) -> bool:
+        """Whether the store answered the last request (a flush is then quick)."""
+        return True
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until what was logged so far reached the store; False on timeout."""
         return True
@@ -458,6 +463,14 @@ class MLflowTracker(Tracker):
     def run_id(self) -> str | None:
         """The MLflow run id, once the run exists (or the id being reattached to)."""
         return self._run_id
+
+    @property
+    def reachable(self) -> bool:
+        """False during an outage (from the first failed request to the next success), after
+        the run ended, or if the worker died."""
+        # _down_since is written by the worker; reading a reference is atomic, and being
+        # one request late only makes one flush wait or not.
+        return not self._closed and self._thread.is_alive() and self._down_since is None
 
     @_never_raise
     def log_params(self, params: Mapping[str, Any] | object) -> None:

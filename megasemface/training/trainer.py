@@ -49,6 +49,9 @@ __all__ = ["NonFiniteError", "Trainer"]
 
 logger = logging.getLogger(__name__)
 
+FLUSH_BEFORE_SAVE_S = 5.0
+"""At most this long a checkpoint waits for the tracked metrics to reach the store."""
+
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss."""
@@ -263,6 +266,20 @@ class Trainer:
         self.checkpoints.save(self.step, write_engine, rank_state, dist.barrier)
         return time.perf_counter() - started
 
+    @staticmethod
+    def _flush_tracker(tracker: Tracker) -> float:
+        """Waits until the metrics logged so far are in the store; returns the seconds.
+
+        Before a checkpoint counts as complete: a run killed after it and resumed from it
+        restarts after the checkpoint's step, so anything of that step still queued would be
+        lost from the record. Bounded, and skipped while the store is down, so that tracking
+        still cannot stall training.
+        """
+        started = time.perf_counter()
+        if tracker.reachable:
+            tracker.flush(timeout=FLUSH_BEFORE_SAVE_S)
+        return time.perf_counter() - started
+
     def resume(self) -> bool:
         newest = self.checkpoints.newest()
         if newest is None:
@@ -439,7 +456,7 @@ class Trainer:
             self._after_step(step, tracker)
             stopping = stop.agreed()
             if stopping or step % cfg.save_interval == 0 or step == cfg.steps:
-                blocked = self.save()
+                blocked = self._flush_tracker(tracker) + self.save()
                 if metrics_log is not None:
                     metrics_log.write({"step": step, "checkpoint_seconds": blocked})
             if stopping:
