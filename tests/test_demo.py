@@ -27,6 +27,7 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     for system in ("Transformer", "CL-SemFace", "VQ-SemFace"):
         assert f"| {system} |" in first
     assert "mlflow ui --backend-store-uri sqlite:///" in first
+    assert "copying the source unchanged scores BLEU en-de" in first
     for name in ("results.md", "test-bleu.png", "finetune-loss.png"):
         assert (workdir / name).stat().st_size > 0
     # Lineage in MLflow: SemFace fine-tuning runs descend from their pre-training run.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megasemface.pipeline.report import baseline_of, paper_table
+from megasemface.pipeline.report import baseline_of, copy_scores, paper_table
 from megasemface.tracking.compare import RunRecord
 
 DIRECTIONS = ["en-de", "de-en"]
@@ -44,3 +44,15 @@ def test_gains_are_measured_from_the_papers_baseline_row() -> None:
 
     table, _ = paper_table(RECORDS, DIRECTIONS)  # default: the first row
     assert table.splitlines()[2].endswith("| 2.00 | - |")
+
+
+def test_copying_the_source_is_scored_per_direction(tmp_path) -> None:
+    prefix = tmp_path / "test"
+    (tmp_path / "test.en").write_text("Open file %s\nQuit\nthe cat sat on the mat\n")
+    (tmp_path / "test.de").write_text("Open file %s\nBeenden\ndie Katze sass auf der Matte\n")
+    scores = copy_scores(prefix, DIRECTIONS)
+    assert set(scores) == set(DIRECTIONS)
+    assert scores["en-de"] == pytest.approx(scores["de-en"])  # BLEU of one copy either way
+    assert 0 < scores["en-de"] < 100
+    (tmp_path / "test.de").write_text((tmp_path / "test.en").read_text())
+    assert copy_scores(prefix, DIRECTIONS) == pytest.approx({"en-de": 100.0, "de-en": 100.0})

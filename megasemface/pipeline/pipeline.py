@@ -89,7 +89,7 @@ class Pipeline:
                 self._step(f"translating the test set with {system.display}, {setting}")
                 self.test_scores(run_dir)
         self._step("comparison")
-        report = build_report(cfg, self.tracking_uri, self.workdir)
+        report = build_report(cfg, self.tracking_uri, self.workdir, self.test)
         minutes, seconds = divmod(int(time.perf_counter() - self.started), 60)
         print(f"\npipeline finished in {minutes} min {seconds} s")
         return report

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from megasemface.evaluation.lines import read_lines
+from megasemface.evaluation.metrics import evaluate
 from megasemface.pipeline.config import PipelineConfig
 from megasemface.tracking.compare import (
     RunRecord,
@@ -16,7 +18,7 @@ from megasemface.tracking.compare import (
     select_runs,
 )
 
-__all__ = ["Report", "baseline_of", "build_report", "paper_table"]
+__all__ = ["Report", "baseline_of", "build_report", "copy_scores", "paper_table"]
 
 
 @dataclasses.dataclass
@@ -79,9 +81,30 @@ def paper_table(
     return "\n".join(lines), values
 
 
-def build_report(config: PipelineConfig, tracking_uri: str, workdir: Path) -> Report:
+def copy_scores(test_prefix: Path, directions: list[str]) -> dict[str, float]:
+    """Test BLEU of copying each source sentence unchanged, per direction: the floor a system
+    must beat, high on corpora with many untranslated strings (names, placeholders, commands,
+    as in software catalogs)."""
+    scores = {}
+    for direction in directions:
+        a, b = direction.split("-")
+        source = read_lines(f"{test_prefix}.{a}")
+        scores[direction] = evaluate(source, read_lines(f"{test_prefix}.{b}")).bleu.score
+    return scores
+
+
+def build_report(
+    config: PipelineConfig, tracking_uri: str, workdir: Path, test_prefix: Path | None = None
+) -> Report:
+    """``test_prefix``: the test set (``<prefix>.<lang>``), for the copy-the-source floor."""
     src, tgt = config.langs
     directions = [f"{src}-{tgt}", f"{tgt}-{src}"]
+    floor = ""
+    if test_prefix is not None:
+        copied = copy_scores(test_prefix, directions)
+        floor = "copying the source unchanged scores BLEU " + ", ".join(
+            f"{d} {v:.2f}" for d, v in copied.items()
+        )
     records = select_runs(
         tracking_uri, experiments=[config.experiment_name], tags={"stage": "finetune"}
     )
@@ -124,6 +147,8 @@ def build_report(config: PipelineConfig, tracking_uri: str, workdir: Path) -> Re
     for setting, table in tables.items():
         gain = f"gain: average over {baselines[setting]}"
         parts += [f"## {setting} (test BLEU; {gain})\n", table, ""]
+    if floor:
+        parts += [f"For reference, {floor}.\n"]
     parts += ["## runs\n", runs_table, "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
     markdown = workdir / "results.md"
     markdown.write_text("\n".join(parts), encoding="utf-8")
@@ -132,6 +157,8 @@ def build_report(config: PipelineConfig, tracking_uri: str, workdir: Path) -> Re
             f"\n{setting} fine-tuning, test BLEU ({config.pair}, sacreBLEU; gain over "
             f"{baselines[setting]}):\n{table}"
         )
+    if floor:
+        print(f"(for reference, {floor})")
     print(f"\nruns:\n{runs_table}")
     print(f"\nreport: {markdown}\nplots: {', '.join(str(p) for p in plots)}")
     print(f"MLflow store: {tracking_uri}")
