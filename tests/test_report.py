@@ -56,3 +56,11 @@ def test_copying_the_source_is_scored_per_direction(tmp_path) -> None:
     assert 0 < scores["en-de"] < 100
     (tmp_path / "test.de").write_text((tmp_path / "test.en").read_text())
     assert copy_scores(prefix, DIRECTIONS) == pytest.approx({"en-de": 100.0, "de-en": 100.0})
+
+
+def test_learning_rates_must_be_positive() -> None:
+    from megasemface.pipeline.config import PipelineConfig
+
+    for name in ("lr", "pretrain_lr"):
+        with pytest.raises(ValueError, match=f"{name} must be > 0"):
+            PipelineConfig(**{name: 0.0})

@@ -124,6 +124,9 @@ class PipelineConfig:
         for name in ("pretrain_steps", "finetune_steps", "valid_interval", "procs", "train_pairs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("lr", "pretrain_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
     @property
     def langs(self) -> tuple[str, str]:
