@@ -93,3 +93,19 @@ def test_train_options_refuse_impossible_combinations() -> None:
         TrainConfig(stage="finetune", interface="none", finetune_mode="semi", **base)
     with pytest.raises(ValueError, match="--steps"):
         TrainConfig(stage="encoder", interface="cl", steps=0, **base)
+
+
+def test_cpu_runs_use_torch_adam_for_exact_resume(tmp_path: Path) -> None:
+    shipped = Path(__file__).resolve().parents[1] / "ds_configs" / "cpu_fp32_zero2.json"
+    if torch.cuda.is_available():
+        pytest.skip("the choice applies on the CPU accelerator")
+    assert load_ds_config(shipped)["optimizer"]["params"]["torch_adam"] is True
+    raw = json.loads(shipped.read_text())
+    raw["optimizer"]["params"]["torch_adam"] = False  # the user's explicit choice stays
+    raw["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    assert load_ds_config(path)["optimizer"]["params"]["torch_adam"] is False
+    del raw["optimizer"]["params"]["torch_adam"]
+    path.write_text(json.dumps(raw))
+    assert "torch_adam" not in load_ds_config(path)["optimizer"]["params"]  # offload: as given

@@ -82,7 +82,27 @@ def load_ds_config(path: str | Path, *, accumulation: int | None = None) -> dict
     warmup = scheduler.get("params", {}).get("warmup_type", "log")
     if str(scheduler.get("type", "")).startswith("Warmup") and warmup != "linear":
         raise ValueError(f'{path}: set scheduler.params.warmup_type to "linear" (default: log)')
+    if not torch.cuda.is_available():
+        _resumable_cpu_adam(config)
     return config
+
+
+def _resumable_cpu_adam(config: dict[str, Any]) -> None:
+    """Makes a CPU run's Adam resume exactly: torch's Adam instead of DeepSpeed's CPU kernel.
+
+    DeepSpeed's Adam on the CPU accelerator (``FusedAdam``, built from ``cpu_adam``) keeps
+    beta1**t and beta2**t as running float32 products in process memory, and a restarted
+    process recomputes them as ``pow(beta, t)``: 0.98**3 is 0.9411921 by products and
+    0.94119203 by pow. So every update after a resume differs from the uninterrupted run's in
+    its last bits. torch's Adam derives the bias correction from the step count each step,
+    so a resumed run repeats the uninterrupted one bitwise. A config that names
+    ``torch_adam`` itself keeps its choice. ZeRO-Offload's CPU Adam has the same property and
+    is left as configured (docs/pretraining.md, exact resume).
+    """
+    optimizer = config.get("optimizer") or {}
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer")
+    if str(optimizer.get("type", "")).lower() in ("adam", "adamw") and not offload:
+        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
 
 
 class DeepSpeedEngine:
