@@ -236,7 +236,23 @@ def test_unreachable_tracking_server_does_not_stop_training(data: dict, tmp_path
 def test_flat_codebook_split_over_two_model_parallel_ranks(data: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = ["--stage", "joint", "--interface", "vq", "--mp-size", "2", "--steps", "3"]
-    check_finished(launch(command(data, out, *args)), out, 3)
+    result = launch(command(data, out, *args))
+    check_finished(result, out, 3)
+    # The codebook's health, counted over both codebook shards, in MLflow and on screen.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (run,) = client.search_runs(client.search_experiments()[0].experiment_id)
+    for prefix in ("vq_", "dec_vq_"):
+        figures = {
+            name: [m.value for m in client.get_metric_history(run.info.run_id, prefix + name)]
+            for name in ("codes_used", "dead_codes", "code_perplexity", "tokens")
+        }
+        assert len(figures["codes_used"]) == 3  # --log-interval 1
+        for used, dead, ppl, tokens in zip(*figures.values(), strict=True):
+            assert used + dead == 512 and 1 <= used <= min(512, tokens)
+            assert 1 <= ppl <= used + 1e-6
+    assert "| enc codes " in result.stdout and "| dec codes " in result.stdout
 
 
 def test_decoder_stage_splits_an_unsplit_encoder_codebook(

@@ -54,8 +54,14 @@ def dense_flat(vq: GumbelVectorQuantizer, h: torch.Tensor, key: int, sample: boo
     hard = F.one_hot(scores.argmax(-1), vq.num_codes).float()
     out = (hard + (soft - soft.detach())) @ vq.codebook
     pbar = (soft if vq.config.diversity_from_gumbel else torch.softmax(logits, -1)).mean(0)
-    diversity = (pbar * pbar.log()).sum() / vq.num_codes
-    return out, scores.argmax(-1), diversity
+    entropy = -(pbar * pbar.log()).sum()
+    if vq.config.diversity_loss == "eq6":
+        diversity = -entropy / vq.num_codes
+    else:
+        diversity = (vq.num_codes - entropy.exp()) / vq.num_codes
+    log_r = torch.log_softmax(logits, -1)
+    token_entropy = -(log_r.exp() * log_r).sum(-1).mean()
+    return out, scores.argmax(-1), diversity, token_entropy
 
 
 def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -75,24 +81,32 @@ def test_straight_through_forward_is_exactly_the_chosen_code(layout: str) -> Non
 
 @pytest.mark.parametrize("from_gumbel", [False, True])
 @pytest.mark.parametrize("sample", [True, False])
-def test_flat_gradients_match_dense_reference(from_gumbel: bool, sample: bool) -> None:
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.7])
+def test_flat_gradients_match_dense_reference(
+    from_gumbel: bool, sample: bool, entropy_weight: float
+) -> None:
     vq = make_vq(diversity_from_gumbel=from_gumbel)
     vq.set_step(2)
     h = features(13)
     target = torch.randn(13, D, generator=torch.Generator().manual_seed(1))
     out = vq(h, sample=sample, noise_key=7)
-    ((out.quantized * target).sum() + 3 * out.diversity_loss).backward()
+    loss = (out.quantized * target).sum() + 3 * out.diversity_loss
+    if entropy_weight:  # else the token entropy is unused: no gradient flows from it
+        loss = loss + entropy_weight * out.token_entropy
+    loss.backward()
     got, got_h = grads_of(vq), h.grad.clone()
     assert set(got) == {name for name, _ in vq.named_parameters()}  # logits layer and table
     assert all(g.abs().sum() > 0 for g in got.values())
 
     vq.zero_grad()
     h_ref = h.detach().clone().requires_grad_()
-    ref_out, ref_codes, ref_div = dense_flat(vq, h_ref, vq._noise_key(7), sample)
-    ((ref_out * target).sum() + 3 * ref_div).backward()
+    ref_out, ref_codes, ref_div, ref_entropy = dense_flat(vq, h_ref, vq._noise_key(7), sample)
+    ((ref_out * target).sum() + 3 * ref_div + entropy_weight * ref_entropy).backward()
+    torch.testing.assert_close(out.token_entropy, ref_entropy, rtol=1e-6, atol=1e-6)
     assert torch.equal(out.codes, ref_codes)
     torch.testing.assert_close(out.quantized, ref_out, rtol=0, atol=1e-6)
-    torch.testing.assert_close(out.diversity_loss, ref_div, rtol=1e-6, atol=1e-7)
+    # (K - exp(H)) / K cancels: an ulp of exp(H) near K is 1e-7 of K.
+    torch.testing.assert_close(out.diversity_loss, ref_div, rtol=1e-6, atol=1e-6)
     for name, grad in grads_of(vq).items():
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(got_h, h_ref.grad, rtol=1e-5, atol=1e-6)
@@ -166,7 +180,10 @@ def test_diversity_and_perplexities_by_hand() -> None:
     entropy = -sum(p * math.log(p) for p in pbar)
     out = vq(h)
     assert out.codes.tolist() == [0, 1, 2]
-    assert out.metrics()["vq_diversity_loss"] == pytest.approx(-entropy / 4, rel=1e-6)
+    assert out.metrics()["vq_diversity_loss"] == pytest.approx((4 - math.exp(entropy)) / 4)
+    eq6 = make_vq(num_codes=4, hidden_dim=3, diversity_loss="eq6").eval()
+    eq6.load_state_dict(vq.state_dict())
+    assert float(eq6(h).diversity_loss.detach()) == pytest.approx(-entropy / 4, rel=1e-6)
     assert float(out.prob_perplexity) == pytest.approx(math.exp(entropy), rel=1e-6)
     assert float(out.code_perplexity) == pytest.approx(3.0, rel=1e-6)  # 3 codes, once each
     assert float(out.codes_used) == pytest.approx(0.75)
@@ -188,10 +205,13 @@ def test_product_layout_shapes_codes_and_diversity() -> None:
     expected = torch.cat([vq.codebook[0, idx[:, 0]], vq.codebook[1, idx[:, 1]]], dim=1)
     assert torch.equal(out.quantized, expected)
     pbar = torch.softmax(logits, -1).mean(0)  # [G, V]
-    ref = ((pbar * pbar.log()).sum(-1) / 5).mean()
-    torch.testing.assert_close(out.diversity_loss, ref, rtol=1e-6, atol=1e-7)
     ppl = torch.exp(-(pbar * pbar.log()).sum(-1)).sum()
+    torch.testing.assert_close(out.diversity_loss, (10 - ppl) / 10, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(out.prob_perplexity, ppl, rtol=1e-6, atol=1e-6)
+    eq6 = make_vq("product", groups=2, entries=5, diversity_loss="eq6").eval()
+    eq6.load_state_dict(vq.state_dict())
+    ref = ((pbar * pbar.log()).sum(-1) / 5).mean()
+    torch.testing.assert_close(eq6(h).diversity_loss, ref, rtol=1e-6, atol=1e-7)
     assert vq.num_codes == 25 and vq(h, sample=True).codes.max() < 25
 
 
@@ -383,20 +403,70 @@ def test_shard_helpers_round_trip() -> None:
     assert set(SPLIT_PARAMETERS) <= set(state)
 
 
-def test_code_usage_window() -> None:
-    vq = make_vq(num_codes=4)
-    window = vq.usage_window(2)
-    assert window.fraction() == 0.0
-    window.update(torch.tensor([1, 0, 0, 0]))
-    window.update(torch.tensor([0, 2, 0, 0]))
-    assert window.fraction() == 0.5
-    window.update(torch.tensor([0, 0, 0, 3]))  # code 0 falls out of the window
-    assert window.fraction() == 0.5
-    window.update(torch.tensor([0, 0, 0, 0]))
-    assert window.fraction() == 0.25
-    product = make_vq("product").usage_window(1)
-    product.update(torch.tensor([1] * 5 + [0] * 5))
-    assert product.fraction() == 0.5
+def test_code_usage_counts_the_noise_free_argmax() -> None:
+    vq = make_vq(num_codes=40).train()
+    vq.set_step(2)
+    h = features(50)
+    out = vq(h, noise_key=5)
+    with torch.no_grad():
+        logits = F.relu(vq.hidden(h)) @ vq.logits_weight.t() + vq.logits_bias
+    assert torch.equal(out.greedy_codes, logits.argmax(-1))
+    assert not torch.equal(out.greedy_codes, out.codes)  # the sampled codes differ
+    assert torch.equal(vq.eval()(h).greedy_codes, vq(h).codes)
+
+    usage = vq.code_usage()
+    usage.update(out.greedy_codes)
+    usage.update(out.greedy_codes[:7])
+    counts = torch.bincount(
+        torch.cat([out.greedy_codes, out.greedy_codes[:7]]), minlength=40
+    ).double()
+    q = counts[counts > 0] / counts.sum()
+    summary = usage.summary()
+    assert summary["tokens"] == 57.0
+    assert summary["codes_used"] == float((counts > 0).sum())
+    assert summary["codes_used_fraction"] == float((counts > 0).sum()) / 40
+    assert summary["dead_codes"] == 40 - summary["codes_used"]
+    assert summary["code_perplexity"] == pytest.approx(float(torch.exp(-(q * q.log()).sum())))
+    assert usage.summary() == {}  # a new window starts empty
+
+    product = make_vq("product").train()
+    out = product(h, noise_key=1)
+    with torch.no_grad():
+        logits = F.relu(product.hidden(h)) @ product.logits_weight.t() + product.logits_bias
+    idx = logits.view(50, 2, 5).argmax(-1)
+    assert torch.equal(out.greedy_codes, idx[:, 0] * 5 + idx[:, 1])
+    usage = product.code_usage()
+    usage.update(out.greedy_codes)
+    assert usage.summary()["dead_codes"] == 25 - len(set(out.greedy_codes.tolist()))
+
+
+@pytest.mark.parametrize("codes", [512, 102_400])
+def test_diversity_gradient_does_not_vanish_with_the_codebook_size(codes: int) -> None:
+    """d L / d H: wav2vec 2.0's form pulls about -exp(H)/K (near -1 while codes are in use)
+    at any K; Eq. 6 pulls -1/K, nothing at the paper's K."""
+
+    def grad_wrt_entropy(form: str) -> float:
+        vq = GumbelVectorQuantizer(
+            VQConfig(num_codes=codes, hidden_dim=4, diversity_loss=form, chunk_tokens=64),
+            D,
+            ParallelGroups.single(),
+            seed=0,
+        )
+        with torch.no_grad():
+            vq.logits_weight.mul_(0.01)  # near-uniform codes: the start of training
+        h = features(64)
+        out = vq.eval()(h)
+        (grad_bias,) = torch.autograd.grad(out.diversity_loss, vq.logits_bias)
+        # The same logits with entropy as the loss: the ratio is dL/dH.
+        vq.zero_grad()
+        logits = F.relu(vq.hidden(h)) @ vq.logits_weight.t() + vq.logits_bias
+        pbar = torch.softmax(logits, -1).mean(0)
+        (grad_h,) = torch.autograd.grad(-(pbar * pbar.log()).sum(), vq.logits_bias)
+        return float((grad_bias @ grad_h) / (grad_h @ grad_h))
+
+    perplexity, eq6 = grad_wrt_entropy("perplexity"), grad_wrt_entropy("eq6")
+    assert eq6 == pytest.approx(-1 / codes, rel=1e-3)
+    assert perplexity < -0.5  # exp(H) / K stays near 1 for a codebook in use
 
 
 def test_empty_batch_and_input_checks() -> None:

@@ -79,15 +79,17 @@ def _global_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run(vq: GumbelVectorQuantizer, h: torch.Tensor, target: torch.Tensor, **kw: Any) -> dict:
-    """One forward/backward; the loss is a per-token sum plus the global diversity loss."""
+    """One forward/backward; the loss is a per-token sum plus the global diversity loss and
+    the global mean token entropy."""
     vq.zero_grad()
     h = h.clone().requires_grad_()
     out = vq(h, **kw)
-    ((out.quantized * target).sum() + 3.0 * out.diversity_loss).backward()
+    ((out.quantized * target).sum() + 3.0 * out.diversity_loss + 0.5 * out.token_entropy).backward()
     return {
         "codes": out.codes,
         "quantized": out.quantized.detach(),
         "diversity": out.diversity_loss.detach(),
+        "token_entropy": out.token_entropy.detach(),
         "code_ppl": out.code_perplexity,
         "prob_ppl": out.prob_perplexity,
         "used": out.codes_used,
@@ -125,8 +127,8 @@ def _scenario_split(rank: int, world: int) -> dict[str, Any]:
     hf = h.clone().requires_grad_()
     (frozen(hf).quantized * target).sum().backward()
     bf16 = vq.train()(h.to(torch.bfloat16), noise_key=9).quantized  # bf16 all-reduce on gloo
-    window = vq.usage_window(2)
-    window.update(vq(h, noise_key=1).code_counts)
+    usage = vq.code_usage()
+    usage.update(vq(h, noise_key=1).greedy_codes)
     ties = []
     tie_vq = GumbelVectorQuantizer(FLAT, D, groups, seed=SEED).eval()
     for tied in ([20, 45, 50], [45, 50]):  # across both shards; within rank 1's shard only
@@ -147,7 +149,7 @@ def _scenario_split(rank: int, world: int) -> dict[str, Any]:
         "frozen_grad_h": hf.grad,
         "frozen_param_grads": [p.grad for p in frozen.parameters()],
         "bf16": bf16,
-        "window": window.fraction(),
+        "usage": usage.summary(),
         "ties": ties,
         "state": vq.state_dict(),
     }
@@ -172,7 +174,7 @@ def test_flat_split_over_two_ranks_matches_unsplit(tmp_path: Path) -> None:
             got = r[mode]
             assert torch.equal(got["codes"], ref["codes"]), mode
             assert torch.equal(got["quantized"], ref["quantized"]), mode
-            for key in ("diversity", "code_ppl", "prob_ppl", "used", "grad_h"):
+            for key in ("diversity", "token_entropy", "code_ppl", "prob_ppl", "used", "grad_h"):
                 _assert_close(got[key], ref[key], f"{mode} {key}")
             for name in ("hidden.weight", "hidden.bias"):
                 _assert_close(got["grads"][name], ref["grads"][name], f"{mode} {name}")
@@ -192,9 +194,9 @@ def test_flat_split_over_two_ranks_matches_unsplit(tmp_path: Path) -> None:
     (frozen_ref.train()(hf).quantized * target).sum().backward()
     for r in ranks:
         _assert_close(r["frozen_grad_h"], hf.grad, "frozen grad h")
-    ref_window = full.usage_window(2)
-    ref_window.update(full(h, noise_key=1).code_counts)
-    assert ranks[0]["window"] == ranks[1]["window"] == ref_window.fraction()
+    ref_usage = full.code_usage()
+    ref_usage.update(full(h, noise_key=1).greedy_codes)
+    assert ranks[0]["usage"] == ranks[1]["usage"] == ref_usage.summary()
 
 
 # -- (b) data parallelism: 2 dp ranks x 1 mp rank -------------------------------------------
@@ -237,7 +239,7 @@ def test_diversity_over_two_data_parallel_ranks_equals_global_batch(tmp_path: Pa
             got = r[name]
             lo, hi = split[dp_rank], split[dp_rank + 1]
             assert torch.equal(got["codes"], ref["codes"][lo:hi])
-            for key in ("diversity", "code_ppl", "prob_ppl", "used"):
+            for key in ("diversity", "token_entropy", "code_ppl", "prob_ppl", "used"):
                 _assert_close(got[key], ref[key], f"{name} {key}")
             _assert_close(got["noisy_diversity"], ref["diversity"], f"{name} noisy")
             for pname, grad in ref["grads"].items():
@@ -285,6 +287,11 @@ def _scenario_grid(rank: int, world: int) -> dict[str, Any]:
     run = _run(vq.train(), h, target, sample=False)
     run["grads"] = _dp_average(run["grads"], groups)
     answers["run"] = run
+    # Argmax usage over a 2-step window, with Gumbel noise drawn (keyed by dp rank).
+    usage = vq.code_usage()
+    for key in (1, 2):
+        usage.update(vq.train()(h, noise_key=key).greedy_codes)
+    answers["usage"] = usage.summary()
     return answers
 
 
@@ -308,7 +315,7 @@ def test_two_by_two_grid_groups_mpu_and_global_diversity(tmp_path: Path) -> None
     for rank, r in enumerate(ranks):
         got, dp_rank = r["run"], rank // 2
         assert torch.equal(got["codes"], ref["codes"][split[dp_rank] : split[dp_rank + 1]])
-        for key in ("diversity", "code_ppl", "prob_ppl", "used"):
+        for key in ("diversity", "token_entropy", "code_ppl", "prob_ppl", "used"):
             _assert_close(got[key], ref[key], key)
         for name in ("hidden.weight", "hidden.bias"):
             _assert_close(got["grads"][name], ref["grads"][name], name)
@@ -317,6 +324,13 @@ def test_two_by_two_grid_groups_mpu_and_global_diversity(tmp_path: Path) -> None
         for name in ("logits_weight", "logits_bias", "codebook"):
             merged = torch.cat([r["run"]["grads"][name] for r in pair])
             _assert_close(merged, ref["grads"][name], name)
+    # The window's argmax statistics over 2 dp x 2 mp ranks are those of one process.
+    ref_usage = vq.code_usage()
+    for _ in (1, 2):
+        ref_usage.update(vq.eval()(h).codes)
+    expected = ref_usage.summary()
+    assert expected["codes_used"] > 1
+    assert all(r["usage"] == expected for r in ranks)
 
 
 # -- DeepSpeed itself with the mpu: ZeRO-1 over dp only, gradient norm over the whole model ---
@@ -340,7 +354,9 @@ def _scenario_deepspeed(rank: int, world: int) -> dict[str, Any]:
     engine.eval()  # no noise, so the one-process reference sees the same codes
     h, target = _inputs(TOKENS_PER_DP[groups.dp_rank], 100 + groups.dp_rank)
     out = engine(h)
-    engine.backward((out.quantized * target).sum() + 3.0 * out.diversity_loss)
+    engine.backward(
+        (out.quantized * target).sum() + 3.0 * out.diversity_loss + 0.5 * out.token_entropy
+    )
     engine.step()
     return {
         "dp_world": engine.dp_world_size,

@@ -84,6 +84,12 @@ class SemanticInterface(nn.Module, abc.ABC):
     def has_decoder_stage(self) -> bool:
         return True
 
+    def health(self) -> dict[str, float]:
+        """The interface's own health figures over the steps since the last call, then a new
+        window (VQ-SemFace: the codes the model picks). A collective over the data-parallel
+        group: every rank calls it at the same step."""
+        return {}
+
     def external_parameters(self) -> list[nn.Parameter]:
         """Weights read by the interface's methods rather than inside the forward of the
         sub-module that owns them; ZeRO-3 must gather these for the whole model forward."""

@@ -8,6 +8,11 @@ decoder), whose outputs pick codes of the *fixed* codebook by Eq. 5; the codes' 
 the memory the decoder cross-attends to. The VQ weights receive no gradient from the
 decoder stage, also when both stages train together (Algorithm 1): the decoder pass calls
 the layer with detached weights, so gradients reach only the extractor.
+
+Health (:meth:`VectorQuantizedInterface.health`): the noise-free argmax codes of both passes
+are counted over the window since the last call, across ranks, because those are the codes
+the connected model's encoder would emit; a collapsed codebook shows there, not in the
+Gumbel-sampled codes of one batch.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from megasemface.interfaces.base import (
     SemanticInterface,
     tensor_sha256,
 )
-from megasemface.interfaces.vq import GumbelVectorQuantizer, VQOutput
+from megasemface.interfaces.vq import CodeUsage, GumbelVectorQuantizer, VQOutput
 from megasemface.models.config import ModelConfig
 from megasemface.models.transformer import EncoderOutput, TransformerEncoder
 
@@ -45,6 +50,8 @@ class VectorQuantizedInterface(SemanticInterface):
         self.quantizer = GumbelVectorQuantizer(config.vq, config.d_model, groups, seed)
         self.extractor = TransformerEncoder(config, num_layers=config.extractor_layers)
         self.last_output: VQOutput | None = None
+        self.encoder_usage: CodeUsage = self.quantizer.code_usage()
+        self.decoder_usage: CodeUsage = self.quantizer.code_usage()
 
     def encoder_head(self, encoded: EncoderOutput, targets_BT: torch.Tensor) -> EncoderHeadOutput:
         mask = encoded.mask_BT
@@ -52,9 +59,20 @@ class VectorQuantizedInterface(SemanticInterface):
         # the positions with a target feed the MLM output layer.
         out = self.quantizer(encoded.hidden_BTD[mask])
         self.last_output = out
+        if self.training:
+            self.encoder_usage.update(out.greedy_codes)
         quantized = _scatter_tokens(out.quantized, mask)
         l2 = encoded.pre_norm_BTD[mask].float().pow(2).mean()
-        losses = {"diversity": out.diversity_loss, "l2": l2}
+        # Squared distance of each output to its argmax code vector (held fixed): the decoder
+        # stage cross-attends to code vectors, the connected decoder to these outputs.
+        chosen = self.quantizer.lookup(out.greedy_codes).detach()
+        commitment = (encoded.hidden_BTD[mask].float() - chosen.float()).pow(2).sum(-1).mean()
+        losses = {
+            "diversity": out.diversity_loss,
+            "l2": l2,
+            "commitment": commitment,
+            "token_entropy": out.token_entropy,
+        }
         return EncoderHeadOutput(quantized[targets_BT != -100], losses, out.metrics())
 
     def output_embeddings(self, encoder: TransformerEncoder) -> torch.Tensor:
@@ -65,8 +83,19 @@ class VectorQuantizedInterface(SemanticInterface):
     ) -> InterfaceMemory:
         features = self.extractor(tokens_BT, mask_BT, langs_B).hidden_BTD
         out: VQOutput = self.quantizer(features[mask_BT], detach_weights=True)
+        if self.training:
+            self.decoder_usage.update(out.greedy_codes)
         metrics = {f"dec_{k}": v for k, v in out.metrics().items() if k != "vq_diversity_loss"}
         return InterfaceMemory(_scatter_tokens(out.quantized, mask_BT), mask_BT, metrics)
+
+    def health(self) -> dict[str, float]:
+        """Argmax code usage of the encoder (``vq_*``) and of the decoder stage's extractor
+        (``dec_vq_*``) since the last call: codes used, their fraction of K, the histogram's
+        perplexity, dead codes and the tokens counted."""
+        figures = {}
+        for prefix, usage in (("vq_", self.encoder_usage), ("dec_vq_", self.decoder_usage)):
+            figures.update({prefix + k: v for k, v in usage.summary().items()})
+        return figures
 
     def set_step(self, step: int) -> None:
         """Advances the Gumbel temperature schedule."""

@@ -4,9 +4,22 @@ A hidden state ``h`` goes through Linear(d, H) -> ReLU -> Linear(H, K) to code l
 training a code is drawn with the Gumbel-softmax (Eq. 5), ``p = softmax((l + v) / tau)`` with
 Gumbel noise ``v``; the forward output is exactly the chosen code's vector (the argmax of ``p``)
 and the backward passes the gradient to all of ``p`` (straight-through estimator). In evaluation
-the code is the argmax of ``l``, without noise. The diversity loss (Eq. 6) is
-``L_d = (1/K) sum_k pbar_k log pbar_k`` with ``pbar`` the average code distribution over the
-global batch.
+the code is the argmax of ``l``, without noise. The diversity loss acts on ``pbar``, the
+average code distribution over the global batch, with ``H`` its entropy and ``exp(H)`` its
+perplexity (``VQConfig.diversity_loss``):
+
+* ``perplexity`` (the default, wav2vec 2.0's form): ``L_d = (K - exp(H)) / K``, 0 when every
+  code is equally likely, near 1 when a few codes take all the mass. Its gradient with respect
+  to ``H`` is ``-exp(H) / K``: about -1 while the codebook is in use, whatever K.
+* ``eq6`` (the paper's Eq. 6 as printed): ``L_d = (1/K) sum_k pbar_k log pbar_k = -H / K``.
+  Its gradient with respect to ``H`` is ``-1/K`` (1e-5 at K = 102,400), and the whole term
+  moves by at most ``ln(K) / K``: too weak to keep a codebook from collapsing. Kept for the
+  ablation that shows it.
+
+Code usage. What the model actually picks is the noise-free argmax (the code used at inference
+and when stages are connected), so :class:`VQOutput` carries it in training too
+(``greedy_codes``), and :class:`CodeUsage` accumulates it over a window of steps across all
+ranks: codes used, histogram perplexity, dead codes.
 
 Two layouts (``VQConfig.layout``):
 
@@ -72,7 +85,7 @@ from megasemface.models.config import VQConfig
 
 __all__ = [
     "SPLIT_PARAMETERS",
-    "CodeUsageWindow",
+    "CodeUsage",
     "GumbelVectorQuantizer",
     "VQOutput",
     "gather_codebook",
@@ -80,6 +93,7 @@ __all__ = [
     "gumbel_noise",
     "shard_state_dict",
     "split_codebook",
+    "usage_figures",
 ]
 
 SPLIT_PARAMETERS: tuple[str, ...] = ("logits_weight", "logits_bias", "codebook")
@@ -225,61 +239,91 @@ class VQOutput(NamedTuple):
     """[N] int64 global code ids (product: sum_g idx_g * V**(G-g-1))."""
     diversity_loss: Tensor
     """Scalar fp32, Eq. 6 over the global batch; differentiable. Product: mean over groups."""
+    token_entropy: Tensor
+    """Scalar fp32, the mean over the global batch's tokens of the entropy of each token's
+    noise-free code distribution softmax(l); differentiable. High while every token spreads
+    over many codes (then the argmax is decided by small differences); the confidence term
+    lowers it."""
     code_perplexity: Tensor
-    """Scalar, perplexity of the hard-code histogram over the global batch (no gradient)."""
+    """Scalar, perplexity of the histogram of ``codes`` over the global batch (Gumbel-sampled
+    in training; no gradient)."""
     prob_perplexity: Tensor
     """Scalar, perplexity of pbar, the distribution the diversity loss uses (no gradient)."""
     temperature: float
     """Gumbel-softmax temperature used."""
     codes_used: Tensor
-    """Scalar, fraction of codes (product: table entries) chosen at least once in the batch."""
+    """Scalar, fraction of codes (product: table entries) in ``codes`` of this global batch."""
     code_counts: Tensor
-    """[Kl] (flat) or [G*V] (product) int64 hard-code counts over the global batch."""
+    """[Kl] (flat) or [G*V] (product) int64 counts of ``codes`` over the global batch."""
+    greedy_codes: Tensor
+    """[N] int64 global ids of the noise-free argmax codes, the ones inference picks (equal
+    to ``codes`` when nothing is sampled). Feed them to :class:`CodeUsage`."""
 
     def metrics(self) -> dict[str, float]:
-        """Plain floats for logging."""
+        """Plain floats for logging, about this call's batch.
+
+        Code usage is not among them: one batch's sampled codes say little about the codes
+        the model picks (the Gumbel noise spreads them); :class:`CodeUsage` measures that.
+        """
         return {
             "vq_diversity_loss": float(self.diversity_loss.detach()),
-            "vq_code_perplexity": float(self.code_perplexity.detach()),
+            "vq_token_perplexity": float(self.token_entropy.detach().exp()),
+            "vq_sampled_perplexity": float(self.code_perplexity.detach()),
             "vq_prob_perplexity": float(self.prob_perplexity.detach()),
             "vq_temperature": self.temperature,
-            "vq_codes_used": float(self.codes_used.detach()),
         }
 
 
-class CodeUsageWindow:
-    """Fraction of codes chosen at least once over the last ``window`` batches.
+class CodeUsage:
+    """Noise-free argmax code usage accumulated over a window of steps, across all ranks.
 
-    Keeps one "last batch seen" counter per local code (O(Kl) memory, no history of batches).
-    Feed it :attr:`VQOutput.code_counts`; those are already summed over data parallelism, so all
-    dp ranks agree. For a split flat layer :meth:`fraction` sums the shards' counts over the
-    model-parallel group, a collective every mp rank must enter.
+    Holds one count per code (K int64 on every rank, 800 KB at K = 102,400) and nothing per
+    step: :meth:`update` adds a batch's ``greedy_codes`` locally, :meth:`summary` sums the
+    counts over the data-parallel group (a collective every dp rank must enter) and starts a
+    new window. Model-parallel peers see the same codes (the argmax is global), so they hold
+    equal counts and need no collective.
     """
 
-    def __init__(
-        self, num_local: int, num_total: int, window: int, groups: ParallelGroups, split: bool
-    ) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self.window = window
-        self.num_total = num_total
+    def __init__(self, num_codes: int, groups: ParallelGroups) -> None:
+        self.num_codes = num_codes
         self.groups = groups
-        self.split = split
-        self.batches = 0
-        self._last_seen = torch.full((num_local,), -(1 << 62), dtype=torch.int64)
+        # Allocated on the first batch's device: no copy per step, and a model built on the
+        # meta device (then loaded) holds no meta tensor here.
+        self.counts: Tensor | None = None
 
-    def update(self, code_counts: Tensor) -> None:
-        """Records one batch's counts."""
-        self.batches += 1
-        used = code_counts.detach().to(self._last_seen.device) > 0
-        self._last_seen[used] = self.batches
+    def update(self, codes: Tensor) -> None:
+        """Adds the global code ids ``codes`` [N] of one batch on this rank."""
+        codes = codes.detach().reshape(-1)
+        if self.counts is None:
+            self.counts = torch.zeros(self.num_codes, dtype=torch.int64, device=codes.device)
+        self.counts += torch.bincount(codes, minlength=self.num_codes)
 
-    def fraction(self) -> float:
-        """Fraction of all codes used in the last ``window`` batches (0 before any update)."""
-        used = (self._last_seen > self.batches - self.window).sum().to(torch.float64)
-        if self.split:
-            used = all_reduce_model_parallel(used.reshape(1), self.groups).reshape(())
-        return float(used) / self.num_total
+    def summary(self) -> dict[str, float]:
+        """Over the window: tokens, codes used (count and fraction of K), perplexity of the
+        code histogram (``exp`` of its entropy, at most min(K, tokens)) and dead codes (never
+        picked in the window); then resets. Empty dict when no token was seen."""
+        if self.counts is None:  # no batch on this rank yet; the others may have some
+            self.counts = torch.zeros(self.num_codes, dtype=torch.int64)
+        counts = all_reduce_data_parallel(self.counts.clone(), self.groups)
+        self.counts.zero_()
+        return usage_figures(counts, self.num_codes) if int(counts.sum()) else {}
+
+
+def usage_figures(counts: Tensor, num_codes: int) -> dict[str, float]:
+    """Figures of a code histogram: ``counts`` of chosen codes (zeros allowed, any subset of
+    the codes that holds every used one) out of ``num_codes``: tokens, codes used and their
+    fraction, the perplexity ``exp(H)`` of the histogram (1 when one code takes every token,
+    the number of used codes when they are used equally) and dead codes (never chosen)."""
+    used = counts[counts > 0].to(torch.float64)
+    tokens = float(used.sum())
+    q = used / max(tokens, 1.0)
+    return {
+        "tokens": tokens,
+        "codes_used": float(used.numel()),
+        "codes_used_fraction": used.numel() / num_codes,
+        "code_perplexity": float(torch.exp(-(q * q.log()).sum())) if used.numel() else 0.0,
+        "dead_codes": float(num_codes - used.numel()),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +367,8 @@ class _FlatQuantize(torch.autograd.Function):
     Inputs: ``a`` [N, H] (ReLU output, already through copy_to_model_parallel), the local
     ``weight`` [Kl, H], ``bias`` [Kl] and ``codebook`` [Kl, d]. Outputs: this rank's part of the
     output [N, d] (the chosen rows it owns, zeros elsewhere; summed over mp by the caller), the
-    local column sums [Kl] of the diversity distribution (differentiable), and the codes [N].
+    local column sums [Kl] of the diversity distribution (differentiable), the codes [N] and
+    the noise-free argmax codes [N] (the same as the codes when not sampling).
 
     Saved for backward: the inputs and 5 scalars per token (codes, the two global maxima, the
     two partition sums); per chunk, backward recomputes the logits and the noise. Peak
@@ -333,56 +378,63 @@ class _FlatQuantize(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, a: Tensor, weight: Tensor, bias: Tensor, codebook: Tensor, spec: _FlatSpec
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         groups, tau = spec.groups, spec.temperature
         n_tok, n_local = a.shape[0], weight.shape[0]
         device = a.device
         codes = torch.empty(n_tok, dtype=torch.int64, device=device)
-        # Per token: global max of s, global max of l, sum exp for Eq. 5, sum exp for softmax(l).
-        stats = torch.zeros(n_tok, 4, dtype=torch.float32, device=device)
+        greedy = torch.empty(n_tok, dtype=torch.int64, device=device)
+        # Per token: global max of s, global max of l, sum exp for Eq. 5, sum exp for softmax(l),
+        # and the mean of l - max(l) under softmax(l) (for the token's entropy).
+        stats = torch.zeros(n_tok, 5, dtype=torch.float32, device=device)
         psum = torch.zeros(n_local, dtype=torch.float32, device=device)
         with torch.autocast(device.type, enabled=False):
             w32, b32 = weight.float(), bias.float()
             for t0 in range(0, n_tok, spec.chunk_tokens):
                 t1 = min(n_tok, t0 + spec.chunk_tokens)
                 logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
-                # Local maxima and the first (smallest) local index attaining them.
+                # Local maxima and the first (smallest) local index attaining them, of the
+                # scores and (when sampling) of the noise-free logits.
                 local_max, local_idx = scores.max(dim=1)
-                maxes = torch.stack(
-                    [local_max, logits.amax(dim=1) if spec.sample else local_max], dim=1
-                )
+                plain_max, plain_idx = logits.max(dim=1) if spec.sample else (local_max, None)
+                maxes = torch.stack([local_max, plain_max], dim=1)
                 all_reduce_model_parallel(maxes, groups, "max")
                 # The global argmax: among ranks holding the global maximum, the smallest global
                 # index, so ties resolve exactly as torch.argmax does on the unsplit logits.
-                candidate = torch.where(
-                    local_max == maxes[:, 0],
-                    local_idx + spec.code_offset,
-                    torch.full_like(local_idx, spec.num_codes),
-                )
+                no_code = torch.full_like(local_idx, spec.num_codes)
+                candidates = [torch.where(local_max == maxes[:, 0], local_idx, no_code)]
+                if plain_idx is not None:
+                    candidates.append(torch.where(plain_max == maxes[:, 1], plain_idx, no_code))
+                candidate = torch.stack(candidates, dim=1)
+                candidate.add_(spec.code_offset).clamp_(max=spec.num_codes)
                 all_reduce_model_parallel(candidate, groups, "min")
                 # NaN logits leave no candidate; keep the index valid, the NaN reaches the loss.
-                codes[t0:t1] = candidate.clamp_(max=spec.num_codes - 1)
-                sums = torch.zeros(t1 - t0, 2, dtype=torch.float32, device=device)
+                candidate.clamp_(max=spec.num_codes - 1)
+                codes[t0:t1] = candidate[:, 0]
+                greedy[t0:t1] = candidate[:, -1]
+                sums = torch.zeros(t1 - t0, 3, dtype=torch.float32, device=device)
                 soft = None
                 if spec.need_soft:
                     # fl(max(s) / tau) == max(fl(s / tau)): rounding is monotone.
                     y = scores.div_(tau) if spec.sample else scores / tau
                     soft = y.sub_((maxes[:, 0] / tau)[:, None]).exp_()
                     sums[:, 0] = soft.sum(dim=1)
-                plain = None
-                if not spec.from_gumbel:
-                    plain = logits.sub_(maxes[:, 1:]).exp_()
-                    sums[:, 1] = plain.sum(dim=1)
+                centered = logits.sub_(maxes[:, 1:])
+                plain = centered.exp()
+                sums[:, 1] = plain.sum(dim=1)
+                sums[:, 2] = (plain * centered).sum(dim=1)
                 all_reduce_model_parallel(sums, groups, "sum")
                 stats[t0:t1, :2] = maxes
-                stats[t0:t1, 2:] = sums
+                stats[t0:t1, 2:4] = sums[:, :2]
+                stats[t0:t1, 4] = sums[:, 2] / sums[:, 1]
                 if spec.from_gumbel:
                     assert soft is not None
                     psum.addmv_(soft.t(), sums[:, 0].reciprocal())
                 else:
-                    assert plain is not None
                     psum.addmv_(plain.t(), sums[:, 1].reciprocal())
-                del logits, scores, soft, plain
+                del logits, scores, soft, plain, centered
+        # H(softmax(l)) per token = log S - E[l - max]; identical on every model-parallel rank.
+        entropy_sum = (stats[:, 3].log() - stats[:, 4]).sum()
         owned, local = _owned(codes, spec.code_offset, n_local)
         quantized = torch.zeros(n_tok, codebook.shape[1], dtype=spec.out_dtype, device=device)
         quantized[owned] = codebook[local[owned]].to(spec.out_dtype)
@@ -390,12 +442,18 @@ class _FlatQuantize(torch.autograd.Function):
         # Detached: under ZeRO-3 the parameters' .data is released after the forward; the
         # detached tensors keep the gathered values that backward recomputes the logits from.
         ctx.save_for_backward(a, weight.detach(), bias.detach(), codebook.detach(), codes, stats)
-        ctx.mark_non_differentiable(codes)
-        return quantized, psum, codes
+        ctx.mark_non_differentiable(codes, greedy)
+        ctx.set_materialize_grads(False)  # an unused output costs no backward work
+        return quantized, psum, codes, greedy, entropy_sum
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any, grad_quantized: Tensor | None, grad_psum: Tensor | None, _grad_codes: Any
+        ctx: Any,
+        grad_quantized: Tensor | None,
+        grad_psum: Tensor | None,
+        _grad_codes: Any,
+        _grad_greedy: Any,
+        grad_entropy: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
         spec: _FlatSpec = ctx.spec
         a, weight, bias, codebook, codes, stats = ctx.saved_tensors
@@ -419,6 +477,7 @@ class _FlatQuantize(torch.autograd.Function):
                     stats,
                     grad_quantized,
                     grad_psum,
+                    grad_entropy,
                     spec,
                     (need_a, need_w, need_b),
                 )
@@ -440,6 +499,7 @@ def _flat_logit_backward(
     stats: Tensor,
     grad_quantized: Tensor | None,
     grad_psum: Tensor | None,
+    grad_entropy: Tensor | None,
     spec: _FlatSpec,
     needs: tuple[bool, bool, bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -448,9 +508,10 @@ def _flat_logit_backward(
     With q = softmax(s / tau) (Eq. 5) and r = softmax(l), both over all K codes:
     dL/dl = q * (gq - <q, gq>) / tau + r * (gr - <r, gr>), where gq = grad_out @ codebook^T
     (straight-through: d out / d q_k = code k) plus the diversity gradient when it uses q, and
-    gr the diversity gradient when it uses r. The dot products run over all codes: one
-    all-reduce of 2 scalars per token per chunk. ``needs`` says which of the three gradients
-    to compute (a frozen layer needs only ``a``'s).
+    gr the diversity gradient when it uses r; plus, for the summed token entropies
+    H_t = -sum r log r with upstream gradient g, -g * r * (l - max - E_r[l - max]). The dot
+    products run over all codes: one all-reduce of 2 scalars per token per chunk. ``needs``
+    says which of the three gradients to compute (a frozen layer needs only ``a``'s).
     """
     groups, tau = spec.groups, spec.temperature
     need_a, need_w, need_b = needs
@@ -462,7 +523,8 @@ def _flat_logit_backward(
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=a.device) if need_w else None
     grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=a.device) if need_b else None
     soft_used = c32 is not None or (spec.from_gumbel and g_div is not None)
-    plain_used = not spec.from_gumbel and g_div is not None
+    plain_div = not spec.from_gumbel and g_div is not None
+    plain_used = plain_div or grad_entropy is not None
     for t0 in range(0, n_tok, spec.chunk_tokens):
         t1 = min(n_tok, t0 + spec.chunk_tokens)
         st = stats[t0:t1]
@@ -480,27 +542,33 @@ def _flat_logit_backward(
             if spec.from_gumbel and g_div is not None:
                 grad_soft.add_(g_div)
             dots[:, 0] = (soft * grad_soft).sum(dim=1)
-        plain = None
+        plain = centered = None
         if plain_used:
-            assert g_div is not None
-            plain = logits.sub_(st[:, 1:2]).exp_().div_(st[:, 3:4])
-            dots[:, 1] = plain @ g_div
+            centered = logits.sub_(st[:, 1:2])
+            plain = centered.exp().div_(st[:, 3:4])
+            if plain_div:
+                assert g_div is not None
+                dots[:, 1] = plain @ g_div
         all_reduce_model_parallel(dots, groups, "sum")
         if soft is not None:
             assert grad_soft is not None
             grad_logits = grad_soft.sub_(dots[:, 0:1]).mul_(soft).div_(tau)
         else:
             grad_logits = torch.zeros(t1 - t0, weight.shape[0], device=a.device)
-        if plain is not None:
-            assert g_div is not None
+        if plain_div:
+            assert g_div is not None and plain is not None
             grad_logits.add_((g_div - dots[:, 1:2]).mul_(plain))
+        if grad_entropy is not None:
+            assert plain is not None and centered is not None
+            # A 0-dim tensor multiplies without a host synchronisation.
+            grad_logits.sub_(plain.mul_(centered.sub_(st[:, 4:5])).mul_(grad_entropy))
         if grad_a is not None:
             grad_a[t0:t1] = (grad_logits @ w32).to(a.dtype)
         if grad_w is not None:
             grad_w.addmm_(grad_logits.t(), a[t0:t1].float())
         if grad_b is not None:
             grad_b.add_(grad_logits.sum(dim=0))
-        del logits, scores, soft, plain, grad_soft, grad_logits
+        del logits, scores, soft, plain, centered, grad_soft, grad_logits
     return (
         grad_a,
         grad_w.to(weight.dtype) if grad_w is not None else None,
@@ -689,11 +757,11 @@ class GumbelVectorQuantizer(nn.Module):
             need_soft=need_grad or self.config.diversity_from_gumbel,
             out_dtype=h.dtype,
         )
-        local_out, psum, codes = _FlatQuantize.apply(*params, spec)
+        local_out, psum, codes, greedy, entropy_sum = _FlatQuantize.apply(*params, spec)
         quantized = reduce_from_model_parallel(local_out, self.groups)
         owned, local = _owned(codes, self.code_offset, self.num_local)
         counts = torch.bincount(local[owned], minlength=self.num_local)
-        return self._finish(quantized, codes, psum, counts, h.shape[0])
+        return self._finish(quantized, codes, greedy, psum, entropy_sum, counts, h.shape[0])
 
     def _forward_product(
         self, h: Tensor, act: Tensor, sample: bool, key: int, weights: tuple[Tensor, ...]
@@ -723,18 +791,32 @@ class GumbelVectorQuantizer(nn.Module):
             else:
                 dist_probs = torch.softmax(logits.view(n_tok, groups, entries), dim=-1)
             psum = dist_probs.sum(dim=0).reshape(groups * entries)
+            # The groups are independent: a code's entropy is the sum of the groups'.
+            log_r = torch.log_softmax(logits.view(n_tok, groups, entries), dim=-1)
+            entropy_sum = -(log_r.exp() * log_r).sum()
         place = entries ** torch.arange(groups - 1, -1, -1, device=h.device)
         codes = (idx * place).sum(dim=1)
+        greedy = codes
+        if sample:
+            greedy = (logits.view(n_tok, groups, entries).argmax(dim=-1) * place).sum(dim=1)
         flat_idx = (idx + torch.arange(groups, device=h.device) * entries).reshape(-1)
         counts = torch.bincount(flat_idx, minlength=groups * entries)
-        return self._finish(out.to(h.dtype), codes, psum, counts, n_tok)
+        return self._finish(out.to(h.dtype), codes, greedy, psum, entropy_sum, counts, n_tok)
 
     def _finish(
-        self, quantized: Tensor, codes: Tensor, psum: Tensor, counts: Tensor, n_tok: int
+        self,
+        quantized: Tensor,
+        codes: Tensor,
+        greedy: Tensor,
+        psum: Tensor,
+        entropy_sum: Tensor,
+        counts: Tensor,
+        n_tok: int,
     ) -> VQOutput:
         """Global-batch statistics: dp sums, entropies, mp sums of the shard entropies."""
         groups = self.groups
         psum = global_batch_sum(psum, groups)
+        entropy_sum = global_batch_sum(entropy_sum.reshape(1), groups)[0]
         counts_n = torch.cat([counts, counts.new_tensor([n_tok])])
         all_reduce_data_parallel(counts_n, groups)
         counts, total = counts_n[:-1], counts_n[-1].clamp(min=1).to(torch.float32)
@@ -750,7 +832,7 @@ class GumbelVectorQuantizer(nn.Module):
             # The shards' entropy terms add up to the global entropy; the diversity gradient
             # of each shard flows back through its own terms only (backward identity).
             pieces = reduce_from_model_parallel(pieces, groups)
-            diversity = -pieces[0] / self.num_codes
+            diversity = self._diversity(pieces[0], self.num_codes)
             stats = pieces.detach()
             prob_ppl, code_ppl = stats[0].exp(), stats[1].exp()
             used_frac = stats[2] / self.num_codes
@@ -758,19 +840,34 @@ class GumbelVectorQuantizer(nn.Module):
             vq = self.config
             ent_p = ent_p.view(vq.groups, vq.entries).sum(dim=1)
             ent_h = ent_h.view(vq.groups, vq.entries).sum(dim=1)
-            diversity = -(ent_p / vq.entries).mean()
+            if vq.diversity_loss == "eq6":
+                diversity = -(ent_p / vq.entries).mean()
+            else:  # wav2vec 2.0: the groups' perplexities add up, at most G * V
+                size = vq.groups * vq.entries
+                diversity = (size - ent_p.exp().sum()) / size
             prob_ppl, code_ppl = ent_p.detach().exp().sum(), ent_h.detach().exp().sum()
             used_frac = used.mean()
+        # No token anywhere (an empty global batch): nothing to spread over the codes.
+        diversity = diversity * (counts_n[-1] > 0).to(diversity.dtype)
         return VQOutput(
             quantized=quantized,
             codes=codes,
             diversity_loss=diversity,
+            token_entropy=entropy_sum / total,
             code_perplexity=code_ppl,
             prob_perplexity=prob_ppl,
             temperature=self.temperature,
             codes_used=used_frac,
             code_counts=counts,
+            greedy_codes=greedy,
         )
+
+    def _diversity(self, entropy: Tensor, size: int) -> Tensor:
+        """The flat layout's ``VQConfig.diversity_loss`` of the entropy of pbar over ``size``
+        codes: ``(size - exp(H)) / size``, or Eq. 6's ``-H / size``."""
+        if self.config.diversity_loss == "eq6":
+            return -entropy / size
+        return (size - entropy.exp()) / size
 
     # -- codebook access ----------------------------------------------------------------------
 
@@ -796,10 +893,9 @@ class GumbelVectorQuantizer(nn.Module):
         self.requires_grad_(False)
         return self
 
-    def usage_window(self, window: int) -> CodeUsageWindow:
-        """A :class:`CodeUsageWindow` sized for this layer (fed with ``code_counts``)."""
-        total = self.num_codes if self.layout == "flat" else self.num_local
-        return CodeUsageWindow(self.num_local, total, window, self.groups, self.split)
+    def code_usage(self) -> CodeUsage:
+        """An empty :class:`CodeUsage` over all K codes (product: all combinations)."""
+        return CodeUsage(self.num_codes, self.groups)
 
     def extra_repr(self) -> str:
         vq = self.config

@@ -49,6 +49,10 @@ class VQConfig:
     chunk_tokens: int = 2048
     """Logits are computed for this many tokens at a time and recomputed in backward, so the
     layer's activation memory is bounded by chunk_tokens x codes per rank."""
+    diversity_loss: Literal["perplexity", "eq6"] = "perplexity"
+    """perplexity: wav2vec 2.0's ``(K - exp(H(pbar))) / K``, whose pull does not fade with K;
+    eq6: the paper's Eq. 6 as printed, ``(1/K) sum pbar log pbar``, which moves by at most
+    ln(K)/K and lets the codebook collapse (kept for the ablation). See interfaces/vq.py."""
     diversity_from_gumbel: bool = False
     """Average Eq. 5's Gumbel probabilities for the diversity loss (the paper's text) instead
     of the noise-free softmax (wav2vec 2.0's code); see interfaces/vq.py."""
@@ -56,6 +60,10 @@ class VQConfig:
     def __post_init__(self) -> None:
         if self.layout not in ("flat", "product"):
             raise ValueError(f"vq.layout must be 'flat' or 'product', got {self.layout!r}")
+        if self.diversity_loss not in ("perplexity", "eq6"):
+            raise ValueError(
+                f"vq.diversity_loss must be 'perplexity' or 'eq6', got {self.diversity_loss!r}"
+            )
         for name in ("num_codes", "groups", "entries", "hidden_dim", "chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"vq.{name} must be >= 1, got {getattr(self, name)}")
@@ -139,7 +147,34 @@ def _tiny() -> ModelConfig:
     )
 
 
-PRESETS: dict[str, Callable[[], ModelConfig]] = {"paper": _paper, "tiny": _tiny}
+def _small() -> ModelConfig:
+    """The ``study`` budget's model: tiny's vocabulary and interfaces, twice as wide and
+    deep: d 128, 4 heads, FFN 512, 4+4 layers, a 2-layer VQ extractor (3.9M parameters as a
+    translation model, 5.5M as a VQ-SemFace model; tiny: 1.3M and 1.9M).
+
+    Chosen by its cost on the 2-core CPU machine, one thread per process as the pipeline's two
+    processes get. On the same batch (128 sentences of 12 tokens, forward, backward and Adam)
+    a translation step counts 3.9x tiny's FLOPs and a SemFace joint step 3.7x (torch's
+    FlopCounterMode), but they take only 2.0x and 2.3x tiny's time (median of alternating
+    steps): tiny's matrices are too small to keep a core busy (10-13 GFLOP/s, this one 20-21).
+    Wider costs more than it buys at three hours: d 192 with 4+4 layers takes 3.4x / 3.6x
+    tiny's time, d 256 with 4+4 layers 4.0x / 4.7x (12.7x the FLOPs), which would leave the
+    study fewer steps than the demo's. The ``study`` budget (megasemface/pipeline/config.py)
+    turns these ratios into hours.
+    """
+    tiny = _tiny()
+    return dataclasses.replace(
+        tiny,
+        d_model=128,
+        ffn_dim=512,
+        encoder_layers=4,
+        decoder_layers=4,
+        extractor_layers=2,
+        vq=dataclasses.replace(tiny.vq, hidden_dim=128),
+    )
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {"paper": _paper, "small": _small, "tiny": _tiny}
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:

@@ -60,10 +60,21 @@ class ObjectiveConfig:
     shuffle_window: int = 3
     mse_weight: float = 1.0
     """CL-SemFace: weight of the MSE term of Eq. 1 (0 for the 'without MSE' ablation)."""
-    diversity_weight: float = 1.0
-    """VQ-SemFace: weight of the diversity loss of Eq. 6."""
+    diversity_weight: float = 2.0
+    """VQ-SemFace: weight of the diversity loss (docs/reproduce.md measures 1 and 2)."""
     l2_weight: float = 1.0
     """VQ-SemFace: weight of the L2 penalty on the encoder's last activations."""
+    commitment_weight: float = 0.0
+    """VQ-SemFace, not in the paper: weight of a VQ-VAE-style commitment term pulling the
+    encoder's output towards its argmax code, which is what the decoder stage was trained
+    on and what it reads once the stages are connected. 0: the paper's losses only."""
+    token_entropy_weight: float = 0.5
+    """VQ-SemFace, not in the paper: weight of the mean entropy of each token's code
+    distribution. The diversity loss asks the batch's average distribution to be uniform,
+    which per-token distributions spread over many codes satisfy too; then the argmax falls
+    on a few codes. Together the two maximise the mutual information between tokens and
+    codes. On by default because it measured better on validation (docs/reproduce.md, the
+    VQ codebook); 0 with diversity weight 1: the paper's losses only."""
     infill_ratio: float = 0.35
     """mBART baseline: share of tokens masked in Poisson spans."""
     poisson_lambda: float = 3.5
@@ -76,7 +87,13 @@ class ObjectiveConfig:
             raise ValueError(f"mlm_prob must be in (0, 1), got {self.mlm_prob}")
 
     def weight_of(self, loss_name: str) -> float:
-        weights = {"mse": self.mse_weight, "diversity": self.diversity_weight, "l2": self.l2_weight}
+        weights = {
+            "mse": self.mse_weight,
+            "diversity": self.diversity_weight,
+            "l2": self.l2_weight,
+            "commitment": self.commitment_weight,
+            "token_entropy": self.token_entropy_weight,
+        }
         return weights[loss_name]
 
 

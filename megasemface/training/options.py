@@ -31,13 +31,24 @@ class TrainConfig:
     model_options: list[str] = dataclasses.field(default_factory=list)
     model_config_file: Path | None = None
     cl_table: Path | None = None
+    cl_trainable: bool = False
+    """CL-SemFace: train the table with the encoder, as Algorithm 1 updates the interface
+    (off: the table stays the cross-lingual embeddings it was built as)."""
     init_from: Path | None = None
     """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
     finetune: the seq2seq model directory to start from (none: random, no pre-training)."""
     decoder_objective: str = "clm"
     mse_weight: float = 1.0
-    diversity_weight: float = 1.0
+    diversity_weight: float = 2.0
     l2_weight: float = 1.0
+    commitment_weight: float = 0.0
+    """VQ: weight of the commitment term (encoder output to its argmax code); 0: off."""
+    token_entropy_weight: float = 0.5
+    """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
+    on by default, measured better on validation); 0: off."""
+    codebook_warn_fraction: float = 0.25
+    """VQ-SemFace: warn when the argmax picks fewer codes over a logging window than this
+    share of what the window's tokens could use (min of K and the tokens)."""
     mp_size: int = 1
     steps: int = 1000
     seed: int = 0
@@ -147,7 +158,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--data", type=Path, required=True, help="shard directory (with manifest.json)")
     add("--spm-model", type=Path, required=True, help="the SentencePiece model of the shards")
     add("--output-dir", type=Path, required=True, help="checkpoints, logs and MLflow store")
-    add("--preset", default=d.preset, help="model preset: tiny or paper")
+    add("--preset", default=d.preset, help="model preset: tiny, small or paper")
     add(
         "--model",
         dest="model_options",
@@ -159,6 +170,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model-config", dest="model_config_file", type=Path, help="JSON file of model options")
     add("--cl-table", type=Path, help="cross-lingual embedding table (safetensors) for cl")
     add(
+        "--cl-trainable",
+        action="store_true",
+        help="cl: train the table with the encoder (Algorithm 1, line 5); default: fixed",
+    )
+    add(
         "--init-from",
         type=Path,
         help="VQ decoder stage: the encoder-stage run whose codebook it uses; finetune: the "
@@ -168,6 +184,26 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--mse-weight", type=float, default=d.mse_weight)
     add("--diversity-weight", type=float, default=d.diversity_weight)
     add("--l2-weight", type=float, default=d.l2_weight)
+    add(
+        "--commitment-weight",
+        type=float,
+        default=d.commitment_weight,
+        help="VQ: pull encoder outputs towards their argmax codes (not in the paper; 0: off)",
+    )
+    add(
+        "--token-entropy-weight",
+        type=float,
+        default=d.token_entropy_weight,
+        help="VQ: make each token's code distribution confident (not in the paper; "
+        "default: %(default)s; 0: off)",
+    )
+    add(
+        "--codebook-warn-fraction",
+        type=float,
+        default=d.codebook_warn_fraction,
+        help="VQ: warn when a logging window's argmax codes fall below this share of "
+        "min(K, tokens) (default: %(default)s)",
+    )
     add("--mp-size", type=int, default=d.mp_size, help="model-parallel size of the codebook")
     add("--steps", type=int, default=d.steps, help="optimizer steps in all")
     add("--seed", type=int, default=d.seed)

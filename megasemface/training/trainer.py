@@ -174,6 +174,8 @@ class Trainer:
             mse_weight=cfg.mse_weight,
             diversity_weight=cfg.diversity_weight,
             l2_weight=cfg.l2_weight,
+            commitment_weight=cfg.commitment_weight,
+            token_entropy_weight=cfg.token_entropy_weight,
         )
         if cfg.stage == "mbart":
             pieces = [self.tokenizer.processor.id_to_piece(i) for i in range(len(self.tokenizer))]
@@ -187,6 +189,7 @@ class Trainer:
             groups=self.groups,
             seed=cfg.seed,
             cl_table=cfg.cl_table,
+            cl_trainable=cfg.cl_trainable,
         )
         semface = SemFaceModel(model_config, interface, self.special, objective)
         if cfg.stage == "decoder" and cfg.interface == "vq":
@@ -309,6 +312,28 @@ class Trainer:
         if hasattr(interface, "set_step"):
             interface.set_step(step)
         return self.engine.forward(self._sequence_batch(batch), generator)
+
+    def _interface_health(self, step: int) -> dict[str, float]:
+        """The interface's health over the logging window (a collective on every rank), with
+        a warning on rank 0 when a VQ codebook's argmax falls into a few codes."""
+        interface = getattr(self.engine.module, "interface", None)
+        if interface is None:
+            return {}
+        figures = interface.health()
+        for prefix, part in (("vq_", "encoder"), ("dec_vq_", "decoder-stage extractor")):
+            if f"{prefix}codes_used" not in figures or not self.is_main:
+                continue
+            used, tokens = figures[f"{prefix}codes_used"], figures[f"{prefix}tokens"]
+            codes = used + figures[f"{prefix}dead_codes"]
+            if used < self.config.codebook_warn_fraction * min(codes, tokens):
+                print(
+                    f"warning: step {step}: the {part} picked {used:.0f} of {codes:.0f} VQ codes "
+                    f"for {tokens:.0f} tokens since the last log (histogram perplexity "
+                    f"{figures[f'{prefix}code_perplexity']:.1f}): the codebook is collapsing; "
+                    "raise --diversity-weight or check --model vq.diversity_loss",
+                    flush=True,
+                )
+        return figures
 
     def _after_step(self, step: int, tracker: Tracker) -> None:
         """Runs on every rank after each step, before any checkpoint (validation hooks)."""
@@ -442,6 +467,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_started
                 metrics = {name: float(v) for name, v in out.components.items()}
                 metrics.update(out.metrics)
+                metrics.update(self._interface_health(step))
                 metrics.update(
                     loss=mean_loss,
                     lr=self.engine.lr,
@@ -500,11 +526,20 @@ class _Progress:
         losses = " ".join(
             f"{k}={v:.3f}"
             for k, v in metrics.items()
-            if k.startswith(("enc_", "dec_", "denoise")) and "accuracy" not in k
+            if k.startswith(("enc_", "dec_", "denoise"))
+            and "accuracy" not in k
+            and not k.startswith("dec_vq_")
+        )
+        codebook = "".join(
+            f" | {part} codes {metrics[f'{prefix}codes_used']:,.0f}/"
+            f"{metrics[f'{prefix}codes_used'] + metrics[f'{prefix}dead_codes']:,.0f} "
+            f"ppl {metrics[f'{prefix}code_perplexity']:,.1f}"
+            for prefix, part in (("vq_", "enc"), ("dec_vq_", "dec"))
+            if f"{prefix}codes_used" in metrics
         )
         print(
             f"step {step}/{self.total} | {metrics['tokens_per_s']:,.0f} tok/s | "
-            f"loss {metrics['loss']:.3f} {losses} | lr {metrics['lr']:.2e} | "
+            f"loss {metrics['loss']:.3f} {losses}{codebook} | lr {metrics['lr']:.2e} | "
             f"ETA {eta:,.0f}s",
             file=sys.stdout,
             flush=True,
