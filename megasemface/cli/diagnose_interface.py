@@ -1,0 +1,190 @@
+"""Diagnoses a SemFace interface: code usage, encoder-interface cosine, what the pre-trained
+cross-attention transfers, and how translated words share codes (the paper's Fig. 5).
+
+Examples::
+
+    python tools/diagnose_interface.py --checkpoint runs/vq-joint \\
+        --text en:data/valid.en --text de:data/valid.de --dictionary data/dict/en-de.tsv \\
+        --output runs/vq-joint/diagnostics.json --log-to-run runs/vq-joint
+    python tools/diagnose_interface.py --checkpoint runs/vq-decoder --model-dir models/vq-semface \\
+        --text en:data/valid.en --measure nll
+    python tools/diagnose_interface.py --checkpoint runs/cl-joint/checkpoints/step-00000400 \\
+        --text en:data/valid.en --text de:data/valid.de --measure cosine --measure nll
+
+--checkpoint is an encoder, decoder or joint stage (a run directory: its newest complete
+checkpoint; a checkpoint directory; or a pretraining model directory); --model-dir a
+connected seq2seq model directory, whose encoder's output is the "encoder" memory of the NLL.
+Prints a table (a column per language) and, with --output, writes every figure as JSON; with
+--log-to-run, logs them as diag_* metrics at the checkpoint's step to the MLflow run the
+checkpoint recorded, in the store given (a tracking URI, an mlflow.db, or the run directory
+holding one). Bad input prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from megasemface.evaluation.diagnostics import (
+    MEASURES,
+    DiagnosticsConfig,
+    DiagnosticsError,
+    diagnose_interface,
+    load_models,
+    log_to_run,
+)
+from megasemface.tracking.compare import resolve_tracking_uri
+
+PROG = "diagnose_interface"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; defaults come from :class:`DiagnosticsConfig`."""
+    defaults = {f.name: f.default for f in dataclasses.fields(DiagnosticsConfig)}
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog="Examples:\n\n" + (__doc__ or "").split("::\n\n")[1].split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--checkpoint", type=Path, help="an encoder, decoder or joint stage")
+    parser.add_argument("--model-dir", type=Path, help="a connected seq2seq model directory")
+    parser.add_argument(
+        "--spm-model", type=Path, help="SentencePiece model (default: the one the run recorded)"
+    )
+    parser.add_argument(
+        "--text",
+        action="append",
+        required=True,
+        metavar="LANG:PATH",
+        help="sentences of one language, one per line (repeat per language)",
+    )
+    parser.add_argument("--dictionary", type=Path, help="gold dictionary, source<TAB>target words")
+    parser.add_argument(
+        "--dictionary-langs", metavar="SRC-TGT", help="its languages (default: from its name)"
+    )
+    parser.add_argument(
+        "--measure",
+        action="append",
+        choices=MEASURES,
+        help="compute only this (repeatable; default: all the sources allow)",
+    )
+    parser.add_argument(
+        "--max-sentences",
+        type=int,
+        default=defaults["max_sentences"],
+        help="first non-blank lines read per language; 0: all",
+    )
+    parser.add_argument("--batch-tokens", type=int, default=defaults["batch_tokens"])
+    parser.add_argument(
+        "--top-k", type=int, default=defaults["top_k"], help="k of the code overlap"
+    )
+    parser.add_argument(
+        "--max-occurrences",
+        type=int,
+        default=defaults["max_occurrences"],
+        help="occurrences averaged per dictionary word",
+    )
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--output", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--log-to-run",
+        metavar="TRACKING_URI",
+        help="log diag_* metrics to the checkpoint's MLflow run in this store",
+    )
+    return parser
+
+
+def _config(args: argparse.Namespace) -> DiagnosticsConfig:
+    texts: dict[str, Path] = {}
+    for item in args.text:
+        lang, sep, path = item.partition(":")
+        if not sep or not lang or not path:
+            raise ValueError(f"--text expects LANG:PATH, got {item!r}")
+        if lang in texts:
+            raise ValueError(f"--text gives {lang} twice")
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no such file: {path}")
+        texts[lang] = Path(path)
+    langs = None
+    if args.dictionary_langs:
+        source, sep, target = args.dictionary_langs.partition("-")
+        if not sep or not source or not target:
+            raise ValueError(f"--dictionary-langs expects SRC-TGT, got {args.dictionary_langs!r}")
+        langs = (source, target)
+    for name in ("checkpoint", "model_dir", "spm_model", "dictionary"):
+        path = getattr(args, name)
+        if path is not None and not path.exists():
+            raise FileNotFoundError(f"--{name.replace('_', '-')} {path} does not exist")
+    return DiagnosticsConfig(
+        checkpoint=args.checkpoint,
+        model_dir=args.model_dir,
+        spm_model=args.spm_model,
+        texts=texts,
+        dictionary=args.dictionary,
+        dictionary_langs=langs,
+        measures=tuple(args.measure) if args.measure else None,
+        max_sentences=args.max_sentences,
+        batch_tokens=args.batch_tokens,
+        top_k=args.top_k,
+        max_occurrences=args.max_occurrences,
+    )
+
+
+def _mlflow_target(uri: str, run_id: str | None, checkpoint: Path | None) -> tuple[str, str]:
+    """The resolved store and the run, both checked before any measurement runs."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    if not run_id:
+        raise DiagnosticsError(
+            f"{checkpoint or 'the model directory'} records no MLflow run (trained with "
+            "--no-tracking?): nothing to log to; drop --log-to-run"
+        )
+    store = resolve_tracking_uri(uri)
+    try:
+        MlflowClient(store).get_run(run_id)
+    except MlflowException:
+        raise DiagnosticsError(
+            f"the checkpoint's MLflow run {run_id} is not in {store}; pass the store the run "
+            "logged to (by default <run>/mlflow.db)"
+        ) from None
+    return store, run_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command; returns the exit status (2 for bad input, as argparse's own)."""
+    args = build_parser().parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(max(1, args.threads))
+    try:
+        config = _config(args)
+        models = load_models(config.checkpoint, config.model_dir, config.spm_model)
+        target = None
+        if args.log_to_run:
+            target = _mlflow_target(args.log_to_run, models.mlflow_run_id, config.checkpoint)
+        diagnostics = diagnose_interface(config, models)
+    except (ValueError, OSError, KeyError, SafetensorError) as exc:  # the library's input errors
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    print(diagnostics.format_table())
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(diagnostics.to_dict(), indent=1) + "\n"
+        args.output.write_text(text, encoding="utf-8")
+        print(f"wrote {args.output}")
+    if target is not None:
+        count = log_to_run(diagnostics, tracking_uri=target[0], run_id=target[1])
+        print(f"logged {count} diag_* metrics to MLflow run {target[1]} ({target[0]})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

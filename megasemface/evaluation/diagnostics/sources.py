@@ -1,0 +1,188 @@
+"""The models the interface diagnostics read, from a pre-training stage and a model directory.
+
+A pre-training source (a run, checkpoint or ``pretraining`` model directory of an encoder,
+decoder or joint stage) is consolidated with :func:`megasemface.checkpoints.load_stage`
+(ZeRO partitions merged, a codebook split over model-parallel ranks gathered), so the
+diagnostics always work on the whole layer at model-parallel size 1. A ``seq2seq`` model
+directory (``tools/merge_checkpoints.py connect``) supplies the connected encoder.
+
+Which part plays which role:
+
+- the *encoder* is the stage's encoder when the stage trained it (encoder or joint): its
+  outputs are compared with the interface;
+- the *decoder* whose cross-attention is measured is the stage's decoder when the stage
+  trained it (decoder or joint: the decoder pre-trained against the interface), else the
+  model directory's;
+- the *connected encoder*, whose output is the memory of "what fine-tuning feeds the
+  pre-trained cross-attention", is the model directory's encoder, else the encoder of a
+  joint stage (the one ``connect`` takes from it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megasemface.checkpoints import load_stage, resolve_spm_model
+from megasemface.data.tokenizer import Tokenizer
+from megasemface.interfaces.base import SemanticInterface
+from megasemface.interfaces.factory import build_interface
+from megasemface.models.config import ModelConfig, config_from_dict
+from megasemface.models.model_dir import load_seq2seq
+from megasemface.models.transformer import TransformerDecoder, TransformerEncoder
+from megasemface.objectives.sequences import SpecialTokens
+from megasemface.objectives.stages import SemFaceModel
+
+__all__ = ["DiagnosticModels", "DiagnosticsError", "load_models"]
+
+_STAGES = ("encoder", "decoder", "joint")
+
+
+class DiagnosticsError(ValueError):
+    """The diagnostics cannot run on this input; the message says what to pass instead."""
+
+
+@dataclasses.dataclass
+class DiagnosticModels:
+    """The parts the diagnostics use, in eval mode on the CPU, and where they came from."""
+
+    tokenizer: Tokenizer
+    special: SpecialTokens
+    config: ModelConfig
+    interface_kind: str | None
+    """vq, cl or none for a pre-training stage; None with a model directory alone."""
+    stage: str | None
+    interface: SemanticInterface | None
+    encoder: TransformerEncoder | None
+    """The encoder trained against ``interface`` (encoder and joint stages)."""
+    interface_decoder: TransformerDecoder | None
+    """The decoder pre-trained on the interface's memory (decoder and joint stages)."""
+    decoder: TransformerDecoder | None
+    """The decoder whose cross-attention is measured: ``interface_decoder`` or the model
+    directory's."""
+    connected_encoder: TransformerEncoder | None
+    step: int | None
+    """The checkpoint's training step (None when unknown)."""
+    mlflow_run_id: str | None
+    """The MLflow run of the pre-training stage."""
+    sources: dict[str, str]
+    """``checkpoint``, ``model_dir`` and ``spm_model`` as resolved paths."""
+
+    @property
+    def num_codes(self) -> int | None:
+        """K of the VQ layer, None without one."""
+        return self.config.vq.combinations if self.interface_kind == "vq" else None
+
+
+def _stage_model(
+    state: dict[str, torch.Tensor], meta: dict[str, Any], special: SpecialTokens, where: Path
+) -> SemFaceModel:
+    """The stage's ``SemFaceModel`` holding exactly the checkpoint's weights."""
+    config = config_from_dict(meta["model"])
+    kind = meta.get("interface", {}).get("kind")
+    # Built on the meta device and then given the checkpoint's tensors: no random init of a
+    # paper-size codebook only to overwrite it.
+    with torch.device("meta"):
+        table = torch.empty(config.vocab_size, config.d_model) if kind == "cl" else None
+        interface = build_interface(kind, config, cl_table=table)
+        model = SemFaceModel(config, interface, special)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise DiagnosticsError(
+            f"{where}: the weights do not fit a {kind!r} SemFace model of its own config "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    return model.eval()
+
+
+def _check_spm(tokenizer: Tokenizer, recorded: str | None, where: Path) -> None:
+    if recorded is not None and recorded != tokenizer.sha256:
+        raise DiagnosticsError(
+            f"{where} was trained with another SentencePiece model than {tokenizer.path} "
+            f"(sha256 {tokenizer.sha256[:12]}, recorded {recorded[:12]}); pass the run's own "
+            "--spm-model"
+        )
+
+
+def load_models(
+    checkpoint: str | Path | None,
+    model_dir: str | Path | None = None,
+    spm_model: str | Path | None = None,
+) -> DiagnosticModels:
+    """Loads and cross-checks the sources (see the module docstring).
+
+    ``spm_model`` defaults to the SentencePiece model the stage recorded (or the model
+    directory's copy); any given one must be the model the weights were trained with.
+
+    Raises:
+        DiagnosticsError: nothing to load, a stage without an interface to diagnose, or
+            sources that do not fit together.
+        CheckpointError, ModelDirError: unreadable or incomplete sources.
+    """
+    if checkpoint is None and model_dir is None:
+        raise DiagnosticsError("nothing to diagnose: pass --checkpoint, --model-dir or both")
+    meta: dict[str, Any] = {}
+    state: dict[str, torch.Tensor] = {}
+    if checkpoint is not None:
+        checkpoint = Path(checkpoint)
+        state, meta = load_stage(checkpoint)
+        if meta.get("stage") not in _STAGES:
+            raise DiagnosticsError(
+                f"{checkpoint} holds a {meta.get('stage')!r} stage, which has no semantic "
+                f"interface; pass an {', '.join(_STAGES)} stage"
+            )
+        spm = resolve_spm_model(meta, spm_model)
+    seq2seq, info = load_seq2seq(model_dir) if model_dir is not None else (None, None)
+    if checkpoint is None:
+        assert info is not None
+        spm = Path(spm_model) if spm_model is not None else info.spm_model
+    tokenizer = Tokenizer.load(spm)
+    special = SpecialTokens.from_tokenizer(tokenizer)
+    sources = {"spm_model": str(spm.resolve())}
+    stage_model = None
+    if checkpoint is not None:  # resolve_spm_model checked the tokenizer against it
+        stage_model = _stage_model(state, meta, special, checkpoint)
+        sources["checkpoint"] = str(checkpoint.resolve())
+    if info is not None:
+        assert model_dir is not None and seq2seq is not None
+        _check_spm(tokenizer, info.vocab_sha256, Path(model_dir))
+        sources["model_dir"] = str(Path(model_dir).resolve())
+        if stage_model is not None:
+            for key in ("vocab_size", "d_model", "num_langs"):
+                if getattr(info.model, key) != getattr(stage_model.config, key):
+                    raise DiagnosticsError(
+                        f"{model_dir} has {key}={getattr(info.model, key)}, {checkpoint} "
+                        f"{getattr(stage_model.config, key)}: not connected from this stage"
+                    )
+    stage = meta.get("stage")
+    encoder = interface_decoder = None
+    if stage_model is not None:
+        encoder = stage_model.encoder if stage in ("encoder", "joint") else None
+        interface_decoder = stage_model.decoder if stage in ("decoder", "joint") else None
+    connected = seq2seq.encoder if seq2seq is not None else None
+    if connected is None and stage == "joint":
+        connected = encoder
+    decoder = interface_decoder
+    if decoder is None and seq2seq is not None:
+        decoder = seq2seq.decoder
+    source = meta.get("source", {})
+    if source.get("kind") == "model_dir":  # a pretraining directory: its checkpoint's step
+        source = source.get("from") or {}
+    return DiagnosticModels(
+        tokenizer=tokenizer,
+        special=special,
+        config=stage_model.config if stage_model is not None else info.model,  # type: ignore[union-attr]
+        interface_kind=meta.get("interface", {}).get("kind") if stage_model else None,
+        stage=stage,
+        interface=stage_model.interface if stage_model is not None else None,
+        encoder=encoder,
+        interface_decoder=interface_decoder,
+        decoder=decoder,
+        connected_encoder=connected,
+        step=source.get("step"),
+        mlflow_run_id=meta.get("mlflow_run_id") or None,
+        sources=sources,
+    )

@@ -1,0 +1,361 @@
+"""Interface diagnostics: each figure against a direct computation, on real tiny runs.
+
+Two joint runs through the ``deepspeed`` launcher (2 CPU processes, fp32, ZeRO-2, tiny
+preset, MLflow in the run's own SQLite store): VQ-SemFace with its flat codebook split over
+2 model-parallel ranks (so the diagnostics read the gathered layer), and CL-SemFace; and an
+XLM-style encoder stage without an interface, which the tool must refuse. The direct
+computations run one sentence at a time with the model's own modules, so they also
+check that batching and padding change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from launch import ROOT, check_finished, launch, train_command
+from safetensors.torch import save_file
+
+from megasemface.checkpoints import connect_runs, write_seq2seq_dir
+from megasemface.cli.diagnose_interface import main as diagnose_main
+from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.textio import parse_lang_path
+from megasemface.data.tokenizer import SpmTrainConfig, Tokenizer, train_spm
+from megasemface.distributed.groups import ParallelGroups
+from megasemface.evaluation.diagnostics import (
+    DiagnosticModels,
+    DiagnosticsConfig,
+    DiagnosticsError,
+    WordCodes,
+    code_agreement,
+    code_log_probs,
+    code_usage,
+    diagnose_interface,
+    load_models,
+    word_codes,
+)
+from megasemface.evaluation.diagnostics.dictionary import whole_word_occurrences
+from megasemface.interfaces.vq import GumbelVectorQuantizer
+from megasemface.models.config import VQConfig
+
+pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
+
+SENTENCES = 24
+
+
+# Figures on hand-made input ---------------------------------------------------------------
+
+
+def test_code_usage_by_hand() -> None:
+    usage = code_usage(torch.tensor([5, 5, 1, 7, 5, 1]), 8)
+    assert (usage.tokens, usage.used, usage.dead, usage.fraction) == (6, 3, 5, 3 / 8)
+    p = [3 / 6, 2 / 6, 1 / 6]
+    assert usage.perplexity == pytest.approx(math.exp(-sum(x * math.log(x) for x in p)))
+    assert code_usage(torch.tensor([2, 2, 2]), 8).perplexity == pytest.approx(1.0)
+
+
+def test_code_agreement_by_hand() -> None:
+    def w(argmax: int, *top: int) -> WordCodes:
+        return WordCodes(argmax, top, 1)
+
+    source = {"cat": w(1, 1, 2, 3, 4), "dog": w(5, 5, 6, 7, 8)}
+    target = {"Katze": w(1, 1, 2, 9, 10), "Hund": w(6, 6, 5, 7, 11), "Haus": w(1, 1, 12, 13, 14)}
+    pairs = [("cat", "Katze"), ("dog", "Hund")]
+    result = code_agreement(source, target, pairs, k=4)
+    assert result.pairs == 2
+    assert result.same_code == 0.5  # cat-Katze share code 1, dog-Hund do not
+    assert result.overlap == pytest.approx((2 + 3) / 2 / 4)  # {1, 2} and {5, 6, 7}
+    # The baseline: the 4 pairings that are no translation, written out.
+    others = [("cat", "Hund"), ("cat", "Haus"), ("dog", "Katze"), ("dog", "Haus")]
+    same = [source[s].argmax == target[t].argmax for s, t in others]
+    shared = [len(set(source[s].top) & set(target[t].top)) for s, t in others]
+    assert result.baseline_pairs == 4
+    assert result.baseline_same_code == pytest.approx(sum(same) / 4)  # cat-Haus: code 1
+    assert result.baseline_overlap == pytest.approx(sum(shared) / 4 / 4)  # 0, 1, 0, 0
+    with pytest.raises(ValueError):
+        code_agreement(source, target, [], k=4)
+
+
+def test_word_codes_average_the_occurrences_probabilities() -> None:
+    probs = torch.tensor([[0.6, 0.3, 0.1, 0.0], [0.0, 0.5, 0.2, 0.3]])
+    codes = word_codes(probs.clamp(min=1e-30).log(), k=2)
+    assert (codes.argmax, codes.top, codes.occurrences) == (1, (1, 0), 2)  # mean .3 .4 .15 .15
+
+
+@pytest.mark.parametrize("layout", ["flat", "product"])
+def test_code_log_probs_are_the_layers_distribution(layout: str) -> None:
+    vq = VQConfig(layout=layout, num_codes=40, groups=2, entries=5, hidden_dim=16)
+    layer = GumbelVectorQuantizer(vq, 8, ParallelGroups.single(), seed=3).eval()
+    h = torch.randn(30, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        log_probs = code_log_probs(layer, vq, h)
+        assert log_probs.shape == (30, vq.combinations)
+        torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(30))
+        assert torch.equal(log_probs.argmax(-1), layer(h, sample=False).codes)
+        logits = F.linear(F.relu(layer.hidden(h)), layer.logits_weight, layer.logits_bias)
+        if layout == "flat":
+            torch.testing.assert_close(log_probs, logits.log_softmax(-1))
+        else:  # code 3 * 5 + 2: entry 3 of group 0, entry 2 of group 1
+            groups = logits.view(30, 2, 5).log_softmax(-1)
+            torch.testing.assert_close(log_probs[:, 17], groups[:, 0, 3] + groups[:, 1, 2])
+
+
+def test_occurrences_are_whole_words_in_text_order() -> None:
+    # Pieces: 10 "▁Delete", 11 "d" (continues the word), 12 "," and 13 "▁file".
+    continues = [False] * 14
+    continues[11] = True
+    forms = {10: [(10,)], 13: [(13,)]}
+    ids = [[10, 11, 13], [13, 10, 12], [10], [10, 13]]
+    found = whole_word_occurrences(ids, forms, continues, cap=2)
+    assert found == {(13,): [(0, 2), (1, 0)], (10,): [(1, 1), (2, 0)]}
+
+
+# Real runs -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path) -> dict:
+    root = tmp_path_factory.mktemp("diag-data")
+    inputs = [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
+    config = ShardBuildConfig(tokens_per_sample=4096, samples_per_shard=4)
+    build_shards(parse_lang_path(inputs), spm_model, root / "shards", config)
+    table = torch.randn(
+        Tokenizer.load(spm_model).vocab_size, 64, generator=torch.Generator().manual_seed(0)
+    )
+    save_file({"embeddings": table * 0.3}, str(root / "cl.safetensors"))
+    test = demo_corpus / "parallel" / "en-de"
+    return {
+        "shards": root / "shards",
+        "spm": spm_model,
+        "cl": root / "cl.safetensors",
+        "texts": {"en": test / "test.en", "de": test / "test.de"},
+        "dictionary": demo_corpus / "dict" / "en-de.tsv",
+        "dir": root,
+    }
+
+
+def _run(data: dict, out: Path, *args: str, steps: int = 3) -> Path:
+    config = ROOT / "ds_configs" / "cpu_fp32_zero2.json"
+    cmd = train_command(data, out, "--steps", str(steps), *args, config=config)
+    check_finished(launch(cmd), out, steps)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vq_run(data: dict) -> Path:
+    args = ("--stage", "joint", "--interface", "vq", "--mp-size", "2")
+    return _run(data, data["dir"] / "vq", *args)
+
+
+@pytest.fixture(scope="module")
+def cl_run(data: dict) -> Path:
+    args = ("--stage", "joint", "--interface", "cl", "--cl-table", str(data["cl"]))
+    return _run(data, data["dir"] / "cl", *args)
+
+
+def _config(data: dict, **options: object) -> DiagnosticsConfig:
+    return DiagnosticsConfig(texts=data["texts"], max_sentences=SENTENCES, **options)  # type: ignore[arg-type]
+
+
+def _sentences(path: Path, models: DiagnosticModels) -> list[list[int]]:
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return models.tokenizer.encode(lines[:SENTENCES])
+
+
+def _direct(models: DiagnosticModels, lang: str, ids: list[list[int]]) -> dict:
+    """Every figure of one language, sentence by sentence, from the modules themselves."""
+    sp, interface, encoder, decoder = (
+        models.special,
+        models.interface,
+        models.encoder,
+        models.decoder,
+    )
+    assert interface is not None and encoder is not None and decoder is not None
+    index = models.tokenizer.languages.index(lang)
+    langs = torch.tensor([index])
+    enc_codes: list[torch.Tensor] = []
+    ext_codes: list[torch.Tensor] = []
+    cosines: list[torch.Tensor] = []
+    nll = {"interface": 0.0, "encoder": 0.0, "zeros": 0.0}
+    count = 0
+
+    def argmax_codes(h: torch.Tensor) -> torch.Tensor:  # Linear-ReLU-Linear, Eq. 5 without noise
+        q = interface.quantizer
+        return F.linear(F.relu(q.hidden(h)), q.logits_weight, q.logits_bias).argmax(-1)
+
+    with torch.no_grad():
+        for sentence in ids:
+            n = len(sentence)
+            x, ones = torch.tensor([sentence]), torch.ones(1, n, dtype=torch.bool)
+            src, src_mask = torch.tensor([[*sentence, sp.eos]]), torch.ones(1, n + 1, dtype=bool)
+            encoded = encoder(src, src_mask, langs)
+            h = encoded.hidden_BTD[0, :n]
+            if models.interface_kind == "vq":
+                codebook = interface.quantizer.codebook
+                codes = argmax_codes(h)
+                enc_codes.append(codes)
+                cosines.append(F.cosine_similarity(h, codebook[codes], dim=-1))
+                extracted = argmax_codes(interface.extractor(x, ones, langs).hidden_BTD[0])
+                ext_codes.append(extracted)
+                own = codebook[extracted]
+            else:
+                own = interface.table[x[0]]
+                cosines.append(F.cosine_similarity(encoded.pre_norm_BTD[0, :n], own, dim=-1))
+            memories = {
+                "interface": (own[None], ones),
+                "encoder": (encoded.hidden_BTD, src_mask),
+                "zeros": (torch.zeros(1, n, models.config.d_model), ones),
+            }
+            inputs = torch.tensor([[sp.lang_tags[index], *sentence]])
+            targets = torch.tensor([*sentence, sp.eos])
+            for name, (memory, mask) in memories.items():
+                hidden = decoder(inputs, torch.ones_like(inputs, dtype=bool), langs, memory, mask)
+                logits = decoder.logits(hidden[0])
+                nll[name] += float(F.cross_entropy(logits, targets, reduction="sum"))
+            count += n + 1
+    out: dict = {
+        "cosine": float(torch.cat(cosines).mean()),
+        "nll": {name: value / count for name, value in nll.items()},
+        "nll_tokens": count,
+    }
+    for name, codes in (("encoder_codes", enc_codes), ("extractor_codes", ext_codes)):
+        if codes:
+            counts = torch.bincount(torch.cat(codes), minlength=models.num_codes or 0).double()
+            p = counts[counts > 0] / counts.sum()
+            out[name] = {
+                "used": int((counts > 0).sum()),
+                "dead": int((counts == 0).sum()),
+                "perplexity": math.exp(float(-(p * p.log()).sum())),
+            }
+    return out
+
+
+def _check_against_direct(models: DiagnosticModels, result_dict: dict, data: dict) -> None:
+    for figures in result_dict["languages"]:
+        lang = figures["lang"]
+        ids = _sentences(data["texts"][lang], models)
+        direct = _direct(models, lang, ids)
+        assert figures["sentences"] == len(ids) == SENTENCES
+        assert figures["tokens"] == sum(len(s) for s in ids)
+        assert figures["cosine"] == pytest.approx(direct["cosine"], abs=1e-5)
+        assert figures["nll_tokens"] == direct["nll_tokens"]
+        for memory, value in direct["nll"].items():
+            assert figures["nll"][memory] == pytest.approx(value, rel=1e-5), memory
+        for name in ("encoder_codes", "extractor_codes"):
+            if name in direct:
+                ours = figures[name]
+                assert (ours["used"], ours["dead"]) == (direct[name]["used"], direct[name]["dead"])
+                assert ours["perplexity"] == pytest.approx(direct[name]["perplexity"])
+
+
+def test_vq_figures_equal_the_direct_computation(vq_run: Path, data: dict) -> None:
+    models = load_models(vq_run)
+    assert models.num_codes == 512 and models.step == 3 and models.interface_kind == "vq"
+    result = diagnose_interface(_config(data, dictionary=data["dictionary"]), models)
+    assert result.measures == ["usage", "cosine", "nll", "dictionary"]
+    assert result.notes == []
+    _check_against_direct(models, result.to_dict(), data)
+    # The same call again gives the same figures, to the last bit.
+    again = diagnose_interface(_config(data, dictionary=data["dictionary"]), models)
+    assert again.to_dict() == result.to_dict()
+    dictionary = result.dictionary
+    assert dictionary is not None and dictionary.agreement is not None
+    assert (dictionary.source_lang, dictionary.target_lang) == ("en", "de")
+    agreement = dictionary.agreement
+    assert agreement.pairs >= 1 and agreement.k == 100
+    assert 0 <= agreement.same_code <= 1 and 0 <= agreement.overlap <= 1
+
+
+def test_cl_figures_equal_the_direct_computation(cl_run: Path, data: dict) -> None:
+    models = load_models(cl_run)
+    result = diagnose_interface(_config(data), models)
+    assert result.measures == ["cosine", "nll"]
+    assert all(x.encoder_codes is None for x in result.languages)
+    _check_against_direct(models, result.to_dict(), data)
+
+
+def test_connected_model_dir_gives_the_encoder_memory(vq_run: Path, data: dict) -> None:
+    model_dir = data["dir"] / "vq-connected"
+    write_seq2seq_dir(model_dir, connect_runs(vq_run, vq_run), spm_model=data["spm"])
+    joint = diagnose_interface(_config(data, measures=("nll",)), load_models(vq_run))
+    both = diagnose_interface(_config(data, measures=("nll",)), load_models(vq_run, model_dir))
+    # connect takes the joint run's own encoder and decoder: the same memories, the same NLL.
+    assert [x.nll for x in both.languages] == [x.nll for x in joint.languages]
+    alone = diagnose_interface(_config(data), load_models(None, model_dir))
+    assert alone.measures == ["nll"] and alone.interface is None
+    assert [x.nll for x in alone.languages] == [
+        {k: v for k, v in x.nll.items() if k != "interface"} for x in joint.languages
+    ]
+    assert any("interface memory" in note for note in alone.notes)
+
+
+def test_cli_prints_writes_json_and_logs_to_the_run(
+    vq_run: Path, data: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "diag.json"
+    texts = [a for lang, path in data["texts"].items() for a in ("--text", f"{lang}:{path}")]
+    args = ["--checkpoint", str(vq_run), *texts, "--max-sentences", str(SENTENCES)]
+    assert diagnose_main([*args, "--output", str(out), "--log-to-run", str(vq_run)]) == 0
+    printed = capsys.readouterr().out
+    print(printed)  # shown with -s: the table the docs quote
+    assert "encoder codes used (of 512)" in printed and "NLL/token, zero memory" in printed
+    written = json.loads(out.read_text())
+    meta = json.loads((vq_run / "checkpoints" / "step-00000003" / "meta.json").read_text())
+    client = MlflowClient(f"sqlite:///{vq_run / 'mlflow.db'}")
+    logged = client.get_run(meta["mlflow_run_id"]).data.metrics
+    assert {k: v for k, v in logged.items() if k.startswith("diag_")} == written["metrics"]
+    history = client.get_metric_history(meta["mlflow_run_id"], "diag_en_nll_zeros")
+    assert [m.step for m in history] == [3]
+    assert written["metrics"]["diag_en_nll_zeros"] == written["languages"][0]["nll"]["zeros"]
+
+
+def test_cli_refuses_bad_input_with_one_line(
+    vq_run: Path, cl_run: Path, data: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    en = f"en:{data['texts']['en']}"
+    args = ("--stage", "encoder", "--interface", "none", "--no-tracking")
+    xlm_run = _run(data, tmp_path / "xlm", *args, steps=2)
+    other = tmp_path / "other"
+    corpora = parse_lang_path([f"en:{data['texts']['en']}", f"de:{data['texts']['de']}"])
+    train_spm(corpora, other, SpmTrainConfig(vocab_size=600, num_threads=1, seed=1))
+    cases = {
+        "no such file": ["--checkpoint", str(vq_run), "--text", f"en:{tmp_path / 'none.en'}"],
+        "does not exist": ["--checkpoint", str(tmp_path / "no-run"), "--text", en],
+        "not the SentencePiece model": [
+            *("--checkpoint", str(vq_run), "--text", en),
+            *("--spm-model", str(other.with_suffix(".model"))),
+        ],
+        "'cl' interface: code usage needs VQ codes": [
+            *("--checkpoint", str(cl_run), "--text", en, "--measure", "usage"),
+        ],
+        "'none' interface: code usage needs VQ codes": [
+            *("--checkpoint", str(xlm_run), "--text", en, "--measure", "usage"),
+        ],
+        "nothing to measure": ["--checkpoint", str(xlm_run), "--text", en],
+        "records no MLflow run": [
+            *("--checkpoint", str(xlm_run), "--text", en, "--measure", "cosine"),
+            *("--log-to-run", str(vq_run)),
+        ],
+        "the dictionary analysis needs VQ codes": [
+            *("--checkpoint", str(cl_run), "--text", en),
+            *("--dictionary", str(data["dictionary"])),
+        ],
+        "not in the SentencePiece model": ["--checkpoint", str(vq_run), "--text", f"fr:{en[3:]}"],
+        "not in sqlite": [
+            *("--checkpoint", str(vq_run), "--text", en),
+            *("--log-to-run", f"sqlite:///{cl_run / 'mlflow.db'}"),
+        ],
+    }
+    for expected, args in cases.items():
+        assert diagnose_main(args) == 2, expected
+        captured = capsys.readouterr()
+        assert expected in captured.err and captured.err.count("\n") == 1, captured.err
+        assert "Traceback" not in captured.err and captured.out == ""
+    with pytest.raises(DiagnosticsError, match="pass --checkpoint, --model-dir or both"):
+        load_models(None)
