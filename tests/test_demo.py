@@ -42,12 +42,48 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     assert provenance["mode"] == "semface"
     assert not any("interface" in key for key in provenance["parameters"])
     load_seq2seq(workdir / "runs" / "supervised-vq" / "best")
+    # Interface diagnostics of each SemFace pre-training: a file, MLflow metrics, a table.
+    assert "## interface diagnostics" in (workdir / "results.md").read_text()
+    for key in ("cl", "vq"):
+        path = workdir / "runs" / f"pretrain-{key}" / "diagnostics.json"
+        figures = json.loads(path.read_text())
+        (pretrain,) = select_runs(
+            f"sqlite:///{workdir / 'mlflow.db'}", run_ids=[figures["mlflow_run_id"]]
+        )
+        assert "diag_en_cosine" in pretrain.metrics, sorted(pretrain.metrics)
+    results = (workdir / "results.md").read_text()
+    assert "| VQ-SemFace | 0 | en |" in results and "| CL-SemFace | 0 | de |" in results
 
     assert main(args) == 0
     second = capsys.readouterr().out
-    for reused in ("corpus", "spm", "cl", "runs/pretrain-vq", "models/cl", "runs/supervised-vq"):
+    reused_paths = ("corpus", "spm", "cl", "runs/pretrain-vq", "models/cl", "runs/supervised-vq")
+    reused_paths += ("runs/pretrain-vq/diagnostics.json",)
+    for reused in reused_paths:
         assert f"reusing {workdir / reused}" in second, reused
     assert "step 1/" not in second  # nothing was trained again
+
+    # A second seed of two systems: seed 0's runs are reused, seed 1's are trained beside them,
+    # and the table reads both (mean ± std, sacreBLEU's paired bootstrap p-values).
+    assert main([*args, "--systems", "transformer,vq", "--seeds", "0,1"]) == 0
+    third = capsys.readouterr().out
+    for reused in ("runs/pretrain-vq", "models/vq", "runs/supervised-transformer"):
+        assert f"reusing {workdir / reused}" in third, reused
+    for trained in ("runs/pretrain-vq-s1", "models/vq-s1", "runs/supervised-vq-s1"):
+        assert (workdir / trained).is_dir(), trained
+    assert "mean ± std over 2 seeds: 0, 1" in third
+    header = "| system | en-de | de-en | avg | gain | p en-de | p de-en |"
+    assert header in third
+    rows = [line for line in third.splitlines() if line.startswith("| VQ-SemFace |")]
+    cells = [c.strip() for c in rows[0].strip("| ").split(" | ")]
+    assert "±" in cells[1] and cells[4] != "-"
+    assert all(0 < float(p.rstrip("*")) <= 1 for p in cells[5:7])
+    runs = select_runs(f"sqlite:///{workdir / 'mlflow.db'}", tags={"stage": "finetune"})
+    seeds = {(r.tags["system_key"], r.tags.get("seed")): r for r in runs}
+    assert set(seeds) >= {("transformer", "0"), ("transformer", "1"), ("vq", "0"), ("vq", "1")}
+    assert seeds[("vq", "1")].name == "supervised-vq-s1"
+    parent = seeds[("vq", "1")].tags["parent_encoder_run"]
+    (pretrain,) = select_runs(f"sqlite:///{workdir / 'mlflow.db'}", run_ids=[parent])
+    assert (pretrain.name, pretrain.tags["seed"]) == ("pretrain-vq-s1", "1")
 
 
 def test_pipeline_without_catalogs_says_what_to_do(

@@ -282,6 +282,7 @@ def test_the_checks_refuse_what_they_should() -> None:
     refused("python tools/translate.py --model-dir m --src-lang en --tgt-lang de --beams 5")
     refused("python tools/no_such_tool.py --help")
     refused("python tools/reproduce.py --systems vq,nonsense")
+    refused("python tools/reproduce.py --seeds 0,x")
     refused(
         "deepspeed --num_gpus 8 megasemface/train.py --deepspeed_config ds_configs/zero2_bf16.json"
         " --stage decoder --interface vq --data d --spm-model s --output-dir o"

@@ -9,6 +9,7 @@ Examples::
 
     python tools/reproduce.py                      # demo budget, CPU, the demo corpus
     python tools/reproduce.py --systems vq,vq-no-div,vq-no-l2,vq-mlm --settings supervised
+    python tools/reproduce.py --settings supervised --seeds 0,1,2  # mean ± std, p-values
     python tools/reproduce.py --preset paper --corpus data/en-ro --pair en-ro \\
         --hostfile hostfile --deepspeed-config ds_configs/zero2_bf16.json
 """
@@ -18,9 +19,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import typing
 from pathlib import Path
 
-from megasemface.pipeline.config import ABLATIONS, PRESETS, SETTINGS, SYSTEMS, PipelineConfig
+from megasemface.pipeline.config import (
+    ABLATIONS,
+    PRESETS,
+    SETTINGS,
+    SYSTEMS,
+    PipelineConfig,
+    parse_seeds,
+)
 
 __all__ = ["build_parser", "config_from_args", "main", "run"]
 
@@ -33,18 +42,22 @@ def build_parser(
     )
     add = parser.add_argument
     add("--preset", default="demo", choices=sorted(PRESETS), help="budget (default: demo)")
-    add("--model-preset", help="model shapes: tiny or paper (default: the budget's)")
+    add("--model-preset", help="model shapes: tiny, small or paper (default: the budget's)")
     add("--workdir", type=Path, help="where everything is built (default: runs/<preset>)")
     add("--pair", default="en-de", help="language pair en-xx (default: en-de)")
     add("--locale-dir", type=Path, help="gettext catalogs of the demo corpus")
     add("--corpus", type=Path, help="a corpus in the demo corpus layout instead of the demo")
     add(
         "--systems",
-        default=systems,
         help=f"comma-separated, or 'paper' ({','.join(SYSTEMS)}) or 'ablations' "
-        f"({','.join(ABLATIONS)}); default: %(default)s",
+        f"({','.join(ABLATIONS)}); default: the budget's, else {systems}",
     )
-    add("--settings", default=settings, help=f"comma-separated of {','.join(SETTINGS)}")
+    add(
+        "--settings",
+        help=f"comma-separated of {','.join(SETTINGS)}; default: the budget's, else {settings}",
+    )
+    # Without --systems/--settings a budget's own (study) apply, else this entry point's.
+    parser.set_defaults(entry_systems=systems, entry_settings=settings)
     add("--model", dest="model_options", action="append", default=[], metavar="KEY=VALUE")
     for name in (
         "vocab_size",
@@ -62,6 +75,12 @@ def build_parser(
         "seed",
     ):
         add(f"--{name.replace('_', '-')}", type=int, dest=name)
+    add(
+        "--seeds",
+        help="comma-separated seeds, e.g. 0,1,2: every system is trained and tested once per "
+        "seed, the tables show mean ± std and sacreBLEU's paired bootstrap p-values "
+        "(default: --seed; the data is built once, with --seed)",
+    )
     add("--lr", type=float, help="fine-tuning peak learning rate")
     add("--pretrain-lr", type=float, help="pre-training learning rate")
     add("--denoise-schedule")
@@ -80,15 +99,24 @@ def _systems(text: str) -> tuple[str, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> PipelineConfig:
-    values: dict[str, object] = dict(PRESETS[args.preset])
+    budget = PRESETS[args.preset]
+    values: dict[str, object] = dict(budget)
     values.setdefault("workdir", Path("runs") / args.preset)
-    names = {f.name for f in dataclasses.fields(PipelineConfig)}
+    names = {f.name for f in dataclasses.fields(PipelineConfig)} - {"systems", "settings", "seeds"}
     for name, value in vars(args).items():
         if name in names and value not in (None, []):
             values[name] = value
-    values["systems"] = _systems(args.systems)
-    values["settings"] = tuple(s.strip() for s in args.settings.split(",") if s.strip())
+    # The options, else the budget's own systems and settings (study), else the entry point's.
+    own = {
+        key: ",".join(typing.cast(tuple[str, ...], budget.get(key, ())))
+        for key in ("systems", "settings")
+    }
+    values["systems"] = _systems(args.systems or own["systems"] or args.entry_systems)
+    settings = args.settings or own["settings"] or args.entry_settings
+    values["settings"] = tuple(s.strip() for s in settings.split(",") if s.strip())
     values["model_options"] = tuple(args.model_options)
+    if args.seeds is not None:
+        values["seeds"] = parse_seeds(args.seeds)
     return PipelineConfig(**values)  # type: ignore[arg-type]
 
 

@@ -12,7 +12,16 @@ from pathlib import Path
 
 from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR
 
-__all__ = ["ABLATIONS", "PRESETS", "SETTINGS", "SYSTEMS", "PipelineConfig", "System"]
+__all__ = [
+    "ABLATIONS",
+    "PRESETS",
+    "SETTINGS",
+    "SYSTEMS",
+    "PipelineConfig",
+    "System",
+    "parse_seeds",
+    "seeded",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +60,35 @@ ABLATIONS: dict[str, System] = {
         System("vq-no-l2", "VQ-SemFace w/o L2", "joint", "vq", ("--l2-weight", "0")),
         System("cl-mlm", "CL-SemFace decoder MLM", "joint", "cl", ("--decoder-objective", "mlm")),
         System("vq-mlm", "VQ-SemFace decoder MLM", "joint", "vq", ("--decoder-objective", "mlm")),
+        System(
+            "vq-eq6",
+            "VQ-SemFace, Eq. 6 diversity",
+            "joint",
+            "vq",
+            ("--model", "vq.diversity_loss=eq6"),
+        ),
+        System(
+            "vq-commit",
+            "VQ-SemFace + commitment",
+            "joint",
+            "vq",
+            ("--commitment-weight", "0.25"),
+        ),
+        System(
+            "vq-paper-losses",
+            "VQ-SemFace, paper's losses",
+            "joint",
+            "vq",
+            ("--token-entropy-weight", "0", "--diversity-weight", "1"),
+        ),
+        System("cl-trainable", "CL-SemFace, trained table", "joint", "cl", ("--cl-trainable",)),
     )
 }
-"""The paper's Table 5."""
+"""The paper's Table 5, then what differs from the paper: Eq. 6 as printed (the default
+diversity loss is wav2vec 2.0's form), the paper's VQ losses alone (the default adds a
+per-token entropy term, with diversity weight 2), and options beyond the paper that are off
+by default: a commitment term tying the encoder's outputs to their codes, a trained CL
+table."""
 
 SETTINGS = ("supervised", "unsupervised")
 
@@ -105,6 +140,11 @@ class PipelineConfig:
     """Default: ds_configs/cpu_fp32_zero2.json on CPU, ds_configs/zero2_bf16.json on GPU."""
     hostfile: Path | None = None
     seed: int = 0
+    """Seed of the data steps (the SentencePiece model's sampling) and, without ``seeds``, of
+    the one training run per system."""
+    seeds: tuple[int, ...] = ()
+    """Seeds of the training runs: every system is pre-trained, connected, fine-tuned and
+    tested once per seed, on the same data (built once, with ``seed``). Empty: ``(seed,)``."""
     experiment: str | None = None
     """MLflow experiment (default: megasemface-<pair>)."""
 
@@ -127,6 +167,14 @@ class PipelineConfig:
         for name in ("lr", "pretrain_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for seed in (self.seed, *self.seeds):
+            # Refused here, before the data steps, rather than by a training run much later.
+            if seed < 0:
+                raise ValueError(f"seeds must be >= 0, got {seed}")
+        repeated = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
+        if repeated:
+            given = ",".join(map(str, self.seeds))
+            raise ValueError(f"--seeds {given}: seed {repeated[0]} is given more than once")
 
     @property
     def langs(self) -> tuple[str, str]:
@@ -134,11 +182,40 @@ class PipelineConfig:
         return src, tgt
 
     @property
+    def run_seeds(self) -> tuple[int, ...]:
+        """The seeds every system is trained with, in the order given."""
+        return self.seeds or (self.seed,)
+
+    @property
     def experiment_name(self) -> str:
         return self.experiment or f"megasemface-{self.pair}"
 
     def system(self, key: str) -> System:
         return SYSTEMS.get(key) or ABLATIONS[key]
+
+
+def seeded(name: str, seed: int) -> str:
+    """The name of a run or model directory for one seed: ``name`` for seed 0 (the paths of a
+    single-seed pipeline, so its work directories are reused by a run with more seeds),
+    ``name-s<seed>`` otherwise."""
+    return name if seed == 0 else f"{name}-s{seed}"
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``--seeds 0,1,2``: comma-separated non-negative integers (``PipelineConfig`` refuses
+    repeated ones).
+
+    Raises:
+        ValueError: a one-line message naming the bad item.
+    """
+    items = [item.strip() for item in text.split(",")]
+    for item in items:
+        if not item.isdecimal():
+            raise ValueError(
+                f"--seeds takes comma-separated non-negative integers (e.g. 0,1,2), "
+                f"got {item!r} in {text!r}"
+            )
+    return tuple(int(item) for item in items)
 
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -155,6 +232,16 @@ PRESETS: dict[str, dict[str, object]] = {
         "max_tokens": 512,
         "cl_epochs": 1,
         "denoise_schedule": "0:1,3:0",
+    },
+    "study": {
+        "workdir": Path("runs/study"),
+        "systems": tuple(SYSTEMS),
+        "settings": ("supervised",),
+        "model_preset": "small",
+        "pretrain_steps": 800,
+        "finetune_steps": 1000,
+        "valid_interval": 250,
+        "denoise_schedule": "0:1,500:0.1,1000:0",
     },
     "paper": {
         "workdir": Path("runs/paper"),
@@ -178,4 +265,24 @@ PRESETS: dict[str, dict[str, object]] = {
     },
 }
 """Named budgets: demo (the README's main command, 2 CPU cores, under 30 minutes), smoke
-(the test suite's reduced end-to-end run) and paper (the paper's scale, on GPUs)."""
+(the test suite's reduced end-to-end run), study (below) and paper (the paper's scale, on
+GPUs). A budget may name its systems and settings; ``--systems`` and ``--settings`` override
+them.
+
+study: the five systems of Table 3, supervised, in about three hours on the 2-core CPU
+machine with 2 processes: the ``small`` model (d 128, 4+4 layers; see its docstring for why
+not wider), 800 pre-training steps (the demo: 400) and 1,000 fine-tuning steps (800), the
+demo's data, batches and learning rates otherwise. The arithmetic, from the demo's measured
+rates on that machine (a slow day: 3,700 tokens/s for joint pre-training, 9,000 for
+fine-tuning, about 4,400 tokens a step: 1.2 s and 0.49 s a step; XLM's encoder stage 0.23 of
+a joint step, 0.27 s; mBART's denoising a fine-tuning-shaped step, 0.49 s) times the small
+model's measured cost per step (2.3x tiny's for the joint stage, 2.0x for the others):
+
+- a step: joint 2.7 s, fine-tuning 0.98 s, encoder stage 0.55 s, mBART 0.98 s;
+- fine-tuning, every system: 1,000 x 0.98 s = 16 min;
+- pre-training: XLM 800 x 0.55 s = 7 min, mBART 13 min, CL-SemFace and VQ-SemFace 36 min
+  each;
+- per system: Transformer 16 min, XLM 23, mBART 29, CL-SemFace 53, VQ-SemFace 53; together
+  2 h 55 min, and about 10 minutes more for the data, the CL table, nine launches and
+  the test translations: about 3 h 5 min. The machine kind runs up to 2x faster on a good
+  day; ``--seeds 0,1,2`` takes three times as long."""

@@ -5,6 +5,11 @@ second run reuses the corpus, tokenizer, shards, tables, finished runs and score
 so); an interrupted training run resumes from its newest checkpoint. Every training run and
 every test score goes to one MLflow store, ``<workdir>/mlflow.db``, where the comparison
 reads them back.
+
+The data is built once; the training runs, connected models and test translations are made
+once per seed of ``config.run_seeds``, in ``<name>`` for seed 0 (a single-seed pipeline's
+paths, so its work is reused) and ``<name>-s<seed>`` for the others, each run tagged
+``seed``.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.checkpoints import connect_mbart, connect_runs, write_seq2seq_dir
+from megasemface.evaluation.diagnostics import DiagnosticsConfig, diagnose_interface, log_to_run
 from megasemface.evaluation.lines import read_lines, write_lines
 from megasemface.evaluation.metrics import evaluate
 from megasemface.inference.search import SearchConfig
 from megasemface.inference.translate import Translator
 from megasemface.models.config import build_model_config
 from megasemface.pipeline import data_steps
-from megasemface.pipeline.config import PipelineConfig, System
+from megasemface.pipeline.config import PipelineConfig, System, seeded
 from megasemface.pipeline.launcher import (
     deepspeed_command,
     default_ds_config,
@@ -45,6 +51,8 @@ class Pipeline:
         self.model_config = build_model_config(config.model_preset, list(config.model_options))
         self.started = time.perf_counter()
         self.count = 0
+        self.diagnostics: list[tuple[str, int, dict[str, Any]]] = []
+        """(system, seed, figures) of every SemFace pre-training, for the report."""
 
     def _step(self, title: str) -> None:
         self.count += 1
@@ -74,29 +82,43 @@ class Pipeline:
             )
         self.valid = data_steps.slice_parallel(cfg, self.corpus, "valid", cfg.valid_sentences)
         self.test = data_steps.slice_parallel(cfg, self.corpus, "test", cfg.test_sentences)
+        for seed in cfg.run_seeds:
+            self.run_seed(systems, seed)
+        self._step("comparison")
+        report = build_report(
+            cfg, self.tracking_uri, self.workdir, self.test, diagnostics=self.diagnostics
+        )
+        minutes, seconds = divmod(int(time.perf_counter() - self.started), 60)
+        print(f"\npipeline finished in {minutes} min {seconds} s")
+        return report
+
+    def run_seed(self, systems: list[System], seed: int) -> None:
+        """Every system once with ``seed``: pre-training and connect, then per setting
+        fine-tuning and test translation."""
+        cfg = self.config
+        # Only a pipeline of several seeds says which one a step belongs to.
+        of_seed = f", seed {seed}" if len(cfg.run_seeds) > 1 else ""
         inits: dict[str, Path | None] = {}
         for system in systems:
             if system.stage is None:
                 inits[system.key] = None
                 continue
-            self._step(f"pre-training {system.display} ({system.stage} stage)")
-            run = self.pretrain(system)
-            inits[system.key] = self.connect(system, run)
+            self._step(f"pre-training {system.display} ({system.stage} stage){of_seed}")
+            run = self.pretrain(system, seed)
+            inits[system.key] = self.connect(system, run, seed)
+            if system.interface != "none":
+                self._step(f"interface diagnostics of {system.display}{of_seed}")
+                self.diagnostics.append((system.display, seed, self.diagnose(system, run)))
         for setting in cfg.settings:
             for system in systems:
-                self._step(f"fine-tuning {system.display}, {setting}")
-                run_dir = self.finetune(system, setting, inits[system.key])
-                self._step(f"translating the test set with {system.display}, {setting}")
+                self._step(f"fine-tuning {system.display}, {setting}{of_seed}")
+                run_dir = self.finetune(system, setting, inits[system.key], seed)
+                self._step(f"translating the test set with {system.display}, {setting}{of_seed}")
                 self.test_scores(run_dir)
-        self._step("comparison")
-        report = build_report(cfg, self.tracking_uri, self.workdir, self.test)
-        minutes, seconds = divmod(int(time.perf_counter() - self.started), 60)
-        print(f"\npipeline finished in {minutes} min {seconds} s")
-        return report
 
     # Training runs --------------------------------------------------------------------------
 
-    def _train(self, run_dir: Path, steps: int, args: list[str]) -> None:
+    def _train(self, run_dir: Path, steps: int, seed: int, args: list[str]) -> None:
         if training_complete(run_dir, steps):
             print(f"reusing {run_dir} (finished, {steps} steps)")
             return
@@ -116,7 +138,7 @@ class Pipeline:
             "--max-tokens",
             str(cfg.max_tokens),
             "--seed",
-            str(cfg.seed),
+            str(seed),
             "--log-interval",
             str(max(1, steps // 10)),
             "--save-interval",
@@ -129,13 +151,15 @@ class Pipeline:
             cfg.experiment_name,
             "--run-name",
             run_dir.name,
+            "--tag",
+            f"seed={seed}",
         ]
         cmd = deepspeed_command([*common, *args], procs=cfg.procs, hostfile=cfg.hostfile)
         seconds = run_logged(cmd, run_dir / "launcher.log", env=launch_environment(cfg.procs))
         print(f"   finished in {seconds:.0f}s; log: {run_dir / 'launcher.log'}")
 
-    def pretrain(self, system: System) -> Path:
-        run_dir = self.workdir / "runs" / f"pretrain-{system.key}"
+    def pretrain(self, system: System, seed: int) -> Path:
+        run_dir = self.workdir / "runs" / seeded(f"pretrain-{system.key}", seed)
         args = [
             "--stage",
             str(system.stage),
@@ -151,11 +175,39 @@ class Pipeline:
         ]
         if system.interface == "cl":
             args += ["--cl-table", str(self.cl_table)]
-        self._train(run_dir, self.config.pretrain_steps, args)
+        self._train(run_dir, self.config.pretrain_steps, seed, args)
         return run_dir
 
-    def connect(self, system: System, run_dir: Path) -> Path:
-        out = self.workdir / "models" / system.key
+    def diagnose(self, system: System, run_dir: Path) -> dict[str, Any]:
+        """The interface diagnostics of a SemFace pre-training on the validation text (code
+        usage, cosine, what cross-attention transfers, the dictionary's code sharing), in
+        ``<run>/diagnostics.json`` and as ``diag_*`` metrics of its MLflow run."""
+        path = run_dir / "diagnostics.json"
+        if path.is_file():
+            print(f"reusing {path}")
+            return json.loads(path.read_text())
+        src, tgt = self.config.langs
+        # Whether translations share codes (the paper's Fig. 5) is a question for VQ codes.
+        dictionary = self.corpus / "dict" / f"{self.config.pair}.tsv"
+        has_dictionary = system.interface == "vq" and dictionary.is_file()
+        result = diagnose_interface(
+            DiagnosticsConfig(
+                checkpoint=run_dir,
+                spm_model=self.spm,
+                texts={lang: Path(f"{self.valid}.{lang}") for lang in (src, tgt)},
+                dictionary=dictionary if has_dictionary else None,
+                max_sentences=self.config.valid_sentences,
+            )
+        )
+        print(result.format_table())
+        data = result.to_dict()
+        if data.get("mlflow_run_id"):
+            log_to_run(result, tracking_uri=self.tracking_uri, run_id=data["mlflow_run_id"])
+        path.write_text(json.dumps(data, indent=1))
+        return data
+
+    def connect(self, system: System, run_dir: Path, seed: int) -> Path:
+        out = self.workdir / "models" / seeded(system.key, seed)
         if (out / "config.json").is_file():
             print(f"reusing {out}")
             return out
@@ -170,9 +222,9 @@ class Pipeline:
         print(f"connected {out}: {taken} of {len(connected.parameters)} tensors pre-trained")
         return out
 
-    def finetune(self, system: System, setting: str, init: Path | None) -> Path:
+    def finetune(self, system: System, setting: str, init: Path | None, seed: int) -> Path:
         cfg = self.config
-        run_dir = self.workdir / "runs" / f"{setting}-{system.key}"
+        run_dir = self.workdir / "runs" / seeded(f"{setting}-{system.key}", seed)
         args = [
             "--stage",
             "finetune",
@@ -201,7 +253,7 @@ class Pipeline:
         ]
         if init is not None:
             args += ["--init-from", str(init)]
-        self._train(run_dir, cfg.finetune_steps, args)
+        self._train(run_dir, cfg.finetune_steps, seed, args)
         return run_dir
 
     # Test scores ----------------------------------------------------------------------------

@@ -1,15 +1,27 @@
-"""The pipeline's comparison, read back from MLflow: the paper-shaped tables (BLEU per
-direction and the average gain over the baseline row: the Transformer in Table 3, XLM in
-Table 4), the run table with lineage, and the plots."""
+"""The pipeline's comparison, read back from MLflow: the paper-shaped tables (test BLEU per
+direction and their average, as mean ± std over seeds; the average's gain over the baseline
+row, the Transformer in Table 3 and XLM in Table 4; sacreBLEU's paired bootstrap p-value of
+each system against that row), the run table with lineage, and the plots. The numbers come
+from :mod:`megasemface.pipeline.scores`."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from megasemface.evaluation.lines import read_lines
 from megasemface.evaluation.metrics import evaluate
+from megasemface.evaluation.significance import BOOTSTRAP_SAMPLES, PairedResult
 from megasemface.pipeline.config import PipelineConfig
+from megasemface.pipeline.scores import (
+    SystemScores,
+    baseline_key,
+    collect_systems,
+    mean_std,
+    paired_p_values,
+)
 from megasemface.tracking.compare import (
     RunRecord,
     format_table,
@@ -18,7 +30,21 @@ from megasemface.tracking.compare import (
     select_runs,
 )
 
-__all__ = ["Report", "baseline_of", "build_report", "copy_scores", "paper_table"]
+__all__ = [
+    "Report",
+    "baseline_of",
+    "build_report",
+    "copy_scores",
+    "describe_seeds",
+    "diagnostics_table",
+    "paper_table",
+]
+
+SIGNIFICANCE_LEVEL = 0.05
+"""p-values below it get a ``*`` in the tables, as sacreBLEU's own paired test output."""
+
+PValues = dict[str, dict[str, PairedResult | None]]
+"""system name -> direction -> sacreBLEU's paired test against the baseline (None: no files)."""
 
 
 @dataclasses.dataclass
@@ -26,59 +52,92 @@ class Report:
     tables: dict[str, str]
     """Per setting: the paper-shaped Markdown table."""
     bleu: dict[str, dict[str, dict[str, float]]]
-    """setting -> system -> direction (and avg) -> test BLEU."""
+    """setting -> system -> direction (and avg) -> test BLEU, the mean over seeds."""
+    std: dict[str, dict[str, dict[str, float]]]
+    """As ``bleu``: the sample standard deviation over seeds (NaN with one seed)."""
+    p_values: dict[str, dict[str, dict[str, float]]]
+    """setting -> system -> direction -> sacreBLEU's paired bootstrap p-value against the
+    setting's baseline row (absent: the baseline itself, or hypotheses missing)."""
+    seeds: tuple[int, ...]
     runs_table: str
     markdown: Path
     plots: list[Path]
     tracking_uri: str
 
 
-def _newest_per_system(
-    records: list[RunRecord], config: PipelineConfig, setting: str
-) -> list[RunRecord]:
-    """One run per system of this pipeline (the newest, when a system was run again)."""
-    chosen: dict[str, RunRecord] = {}
-    for record in records:  # oldest first
-        if record.tags.get("setting") == setting and "test_bleu" in record.metrics:
-            chosen[record.tags.get("system_key", "")] = record
-    return [chosen[key] for key in config.systems if key in chosen]
-
-
 def baseline_of(records: list[RunRecord], setting: str) -> RunRecord:
-    """The row gains are measured from: the paper's Table 3 (supervised) measures from the
-    Transformer without pre-training, Table 4 (unsupervised, where a model without
-    pre-training learns next to nothing) from XLM. Otherwise the first row."""
-    wanted = "xlm" if setting == "unsupervised" else "transformer"
-    for record in records:
-        if record.tags.get("system_key") == wanted:
-            return record
-    return records[0]
+    """The run of the baseline row (see :func:`~megasemface.pipeline.scores.baseline_key`)."""
+    keys = [record.tags.get("system_key", "") for record in records]
+    return records[keys.index(baseline_key(keys, setting))]
+
+
+def describe_seeds(seeds: Sequence[int]) -> str:
+    """``seed 0``, or ``mean ± std over 3 seeds: 0, 1, 2``."""
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"mean ± std over {len(seeds)} seeds: {', '.join(map(str, seeds))}"
+
+
+def _cell(values: Sequence[float]) -> str:
+    mean, std = mean_std(values)
+    return f"{mean:.2f}" if len(values) == 1 else f"{mean:.2f} ± {std:.2f}"
+
+
+def _p_cell(result: PairedResult | None) -> str:
+    if result is None:
+        return "n/a"
+    star = "*" if result.p_value < SIGNIFICANCE_LEVEL else ""
+    return f"{result.p_value:.4f}{star}"
 
 
 def paper_table(
-    records: list[RunRecord], directions: list[str], baseline: RunRecord | None = None
-) -> tuple[str, dict]:
-    """Rows: systems; columns: test BLEU per direction, the average, and the average's gain
-    over the ``baseline`` row (default: the first)."""
-
-    def scores(record: RunRecord) -> dict[str, float]:
-        bleu = {d: record.metrics.get(f"test_bleu_{d}", float("nan")) for d in directions}
-        bleu["avg"] = sum(bleu.values()) / len(directions)
-        return bleu
-
-    baseline = baseline or records[0]
-    reference = scores(baseline)["avg"]
+    systems: Sequence[SystemScores],
+    directions: list[str],
+    baseline: SystemScores | None = None,
+    p_values: PValues | None = None,
+    seeds: Sequence[int] | None = None,
+) -> str:
+    """Rows: systems; columns: test BLEU per direction and the average (the plain score with
+    one seed, ``mean ± std`` with several), the average's gain over the ``baseline`` row
+    (default: the first) as a difference of means, and with ``p_values`` a p-value per
+    direction. A system whose seeds are not ``seeds`` says which it has."""
+    baseline = baseline or systems[0]
+    reference = mean_std(baseline.bleu(directions)["avg"])[0]
     header = ["system", *directions, "avg", "gain"]
-    rows, values = [], {}
-    for record in records:
-        bleu = scores(record)
-        name = record.tags.get("system", record.name)
-        values[name] = bleu
-        gain = "-" if record is baseline else f"{bleu['avg'] - reference:+.2f}"
-        rows.append([name, *[f"{bleu[d]:.2f}" for d in directions], f"{bleu['avg']:.2f}", gain])
+    if p_values is not None:
+        header += [f"p {d}" for d in directions]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines), values
+    for system in systems:
+        bleu = system.bleu(directions)
+        name = system.name
+        if seeds is not None and system.seeds != tuple(seeds):
+            name += f" (seeds {', '.join(map(str, system.seeds))})"
+        gain = mean_std(bleu["avg"])[0] - reference
+        row = [name, *[_cell(bleu[c]) for c in [*directions, "avg"]]]
+        row.append("-" if system is baseline else f"{gain:+.2f}")
+        if p_values is not None:
+            tests = p_values.get(system.name, {})
+            row += ["-" if system is baseline else _p_cell(tests.get(d)) for d in directions]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _p_note(baseline: str, seeds: Sequence[int], p_values: PValues) -> str:
+    """How the p-values were computed, under the table (with sacreBLEU's signature)."""
+    signatures = {r.signature for tests in p_values.values() for r in tests.values() if r}
+    pairing = (
+        f"the hypotheses of seeds {', '.join(map(str, seeds))} concatenated, each seed paired "
+        f"with the same seed of {baseline}"
+        if len(seeds) > 1
+        else f"the hypotheses of seed {seeds[0]} against {baseline}'s"
+    )
+    note = (
+        f"p: sacreBLEU's paired bootstrap resampling against {baseline}, per direction "
+        f"({BOOTSTRAP_SAMPLES} resamples; * p < {SIGNIFICANCE_LEVEL}); {pairing}"
+    )
+    if any(r is None for tests in p_values.values() for r in tests.values()):
+        note += "; n/a: a run's test translations are missing"
+    return note + "".join(f"; signature {s}" for s in sorted(signatures)) + "."
 
 
 def copy_scores(test_prefix: Path, directions: list[str]) -> dict[str, float]:
@@ -93,12 +152,96 @@ def copy_scores(test_prefix: Path, directions: list[str]) -> dict[str, float]:
     return scores
 
 
+@dataclasses.dataclass
+class _Section:
+    """One setting's part of the report."""
+
+    table: str
+    note: str
+    """How the p-values were computed ("" without them)."""
+    baseline: str
+    bleu: dict[str, dict[str, float]]
+    std: dict[str, dict[str, float]]
+    p_values: dict[str, dict[str, float]]
+    runs: list[RunRecord]
+
+
+def _compare(
+    records: list[RunRecord],
+    config: PipelineConfig,
+    setting: str,
+    directions: list[str],
+    workdir: Path,
+    test_prefix: Path | None,
+) -> _Section | None:
+    """The table, statistics and p-values of one setting; None when it has no scored run."""
+    seeds = config.run_seeds
+    systems = collect_systems(records, config.systems, seeds, setting)
+    if not systems:
+        return None
+    key = baseline_key([s.key for s in systems], setting)
+    baseline = next(s for s in systems if s.key == key)
+    tests: PValues | None = None
+    if test_prefix is not None:
+        tests = {
+            s.name: paired_p_values(s, baseline, directions, workdir, test_prefix)
+            for s in systems
+            if s is not baseline
+        }
+    stats = {s.name: {c: mean_std(v) for c, v in s.bleu(directions).items()} for s in systems}
+    return _Section(
+        table=paper_table(systems, directions, baseline, tests, seeds),
+        note=_p_note(baseline.name, seeds, tests) if tests is not None else "",
+        baseline=baseline.name,
+        bleu={name: {c: mean for c, (mean, _) in cols.items()} for name, cols in stats.items()},
+        std={name: {c: std for c, (_, std) in cols.items()} for name, cols in stats.items()},
+        p_values={
+            name: {d: r.p_value for d, r in results.items() if r is not None}
+            for name, results in (tests or {}).items()
+        },
+        runs=[record for system in systems for record in system.runs.values()],
+    )
+
+
+def diagnostics_table(rows: Sequence[tuple[str, int, dict[str, Any]]]) -> str:
+    """Markdown: per system, seed and language, the interface diagnostics (as
+    ``Diagnostics.to_dict()`` gives them) that say whether the interface connects: codes the
+    encoder and the decoder stage's extractor pick (used / histogram perplexity), cosine of
+    the encoder's output with its interface vector, and the pre-trained decoder's NLL per
+    token with its interface's memory, the encoder's output and zeros."""
+
+    def codes(figures: dict[str, Any] | None) -> str:
+        return f"{figures['used']} / {figures['perplexity']:.1f}" if figures else "-"
+
+    def number(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    header = ["system", "seed", "lang", "encoder codes", "extractor codes", "cosine"]
+    header += ["NLL interface", "NLL encoder", "NLL zeros"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for system, seed, data in rows:
+        for lang in data["languages"]:
+            nll = lang.get("nll") or {}
+            cells = [system, str(seed), lang["lang"], codes(lang.get("encoder_codes"))]
+            cells += [codes(lang.get("extractor_codes")), number(lang.get("cosine"))]
+            cells += [number(nll.get(k)) for k in ("interface", "encoder", "zeros")]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def build_report(
-    config: PipelineConfig, tracking_uri: str, workdir: Path, test_prefix: Path | None = None
+    config: PipelineConfig,
+    tracking_uri: str,
+    workdir: Path,
+    test_prefix: Path | None = None,
+    diagnostics: Sequence[tuple[str, int, dict[str, Any]]] = (),
 ) -> Report:
-    """``test_prefix``: the test set (``<prefix>.<lang>``), for the copy-the-source floor."""
+    """``test_prefix``: the test set (``<prefix>.<lang>``), for the copy-the-source floor and
+    the paired tests (without it, the tables have no p-values). ``diagnostics``: (system,
+    seed, figures) of the SemFace pre-trainings, a table of their own."""
     src, tgt = config.langs
     directions = [f"{src}-{tgt}", f"{tgt}-{src}"]
+    seeds = config.run_seeds
     floor = ""
     if test_prefix is not None:
         copied = copy_scores(test_prefix, directions)
@@ -108,21 +251,19 @@ def build_report(
     records = select_runs(
         tracking_uri, experiments=[config.experiment_name], tags={"stage": "finetune"}
     )
-    tables, bleu, baselines, chosen = {}, {}, {}, []
+    sections = {}
     for setting in config.settings:
-        runs = _newest_per_system(records, config, setting)
-        if not runs:
-            continue
-        baseline = baseline_of(runs, setting)
-        tables[setting], bleu[setting] = paper_table(runs, directions, baseline)
-        baselines[setting] = baseline.tags.get("system", baseline.name)
-        chosen += runs
+        section = _compare(records, config, setting, directions, workdir, test_prefix)
+        if section is not None:
+            sections[setting] = section
+    chosen = [record for section in sections.values() for record in section.runs]
     runs_table = format_table(
         chosen,
         [
             "name",
             "tags.system",
             "tags.setting",
+            "tags.seed",
             "metrics.test_bleu",
             "metrics.test_chrf",
             "metrics.best_valid_bleu",
@@ -132,6 +273,8 @@ def build_report(
         ],
         "markdown",
     )
+    seeds_text = describe_seeds(seeds)
+    spread = "; bars: mean, lines: range, dots: seeds" if len(seeds) > 1 else ""
     plots = [
         plot_bars(
             chosen,
@@ -139,28 +282,45 @@ def build_report(
             metric="test_bleu",
             label_tag="system",
             group_tag="setting",
-            title=f"test BLEU, {config.pair} (mean of both directions)",
+            title=f"test BLEU, {config.pair} (mean of both directions; {seeds_text}{spread})",
         ),
         plot_curves(chosen, workdir / "finetune-loss.png", metric="loss", title="fine-tuning loss"),
     ]
     parts = [f"# megasemface comparison, {config.pair}\n"]
-    for setting, table in tables.items():
-        gain = f"gain: average over {baselines[setting]}"
-        parts += [f"## {setting} (test BLEU; {gain})\n", table, ""]
+    for setting, section in sections.items():
+        gain = f"gain: average over {section.baseline}"
+        parts += [f"## {setting} (test BLEU, {seeds_text}; {gain})\n", section.table, ""]
+        if section.note:
+            parts += [section.note, ""]
     if floor:
         parts += [f"For reference, {floor}.\n"]
+    if diagnostics:
+        heading = "## interface diagnostics (validation text; tools/diagnose_interface.py)\n"
+        parts += [heading, diagnostics_table(diagnostics), ""]
     parts += ["## runs\n", runs_table, "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
     markdown = workdir / "results.md"
     markdown.write_text("\n".join(parts), encoding="utf-8")
-    for setting, table in tables.items():
+    for setting, section in sections.items():
         print(
-            f"\n{setting} fine-tuning, test BLEU ({config.pair}, sacreBLEU; gain over "
-            f"{baselines[setting]}):\n{table}"
+            f"\n{setting} fine-tuning, test BLEU ({config.pair}, sacreBLEU, {seeds_text}; gain "
+            f"over {section.baseline}):\n{section.table}"
         )
+        if section.note:
+            print(section.note)
     if floor:
         print(f"(for reference, {floor})")
     print(f"\nruns:\n{runs_table}")
     print(f"\nreport: {markdown}\nplots: {', '.join(str(p) for p in plots)}")
     print(f"MLflow store: {tracking_uri}")
     print(f"open the MLflow UI with: mlflow ui --backend-store-uri {tracking_uri}")
-    return Report(tables, bleu, runs_table, markdown, plots, tracking_uri)
+    return Report(
+        {setting: section.table for setting, section in sections.items()},
+        {setting: section.bleu for setting, section in sections.items()},
+        {setting: section.std for setting, section in sections.items()},
+        {setting: section.p_values for setting, section in sections.items()},
+        seeds,
+        runs_table,
+        markdown,
+        plots,
+        tracking_uri,
+    )

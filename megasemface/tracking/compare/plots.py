@@ -101,7 +101,8 @@ def plot_bars(
 
     With several directions (tag ``group_tag``) the bars are grouped by direction, one colour
     per system. Several runs of one system and direction (seeds) give their mean, with the
-    range as an error bar. Runs without the metric are left out.
+    range as an error bar and each run's value as a dot on the bar. Runs without the metric
+    are left out.
     """
     untagged = f"(no {group_tag})"
     values: dict[tuple[str, str], list[float]] = {}
@@ -123,18 +124,24 @@ def plot_bars(
     colors = [f"C{i % 10}" for i in range(len(systems))]
     for i, system in enumerate(systems):
         xs, means, low, high = [], [], [], []
+        dots: list[tuple[float, float]] = []
         for g, group in enumerate(groups):
             found = values.get((group, system))
             if not found:
                 continue
             mean = sum(found) / len(found)
-            xs.append(g + (i - (len(systems) - 1) / 2) * width if len(groups) > 1 else i)
+            x = g + (i - (len(systems) - 1) / 2) * width if len(groups) > 1 else i
+            xs.append(x)
             means.append(mean)
             low.append(mean - min(found))
             high.append(max(found) - mean)
+            if len(found) > 1:  # each run (seed) as a dot: the spread the mean hides
+                dots += [(x, value) for value in found]
         spread = [low, high] if any(low) or any(high) else None
         bars = ax.bar(xs, means, width, label=system, color=colors[i], yerr=spread, capsize=3)
         ax.bar_label(bars, fmt="%.1f", fontsize="small")
+        if dots:
+            ax.scatter([x for x, _ in dots], [v for _, v in dots], s=12, c="black", zorder=3)
     if len(groups) > 1:
         ax.set_xticks(range(len(groups)), groups)
         ax.legend(fontsize="small")

@@ -1,0 +1,194 @@
+"""The pipeline's options: ``--seeds`` on the command line, one run directory, model directory
+and ``seed`` tag per seed, the order in which the pipeline runs them; the budgets' systems and
+settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megasemface.cli.reproduce import build_parser, config_from_args, main
+from megasemface.pipeline import pipeline as pipeline_module
+from megasemface.pipeline.config import PRESETS, PipelineConfig, System, seeded
+from megasemface.pipeline.pipeline import Pipeline
+
+
+def _config(*argv: str) -> PipelineConfig:
+    return config_from_args(build_parser("test").parse_args(list(argv)))
+
+
+def test_a_budget_names_its_systems_and_settings_options_override_them() -> None:
+    study = _config("--preset", "study")
+    assert study.systems == ("transformer", "xlm", "mbart", "cl", "vq")
+    assert study.settings == ("supervised",)
+    assert (study.model_preset, study.run_seeds) == ("small", (0,))
+    assert study.workdir == Path("runs/study")
+    assert (study.pretrain_steps, study.finetune_steps) == (800, 1000)
+    changed = _config("--preset", "study", "--systems", "vq", "--settings", "unsupervised")
+    assert (changed.systems, changed.settings) == (("vq",), ("unsupervised",))
+    # Budgets without their own take the entry point's: the paper's comparison, or the demo's.
+    assert _config().systems == ("transformer", "xlm", "mbart", "cl", "vq")
+    assert _config().settings == ("supervised", "unsupervised")
+    demo = build_parser("demo", systems="transformer,cl,vq", settings="supervised")
+    config = config_from_args(demo.parse_args(["--preset", "smoke"]))
+    assert (config.systems, config.settings) == (("transformer", "cl", "vq"), ("supervised",))
+
+
+def test_the_small_model_is_the_one_its_docstring_costs() -> None:
+    import torch
+
+    from megasemface.interfaces.factory import build_interface
+    from megasemface.models.config import build_model_config
+    from megasemface.models.transformer import Seq2SeqModel
+    from megasemface.objectives.sequences import SpecialTokens
+    from megasemface.objectives.stages import SemFaceModel
+
+    small = build_model_config("small")
+    layers = (small.encoder_layers, small.decoder_layers, small.extractor_layers)
+    assert (small.d_model, small.num_heads, small.ffn_dim, *layers) == (128, 4, 512, 4, 4, 2)
+    special = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
+    with torch.device("meta"):
+        seq2seq = Seq2SeqModel(small)
+        vq = SemFaceModel(small, build_interface("vq", small), special)
+    assert round(sum(p.numel() for p in seq2seq.parameters()) / 1e6, 1) == 3.9
+    assert round(sum(p.numel() for p in vq.parameters()) / 1e6, 1) == 5.5
+
+
+def test_seeds_default_to_the_single_seed() -> None:
+    assert _config().run_seeds == (0,)
+    assert _config("--seed", "3").run_seeds == (3,)
+    config = _config("--seeds", "2, 0,1")
+    assert config.run_seeds == (2, 0, 1)  # in the order given
+    assert config.seed == 0  # the data steps keep theirs
+    assert _config("--seed", "5", "--seeds", "1,2").run_seeds == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0,x", "--seeds takes comma-separated non-negative integers (e.g. 0,1,2), got 'x'"),
+        ("0,,1", "got '' in '0,,1'"),
+        ("-1", "got '-1'"),
+        ("1.5", "got '1.5'"),
+        ("1,0,1", "--seeds 1,0,1: seed 1 is given more than once"),
+    ],
+)
+def test_bad_seeds_are_refused_in_one_line(
+    value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The error comes before any work: nothing is built in the work directory.
+    assert main(["--seeds", value, "--workdir", str(tmp_path / "w")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and message in error
+    assert "\n" not in error
+    assert not (tmp_path / "w").exists()
+
+
+def test_negative_seeds_are_refused_by_the_config() -> None:
+    for values in ({"seed": -1}, {"seeds": (0, -2)}):
+        with pytest.raises(ValueError, match="seeds must be >= 0"):
+            PipelineConfig(**values)  # type: ignore[arg-type]
+
+
+def test_seed_zero_keeps_the_single_seed_paths() -> None:
+    assert seeded("pretrain-vq", 0) == "pretrain-vq"
+    assert seeded("pretrain-vq", 2) == "pretrain-vq-s2"
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The deepspeed commands the pipeline would run, instead of running them."""
+    commands: list[list[str]] = []
+
+    def record(cmd: list[str], log_path: Path, **_: object) -> float:
+        commands.append(list(cmd))
+        return 0.0
+
+    monkeypatch.setattr(pipeline_module, "run_logged", record)
+    return commands
+
+
+def _pipeline(tmp_path: Path, seeds: tuple[int, ...]) -> Pipeline:
+    values = {**PRESETS["smoke"], "workdir": tmp_path, "seeds": seeds}
+    config = PipelineConfig(**values)  # type: ignore[arg-type]
+    pipeline = Pipeline(config)
+    pipeline.spm, pipeline.mono, pipeline.parallel = (tmp_path / n for n in ("spm", "mono", "par"))
+    pipeline.valid = tmp_path / "valid"
+    pipeline.cl_table = None
+    return pipeline
+
+
+def _option(cmd: list[str], name: str) -> list[str]:
+    return [cmd[i + 1] for i, arg in enumerate(cmd) if arg == name]
+
+
+def test_every_seed_has_its_run_directories_and_seed_tag(
+    tmp_path: Path, launches: list[list[str]]
+) -> None:
+    pipeline = _pipeline(tmp_path, (0, 1))
+    vq = System("vq", "VQ-SemFace", "joint", "vq")
+    for seed in (0, 1):
+        pipeline.pretrain(vq, seed)
+        pipeline.finetune(vq, "supervised", tmp_path / "models" / seeded("vq", seed), seed)
+    runs = tmp_path.resolve() / "runs"
+    expected = ["pretrain-vq", "supervised-vq", "pretrain-vq-s1", "supervised-vq-s1"]
+    assert [_option(c, "--output-dir") for c in launches] == [[str(runs / n)] for n in expected]
+    assert [_option(c, "--run-name") for c in launches] == [[n] for n in expected]
+    assert [_option(c, "--seed") for c in launches] == [["0"], ["0"], ["1"], ["1"]]
+    for cmd, seed in zip(launches, (0, 0, 1, 1), strict=True):
+        assert f"seed={seed}" in _option(cmd, "--tag")
+    assert _option(launches[3], "--init-from") == [str(tmp_path / "models" / "vq-s1")]
+
+
+def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
+    """The orchestration: per seed, pre-training, connect and the interface's diagnostics,
+    then each setting's fine-tuning and test translation, each step on that seed's
+    directories; the diagnostics are kept per system and seed for the report."""
+    calls: list[tuple[str, ...]] = []
+
+    class Recording(Pipeline):
+        def pretrain(self, system: System, seed: int) -> Path:
+            calls.append(("pretrain", system.key, str(seed)))
+            return tmp_path / seeded(f"pretrain-{system.key}", seed)
+
+        def diagnose(self, system: System, run_dir: Path) -> dict:
+            calls.append(("diagnose", system.key, run_dir.name))
+            return {"run": run_dir.name}
+
+        def connect(self, system: System, run_dir: Path, seed: int) -> Path:
+            calls.append(("connect", system.key, run_dir.name))
+            return tmp_path / seeded(system.key, seed)
+
+        def finetune(self, system: System, setting: str, init: Path | None, seed: int) -> Path:
+            calls.append(("finetune", system.key, init.name if init else "-", str(seed)))
+            return tmp_path / seeded(f"{setting}-{system.key}", seed)
+
+        def test_scores(self, run_dir: Path) -> dict:
+            calls.append(("test", run_dir.name))
+            return {}
+
+    config = PipelineConfig(workdir=tmp_path, systems=("transformer", "vq"), seeds=(0, 3))
+    pipeline = Recording(config)
+    for seed in config.run_seeds:
+        pipeline.run_seed([config.system(key) for key in config.systems], seed)
+    assert calls == [
+        ("pretrain", "vq", "0"),
+        ("connect", "vq", "pretrain-vq"),
+        ("diagnose", "vq", "pretrain-vq"),
+        ("finetune", "transformer", "-", "0"),
+        ("test", "supervised-transformer"),
+        ("finetune", "vq", "vq", "0"),
+        ("test", "supervised-vq"),
+        ("pretrain", "vq", "3"),
+        ("connect", "vq", "pretrain-vq-s3"),
+        ("diagnose", "vq", "pretrain-vq-s3"),
+        ("finetune", "transformer", "-", "3"),
+        ("test", "supervised-transformer-s3"),
+        ("finetune", "vq", "vq-s3", "3"),
+        ("test", "supervised-vq-s3"),
+    ]
+    assert pipeline.diagnostics == [
+        ("VQ-SemFace", 0, {"run": "pretrain-vq"}),
+        ("VQ-SemFace", 3, {"run": "pretrain-vq-s3"}),
+    ]
