@@ -15,10 +15,10 @@ from megasemface.interfaces.vq import (
     GumbelVectorQuantizer,
     gather_codebook,
     gather_state_dicts,
-    gumbel_noise,
     shard_state_dict,
     split_codebook,
 )
+from megasemface.interfaces.vq_random import gumbel_noise
 from megasemface.models.config import VQConfig
 
 D = 8

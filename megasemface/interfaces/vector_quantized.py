@@ -28,7 +28,8 @@ from megasemface.interfaces.base import (
     SemanticInterface,
     tensor_sha256,
 )
-from megasemface.interfaces.vq import CodeUsage, GumbelVectorQuantizer, VQOutput
+from megasemface.interfaces.code_usage import CodeUsage
+from megasemface.interfaces.vq import GumbelVectorQuantizer, VQOutput
 from megasemface.models.config import ModelConfig
 from megasemface.models.transformer import EncoderOutput, TransformerEncoder
 

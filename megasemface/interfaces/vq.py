@@ -18,8 +18,8 @@ perplexity (``VQConfig.diversity_loss``):
 
 Code usage. What the model actually picks is the noise-free argmax (the code used at inference
 and when stages are connected), so :class:`VQOutput` carries it in training too
-(``greedy_codes``), and :class:`CodeUsage` accumulates it over a window of steps across all
-ranks: codes used, histogram perplexity, dead codes.
+(``greedy_codes``), and :class:`~megasemface.interfaces.code_usage.CodeUsage` accumulates it
+over a window of steps across all ranks: codes used, histogram perplexity, dead codes.
 
 Two layouts (``VQConfig.layout``):
 
@@ -31,7 +31,8 @@ Two layouts (``VQConfig.layout``):
   full [N, K] logits are never gathered, [N, K, d] is never formed (logits are a GEMM; the
   output is a row gather, its gradient a GEMM with the table), and the [n, K/p] logits exist only
   for one chunk of ``chunk_tokens`` tokens at a time, in forward and again (recomputed) in
-  backward by :class:`_FlatQuantize`, so activation memory is O(N (H + d) + chunk K/p).
+  backward by :mod:`~megasemface.interfaces.vq_flat`, so activation memory is
+  O(N (H + d) + chunk K/p).
 * ``product`` (wav2vec 2.0): G tables of V entries of size d/G; logits G*V, a softmax per
   group, the output is the concatenation of the G chosen entries and the code id
   ``sum_g idx_g V**(G-g-1)``. Small (640 logits per token for 320 x 2), so it is replicated on
@@ -42,7 +43,8 @@ code index), computed by a counter-based hash (SplitMix64) rather than a statefu
 every rank draws exactly the noise the unsplit layer would draw for its codes, whatever the
 model-parallel split or the token chunking, and backward regenerates it instead of storing it.
 Initial weights are generated per block of 1024 global rows from generators seeded by the
-layer's seed, so a split layer starts from exactly the shard of the unsplit layer's weights.
+layer's seed, so a split layer starts from exactly the shard of the unsplit layer's weights
+(:mod:`~megasemface.interfaces.vq_random`).
 
 Diversity statistics. ``pbar`` averages over all real tokens of the global batch: the per-code
 probability sums and the token count are summed over the data-parallel group (the probability
@@ -63,10 +65,9 @@ G ``groups``, V ``entries``, dg = d/G.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -75,149 +76,38 @@ from torch import Tensor, nn
 from megasemface.distributed.groups import (
     ParallelGroups,
     all_reduce_data_parallel,
-    all_reduce_model_parallel,
     copy_to_model_parallel,
     global_batch_sum,
     mark_model_parallel_parameter,
     reduce_from_model_parallel,
 )
+from megasemface.interfaces.code_usage import CodeUsage
+from megasemface.interfaces.vq_flat import FlatQuantize, FlatSpec, owned_codes
+from megasemface.interfaces.vq_random import (
+    TAG_CODEBOOK,
+    TAG_HIDDEN_B,
+    TAG_HIDDEN_W,
+    TAG_LOGITS_B,
+    TAG_LOGITS_W,
+    TAG_NOISE,
+    gumbel_noise,
+    init_rows,
+    mix_key,
+)
 from megasemface.models.config import VQConfig
 
 __all__ = [
     "SPLIT_PARAMETERS",
-    "CodeUsage",
     "GumbelVectorQuantizer",
     "VQOutput",
     "gather_codebook",
     "gather_state_dicts",
-    "gumbel_noise",
     "shard_state_dict",
     "split_codebook",
-    "usage_figures",
 ]
 
 SPLIT_PARAMETERS: tuple[str, ...] = ("logits_weight", "logits_bias", "codebook")
 """State-dict keys of a flat layer that are split along dim 0 across model-parallel ranks."""
-
-_INIT_BLOCK_ROWS = 1024
-"""Initial weights are drawn per block of this many global rows (split-independent)."""
-
-_NOISE_ELEMENTS = 1 << 20
-"""Noise is hashed in column blocks of about this many elements: cache-sized int64 temporaries
-(a performance knob only; the values do not depend on it)."""
-
-# ---------------------------------------------------------------------------------------------
-# Counter-based randomness
-# ---------------------------------------------------------------------------------------------
-
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_MUL1 = 0xBF58476D1CE4E5B9
-_MUL2 = 0x94D049BB133111EB
-
-
-def _signed(x: int) -> int:
-    """A uint64 as the int64 with the same bits (torch has no full uint64 arithmetic)."""
-    x &= _M64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _fmix64(z: int) -> int:
-    """SplitMix64's finaliser on Python ints (reference for the tensor version)."""
-    z &= _M64
-    z = ((z ^ (z >> 30)) * _MUL1) & _M64
-    z = ((z ^ (z >> 27)) * _MUL2) & _M64
-    return z ^ (z >> 31)
-
-
-def _mix_key(*parts: int) -> int:
-    """Hashes non-negative integers to a 64-bit key; stable across processes and runs."""
-    h = 0
-    for part in parts:
-        h = _fmix64((h + _GOLDEN) ^ (part & _M64))
-    return h
-
-
-def _fmix64_(z: Tensor) -> Tensor:
-    """In-place SplitMix64 finaliser on an int64 tensor with wrap-around multiplication.
-
-    torch's ``>>`` on int64 is arithmetic, so the logical shift is an arithmetic one followed
-    by a mask of the low 64 - s bits.
-    """
-    tmp = torch.empty_like(z)
-    for shift, mul in ((30, _MUL1), (27, _MUL2), (31, None)):
-        torch.bitwise_right_shift(z, shift, out=tmp)
-        tmp.bitwise_and_((1 << (64 - shift)) - 1)
-        z.bitwise_xor_(tmp)
-        if mul is not None:
-            z.mul_(_signed(mul))
-    return z
-
-
-def gumbel_noise(
-    key: int,
-    token_start: int,
-    num_tokens: int,
-    code_start: int,
-    num_codes: int,
-    device: torch.device | str = "cpu",
-) -> Tensor:
-    """Gumbel(0, 1) noise [num_tokens, num_codes] (fp32) for a block of (token, code) indices.
-
-    Element (t, c) depends only on ``key`` and the absolute indices, so any tiling of the
-    (token, code) plane, by chunks, by model-parallel shards or both, reproduces the same
-    values. Token t's row seed is SplitMix64 output t of a stream seeded by ``key``; element c
-    is output c of the stream seeded by the row seed. The top 23 bits of the hash give
-    ``u = (b + 0.5) / 2**23``, strictly inside (0, 1) in fp32, so ``-log(-log(u))`` is finite
-    (the tails are cut at about -2.8 and 16.6, probability 6e-8).
-    """
-    device = torch.device(device)
-    out = torch.empty(num_tokens, num_codes, dtype=torch.float32, device=device)
-    if num_tokens == 0 or num_codes == 0:
-        return out
-    rows = torch.arange(token_start + 1, token_start + num_tokens + 1, device=device)
-    rows = _fmix64_(rows.mul_(_signed(_GOLDEN)).add_(_signed(key)))
-    cols = torch.arange(code_start + 1, code_start + num_codes + 1, device=device)
-    cols.mul_(_signed(_GOLDEN))
-    step = max(64, _NOISE_ELEMENTS // num_tokens)
-    for c0 in range(0, num_codes, step):
-        c1 = min(num_codes, c0 + step)
-        z = _fmix64_(rows[:, None] + cols[None, c0:c1])
-        z.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)
-        u = z.to(torch.float32).add_(0.5).mul_(2.0**-23)
-        out[:, c0:c1] = u.log_().neg_().log_().neg_()
-    return out
-
-
-def _init_rows(
-    seed: int, tag: int, start: int, stop: int, cols: int, kind: str, scale: float
-) -> Tensor:
-    """Rows ``[start, stop)`` of a global [rows, cols] fp32 init, drawn per fixed row block.
-
-    Each block of ``_INIT_BLOCK_ROWS`` global rows comes from its own generator, always drawn in
-    full, so a shard gets exactly the unsplit table's rows without materialising the table.
-    """
-    pieces = []
-    first, last = start // _INIT_BLOCK_ROWS, (stop - 1) // _INIT_BLOCK_ROWS
-    for block in range(first, last + 1):
-        gen = torch.Generator().manual_seed(_mix_key(seed, tag, block) >> 1)
-        b0 = block * _INIT_BLOCK_ROWS
-        values = torch.empty(_INIT_BLOCK_ROWS, cols)
-        if kind == "normal":
-            values.normal_(0.0, scale, generator=gen)
-        else:
-            values.uniform_(-scale, scale, generator=gen)
-        pieces.append(values[max(start, b0) - b0 : min(stop, b0 + _INIT_BLOCK_ROWS) - b0])
-    return torch.cat(pieces) if pieces else torch.empty(0, cols)
-
-
-_TAG_HIDDEN_W, _TAG_HIDDEN_B, _TAG_LOGITS_W, _TAG_LOGITS_B, _TAG_CODEBOOK = range(5)
-_TAG_NOISE = 100
-
-
-# ---------------------------------------------------------------------------------------------
-# Output and code-usage window
-# ---------------------------------------------------------------------------------------------
 
 
 class VQOutput(NamedTuple):
@@ -272,308 +162,6 @@ class VQOutput(NamedTuple):
             "vq_prob_perplexity": float(self.prob_perplexity.detach()),
             "vq_temperature": self.temperature,
         }
-
-
-class CodeUsage:
-    """Noise-free argmax code usage accumulated over a window of steps, across all ranks.
-
-    Holds one count per code (K int64 on every rank, 800 KB at K = 102,400) and nothing per
-    step: :meth:`update` adds a batch's ``greedy_codes`` locally, :meth:`summary` sums the
-    counts over the data-parallel group (a collective every dp rank must enter) and starts a
-    new window. Model-parallel peers see the same codes (the argmax is global), so they hold
-    equal counts and need no collective.
-    """
-
-    def __init__(self, num_codes: int, groups: ParallelGroups) -> None:
-        self.num_codes = num_codes
-        self.groups = groups
-        # Allocated on the first batch's device: no copy per step, and a model built on the
-        # meta device (then loaded) holds no meta tensor here.
-        self.counts: Tensor | None = None
-
-    def update(self, codes: Tensor) -> None:
-        """Adds the global code ids ``codes`` [N] of one batch on this rank."""
-        codes = codes.detach().reshape(-1)
-        if self.counts is None:
-            self.counts = torch.zeros(self.num_codes, dtype=torch.int64, device=codes.device)
-        self.counts += torch.bincount(codes, minlength=self.num_codes)
-
-    def summary(self) -> dict[str, float]:
-        """Over the window: tokens, codes used (count and fraction of K), perplexity of the
-        code histogram (``exp`` of its entropy, at most min(K, tokens)) and dead codes (never
-        picked in the window); then resets. Empty dict when no token was seen."""
-        if self.counts is None:  # no batch on this rank yet; the others may have some
-            self.counts = torch.zeros(self.num_codes, dtype=torch.int64)
-        counts = all_reduce_data_parallel(self.counts.clone(), self.groups)
-        self.counts.zero_()
-        return usage_figures(counts, self.num_codes) if int(counts.sum()) else {}
-
-
-def usage_figures(counts: Tensor, num_codes: int) -> dict[str, float]:
-    """Figures of a code histogram: ``counts`` of chosen codes (zeros allowed, any subset of
-    the codes that holds every used one) out of ``num_codes``: tokens, codes used and their
-    fraction, the perplexity ``exp(H)`` of the histogram (1 when one code takes every token,
-    the number of used codes when they are used equally) and dead codes (never chosen)."""
-    used = counts[counts > 0].to(torch.float64)
-    tokens = float(used.sum())
-    q = used / max(tokens, 1.0)
-    return {
-        "tokens": tokens,
-        "codes_used": float(used.numel()),
-        "codes_used_fraction": used.numel() / num_codes,
-        "code_perplexity": float(torch.exp(-(q * q.log()).sum())) if used.numel() else 0.0,
-        "dead_codes": float(num_codes - used.numel()),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Flat layout: shard-local Gumbel softmax, chunked, recomputed in backward
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _FlatSpec:
-    """Non-tensor arguments of :class:`_FlatQuantize`."""
-
-    groups: ParallelGroups
-    code_offset: int
-    num_codes: int
-    chunk_tokens: int
-    temperature: float
-    sample: bool
-    noise_key: int
-    from_gumbel: bool
-    need_soft: bool
-    """Whether Eq. 5's probabilities are needed (straight-through gradient or diversity)."""
-    out_dtype: torch.dtype
-
-
-def _chunk_logits(
-    a: Tensor, w32: Tensor, b32: Tensor, spec: _FlatSpec, t0: int
-) -> tuple[Tensor, Tensor]:
-    """Local logits l [n, Kl] and selection scores s = l + v (training) or l itself (eval)."""
-    logits = torch.addmm(b32, a.float(), w32.t())
-    if not spec.sample:
-        return logits, logits
-    noise = gumbel_noise(
-        spec.noise_key, t0, a.shape[0], spec.code_offset, w32.shape[0], device=a.device
-    )
-    return logits, noise.add_(logits)
-
-
-class _FlatQuantize(torch.autograd.Function):
-    """Shard-local Gumbel-softmax quantisation of all N tokens, chunk by chunk.
-
-    Inputs: ``a`` [N, H] (ReLU output, already through copy_to_model_parallel), the local
-    ``weight`` [Kl, H], ``bias`` [Kl] and ``codebook`` [Kl, d]. Outputs: this rank's part of the
-    output [N, d] (the chosen rows it owns, zeros elsewhere; summed over mp by the caller), the
-    local column sums [Kl] of the diversity distribution (differentiable), the codes [N] and
-    the noise-free argmax codes [N] (the same as the codes when not sampling).
-
-    Saved for backward: the inputs and 5 scalars per token (codes, the two global maxima, the
-    two partition sums); per chunk, backward recomputes the logits and the noise. Peak
-    transient memory is a few [chunk, Kl] fp32 buffers in forward and in backward.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, a: Tensor, weight: Tensor, bias: Tensor, codebook: Tensor, spec: _FlatSpec
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        groups, tau = spec.groups, spec.temperature
-        n_tok, n_local = a.shape[0], weight.shape[0]
-        device = a.device
-        codes = torch.empty(n_tok, dtype=torch.int64, device=device)
-        greedy = torch.empty(n_tok, dtype=torch.int64, device=device)
-        # Per token: global max of s, global max of l, sum exp for Eq. 5, sum exp for softmax(l),
-        # and the mean of l - max(l) under softmax(l) (for the token's entropy).
-        stats = torch.zeros(n_tok, 5, dtype=torch.float32, device=device)
-        psum = torch.zeros(n_local, dtype=torch.float32, device=device)
-        with torch.autocast(device.type, enabled=False):
-            w32, b32 = weight.float(), bias.float()
-            for t0 in range(0, n_tok, spec.chunk_tokens):
-                t1 = min(n_tok, t0 + spec.chunk_tokens)
-                logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
-                # Local maxima and the first (smallest) local index attaining them, of the
-                # scores and (when sampling) of the noise-free logits.
-                local_max, local_idx = scores.max(dim=1)
-                plain_max, plain_idx = logits.max(dim=1) if spec.sample else (local_max, None)
-                maxes = torch.stack([local_max, plain_max], dim=1)
-                all_reduce_model_parallel(maxes, groups, "max")
-                # The global argmax: among ranks holding the global maximum, the smallest global
-                # index, so ties resolve exactly as torch.argmax does on the unsplit logits.
-                no_code = torch.full_like(local_idx, spec.num_codes)
-                candidates = [torch.where(local_max == maxes[:, 0], local_idx, no_code)]
-                if plain_idx is not None:
-                    candidates.append(torch.where(plain_max == maxes[:, 1], plain_idx, no_code))
-                candidate = torch.stack(candidates, dim=1)
-                candidate.add_(spec.code_offset).clamp_(max=spec.num_codes)
-                all_reduce_model_parallel(candidate, groups, "min")
-                # NaN logits leave no candidate; keep the index valid, the NaN reaches the loss.
-                candidate.clamp_(max=spec.num_codes - 1)
-                codes[t0:t1] = candidate[:, 0]
-                greedy[t0:t1] = candidate[:, -1]
-                sums = torch.zeros(t1 - t0, 3, dtype=torch.float32, device=device)
-                soft = None
-                if spec.need_soft:
-                    # fl(max(s) / tau) == max(fl(s / tau)): rounding is monotone.
-                    y = scores.div_(tau) if spec.sample else scores / tau
-                    soft = y.sub_((maxes[:, 0] / tau)[:, None]).exp_()
-                    sums[:, 0] = soft.sum(dim=1)
-                centered = logits.sub_(maxes[:, 1:])
-                plain = centered.exp()
-                sums[:, 1] = plain.sum(dim=1)
-                sums[:, 2] = (plain * centered).sum(dim=1)
-                all_reduce_model_parallel(sums, groups, "sum")
-                stats[t0:t1, :2] = maxes
-                stats[t0:t1, 2:4] = sums[:, :2]
-                stats[t0:t1, 4] = sums[:, 2] / sums[:, 1]
-                if spec.from_gumbel:
-                    assert soft is not None
-                    psum.addmv_(soft.t(), sums[:, 0].reciprocal())
-                else:
-                    psum.addmv_(plain.t(), sums[:, 1].reciprocal())
-                del logits, scores, soft, plain, centered
-        # H(softmax(l)) per token = log S - E[l - max]; identical on every model-parallel rank.
-        entropy_sum = (stats[:, 3].log() - stats[:, 4]).sum()
-        owned, local = _owned(codes, spec.code_offset, n_local)
-        quantized = torch.zeros(n_tok, codebook.shape[1], dtype=spec.out_dtype, device=device)
-        quantized[owned] = codebook[local[owned]].to(spec.out_dtype)
-        ctx.spec = spec
-        # Detached: under ZeRO-3 the parameters' .data is released after the forward; the
-        # detached tensors keep the gathered values that backward recomputes the logits from.
-        ctx.save_for_backward(a, weight.detach(), bias.detach(), codebook.detach(), codes, stats)
-        ctx.mark_non_differentiable(codes, greedy)
-        ctx.set_materialize_grads(False)  # an unused output costs no backward work
-        return quantized, psum, codes, greedy, entropy_sum
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any,
-        grad_quantized: Tensor | None,
-        grad_psum: Tensor | None,
-        _grad_codes: Any,
-        _grad_greedy: Any,
-        grad_entropy: Tensor | None,
-    ) -> tuple[Tensor | None, ...]:
-        spec: _FlatSpec = ctx.spec
-        a, weight, bias, codebook, codes, stats = ctx.saved_tensors
-        need_a, need_w, need_b, need_c = ctx.needs_input_grad[:4]
-        n_local = weight.shape[0]
-        grad_a = grad_w = grad_b = grad_c = None
-        with torch.autocast(a.device.type, enabled=False):
-            if need_c and grad_quantized is not None:
-                # Straight-through: d out / d codebook is the forward value of the weights,
-                # i.e. the one-hot, so only the chosen rows receive the output gradient.
-                owned, local = _owned(codes, spec.code_offset, n_local)
-                grad_c = torch.zeros(codebook.shape, dtype=torch.float32, device=a.device)
-                grad_c.index_add_(0, local[owned], grad_quantized[owned].float())
-                grad_c = grad_c.to(codebook.dtype)
-            if need_a or need_w or need_b:
-                grad_a, grad_w, grad_b = _flat_logit_backward(
-                    a,
-                    weight,
-                    bias,
-                    codebook,
-                    stats,
-                    grad_quantized,
-                    grad_psum,
-                    grad_entropy,
-                    spec,
-                    (need_a, need_w, need_b),
-                )
-        return grad_a, grad_w, grad_b, grad_c, None
-
-
-def _owned(codes: Tensor, offset: int, n_local: int) -> tuple[Tensor, Tensor]:
-    """Mask of codes held by this shard and their local indices (clamped where not owned)."""
-    local = codes - offset
-    owned = (local >= 0) & (local < n_local)
-    return owned, local.clamp(0, n_local - 1)
-
-
-def _flat_logit_backward(
-    a: Tensor,
-    weight: Tensor,
-    bias: Tensor,
-    codebook: Tensor,
-    stats: Tensor,
-    grad_quantized: Tensor | None,
-    grad_psum: Tensor | None,
-    grad_entropy: Tensor | None,
-    spec: _FlatSpec,
-    needs: tuple[bool, bool, bool],
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients of the local logits, chunk by chunk, then of ``a``, ``weight`` and ``bias``.
-
-    With q = softmax(s / tau) (Eq. 5) and r = softmax(l), both over all K codes:
-    dL/dl = q * (gq - <q, gq>) / tau + r * (gr - <r, gr>), where gq = grad_out @ codebook^T
-    (straight-through: d out / d q_k = code k) plus the diversity gradient when it uses q, and
-    gr the diversity gradient when it uses r; plus, for the summed token entropies
-    H_t = -sum r log r with upstream gradient g, -g * r * (l - max - E_r[l - max]). The dot
-    products run over all codes: one all-reduce of 2 scalars per token per chunk. ``needs``
-    says which of the three gradients to compute (a frozen layer needs only ``a``'s).
-    """
-    groups, tau = spec.groups, spec.temperature
-    need_a, need_w, need_b = needs
-    n_tok = a.shape[0]
-    w32, b32 = weight.float(), bias.float()
-    c32 = codebook.float() if grad_quantized is not None else None
-    g_div = grad_psum.float() if grad_psum is not None else None
-    grad_a = torch.empty_like(a) if need_a else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=a.device) if need_w else None
-    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=a.device) if need_b else None
-    soft_used = c32 is not None or (spec.from_gumbel and g_div is not None)
-    plain_div = not spec.from_gumbel and g_div is not None
-    plain_used = plain_div or grad_entropy is not None
-    for t0 in range(0, n_tok, spec.chunk_tokens):
-        t1 = min(n_tok, t0 + spec.chunk_tokens)
-        st = stats[t0:t1]
-        logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
-        dots = torch.zeros(t1 - t0, 2, dtype=torch.float32, device=a.device)
-        grad_soft = soft = None
-        if soft_used:
-            y = scores.div_(tau) if spec.sample else scores / tau
-            soft = y.sub_((st[:, 0] / tau)[:, None]).exp_().div_(st[:, 2:3])
-            if c32 is not None:
-                assert grad_quantized is not None
-                grad_soft = grad_quantized[t0:t1].float() @ c32.t()
-            else:
-                grad_soft = torch.zeros_like(soft)
-            if spec.from_gumbel and g_div is not None:
-                grad_soft.add_(g_div)
-            dots[:, 0] = (soft * grad_soft).sum(dim=1)
-        plain = centered = None
-        if plain_used:
-            centered = logits.sub_(st[:, 1:2])
-            plain = centered.exp().div_(st[:, 3:4])
-            if plain_div:
-                assert g_div is not None
-                dots[:, 1] = plain @ g_div
-        all_reduce_model_parallel(dots, groups, "sum")
-        if soft is not None:
-            assert grad_soft is not None
-            grad_logits = grad_soft.sub_(dots[:, 0:1]).mul_(soft).div_(tau)
-        else:
-            grad_logits = torch.zeros(t1 - t0, weight.shape[0], device=a.device)
-        if plain_div:
-            assert g_div is not None and plain is not None
-            grad_logits.add_((g_div - dots[:, 1:2]).mul_(plain))
-        if grad_entropy is not None:
-            assert plain is not None and centered is not None
-            # A 0-dim tensor multiplies without a host synchronisation.
-            grad_logits.sub_(plain.mul_(centered.sub_(st[:, 4:5])).mul_(grad_entropy))
-        if grad_a is not None:
-            grad_a[t0:t1] = (grad_logits @ w32).to(a.dtype)
-        if grad_w is not None:
-            grad_w.addmm_(grad_logits.t(), a[t0:t1].float())
-        if grad_b is not None:
-            grad_b.add_(grad_logits.sum(dim=0))
-        del logits, scores, soft, plain, centered, grad_soft, grad_logits
-    return (
-        grad_a,
-        grad_w.to(weight.dtype) if grad_w is not None else None,
-        grad_b.to(bias.dtype) if grad_b is not None else None,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -656,20 +244,20 @@ class GumbelVectorQuantizer(nn.Module):
         seed = self.seed
         bound_h = 1.0 / math.sqrt(d)
         self.hidden.weight.copy_(
-            _init_rows(seed, _TAG_HIDDEN_W, 0, vq.hidden_dim, d, "uniform", bound_h)
+            init_rows(seed, TAG_HIDDEN_W, 0, vq.hidden_dim, d, "uniform", bound_h)
         )
         self.hidden.bias.copy_(
-            _init_rows(seed, _TAG_HIDDEN_B, 0, vq.hidden_dim, 1, "uniform", bound_h)[:, 0]
+            init_rows(seed, TAG_HIDDEN_B, 0, vq.hidden_dim, 1, "uniform", bound_h)[:, 0]
         )
         start, stop = self.code_offset, self.code_offset + self.num_local
         bound_l = 1.0 / math.sqrt(vq.hidden_dim)
         self.logits_weight.copy_(
-            _init_rows(seed, _TAG_LOGITS_W, start, stop, vq.hidden_dim, "uniform", bound_l)
+            init_rows(seed, TAG_LOGITS_W, start, stop, vq.hidden_dim, "uniform", bound_l)
         )
         self.logits_bias.copy_(
-            _init_rows(seed, _TAG_LOGITS_B, start, stop, 1, "uniform", bound_l)[:, 0]
+            init_rows(seed, TAG_LOGITS_B, start, stop, 1, "uniform", bound_l)[:, 0]
         )
-        table = _init_rows(seed, _TAG_CODEBOOK, start, stop, self.codebook.shape[-1], "normal", 1)
+        table = init_rows(seed, TAG_CODEBOOK, start, stop, self.codebook.shape[-1], "normal", 1)
         self.codebook.copy_(table.view_as(self.codebook))
 
     # -- schedule ----------------------------------------------------------------------------
@@ -695,7 +283,7 @@ class GumbelVectorQuantizer(nn.Module):
         if noise_key is None:
             noise_key = self._calls
             self._calls += 1
-        return _mix_key(self.seed, _TAG_NOISE, self._step, noise_key, self.groups.dp_rank)
+        return mix_key(self.seed, TAG_NOISE, self._step, noise_key, self.groups.dp_rank)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -745,7 +333,7 @@ class GumbelVectorQuantizer(nn.Module):
         act = copy_to_model_parallel(act, self.groups)
         params = (act, *weights)
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
-        spec = _FlatSpec(
+        spec = FlatSpec(
             groups=self.groups,
             code_offset=self.code_offset,
             num_codes=self.num_codes,
@@ -757,9 +345,9 @@ class GumbelVectorQuantizer(nn.Module):
             need_soft=need_grad or self.config.diversity_from_gumbel,
             out_dtype=h.dtype,
         )
-        local_out, psum, codes, greedy, entropy_sum = _FlatQuantize.apply(*params, spec)
+        local_out, psum, codes, greedy, entropy_sum = FlatQuantize.apply(*params, spec)
         quantized = reduce_from_model_parallel(local_out, self.groups)
-        owned, local = _owned(codes, self.code_offset, self.num_local)
+        owned, local = owned_codes(codes, self.code_offset, self.num_local)
         counts = torch.bincount(local[owned], minlength=self.num_local)
         return self._finish(quantized, codes, greedy, psum, entropy_sum, counts, h.shape[0])
 
@@ -879,7 +467,7 @@ class GumbelVectorQuantizer(nn.Module):
         """
         codes = codes.reshape(-1)
         if self.layout == "flat":
-            owned, local = _owned(codes, self.code_offset, self.num_local)
+            owned, local = owned_codes(codes, self.code_offset, self.num_local)
             rows = F.embedding(local, self.codebook).masked_fill(~owned[:, None], 0.0)
             return reduce_from_model_parallel(rows, self.groups)
         vq = self.config

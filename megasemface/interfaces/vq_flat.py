@@ -1,0 +1,267 @@
+"""The flat codebook's Gumbel-softmax, shard-local, chunked and recomputed in backward.
+
+The table of K codes and the logit layer are split over the model-parallel group in
+contiguous shards; :class:`FlatQuantize` computes everything shard-locally, on the pattern of
+Megatron's vocab-parallel cross entropy: the only collectives are all-reduces of a few
+scalars per token (maxima, partition sums, the smallest index among maxima). The [n, Kl]
+logits exist for one chunk of tokens at a time, in forward and again in backward. The layer
+that uses it, and the notation, are in :mod:`megasemface.interfaces.vq`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megasemface.distributed.groups import ParallelGroups, all_reduce_model_parallel
+from megasemface.interfaces.vq_random import gumbel_noise
+
+__all__ = ["FlatQuantize", "FlatSpec", "owned_codes"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlatSpec:
+    """Non-tensor arguments of :class:`FlatQuantize`."""
+
+    groups: ParallelGroups
+    code_offset: int
+    num_codes: int
+    chunk_tokens: int
+    temperature: float
+    sample: bool
+    noise_key: int
+    from_gumbel: bool
+    need_soft: bool
+    """Whether Eq. 5's probabilities are needed (straight-through gradient or diversity)."""
+    out_dtype: torch.dtype
+
+
+def _chunk_logits(
+    a: Tensor, w32: Tensor, b32: Tensor, spec: FlatSpec, t0: int
+) -> tuple[Tensor, Tensor]:
+    """Local logits l [n, Kl] and selection scores s = l + v (training) or l itself (eval)."""
+    logits = torch.addmm(b32, a.float(), w32.t())
+    if not spec.sample:
+        return logits, logits
+    noise = gumbel_noise(
+        spec.noise_key, t0, a.shape[0], spec.code_offset, w32.shape[0], device=a.device
+    )
+    return logits, noise.add_(logits)
+
+
+class FlatQuantize(torch.autograd.Function):
+    """Shard-local Gumbel-softmax quantisation of all N tokens, chunk by chunk.
+
+    Inputs: ``a`` [N, H] (ReLU output, already through copy_to_model_parallel), the local
+    ``weight`` [Kl, H], ``bias`` [Kl] and ``codebook`` [Kl, d]. Outputs: this rank's part of the
+    output [N, d] (the chosen rows it owns, zeros elsewhere; summed over mp by the caller), the
+    local column sums [Kl] of the diversity distribution (differentiable), the codes [N] and
+    the noise-free argmax codes [N] (the same as the codes when not sampling).
+
+    Saved for backward: the inputs and 5 scalars per token (codes, the two global maxima, the
+    two partition sums); per chunk, backward recomputes the logits and the noise. Peak
+    transient memory is a few [chunk, Kl] fp32 buffers in forward and in backward.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, a: Tensor, weight: Tensor, bias: Tensor, codebook: Tensor, spec: FlatSpec
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        groups, tau = spec.groups, spec.temperature
+        n_tok, n_local = a.shape[0], weight.shape[0]
+        device = a.device
+        codes = torch.empty(n_tok, dtype=torch.int64, device=device)
+        greedy = torch.empty(n_tok, dtype=torch.int64, device=device)
+        # Per token: global max of s, global max of l, sum exp for Eq. 5, sum exp for softmax(l),
+        # and the mean of l - max(l) under softmax(l) (for the token's entropy).
+        stats = torch.zeros(n_tok, 5, dtype=torch.float32, device=device)
+        psum = torch.zeros(n_local, dtype=torch.float32, device=device)
+        with torch.autocast(device.type, enabled=False):
+            w32, b32 = weight.float(), bias.float()
+            for t0 in range(0, n_tok, spec.chunk_tokens):
+                t1 = min(n_tok, t0 + spec.chunk_tokens)
+                logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
+                # Local maxima and the first (smallest) local index attaining them, of the
+                # scores and (when sampling) of the noise-free logits.
+                local_max, local_idx = scores.max(dim=1)
+                plain_max, plain_idx = logits.max(dim=1) if spec.sample else (local_max, None)
+                maxes = torch.stack([local_max, plain_max], dim=1)
+                all_reduce_model_parallel(maxes, groups, "max")
+                # The global argmax: among ranks holding the global maximum, the smallest global
+                # index, so ties resolve exactly as torch.argmax does on the unsplit logits.
+                no_code = torch.full_like(local_idx, spec.num_codes)
+                candidates = [torch.where(local_max == maxes[:, 0], local_idx, no_code)]
+                if plain_idx is not None:
+                    candidates.append(torch.where(plain_max == maxes[:, 1], plain_idx, no_code))
+                candidate = torch.stack(candidates, dim=1)
+                candidate.add_(spec.code_offset).clamp_(max=spec.num_codes)
+                all_reduce_model_parallel(candidate, groups, "min")
+                # NaN logits leave no candidate; keep the index valid, the NaN reaches the loss.
+                candidate.clamp_(max=spec.num_codes - 1)
+                codes[t0:t1] = candidate[:, 0]
+                greedy[t0:t1] = candidate[:, -1]
+                sums = torch.zeros(t1 - t0, 3, dtype=torch.float32, device=device)
+                soft = None
+                if spec.need_soft:
+                    # fl(max(s) / tau) == max(fl(s / tau)): rounding is monotone.
+                    y = scores.div_(tau) if spec.sample else scores / tau
+                    soft = y.sub_((maxes[:, 0] / tau)[:, None]).exp_()
+                    sums[:, 0] = soft.sum(dim=1)
+                centered = logits.sub_(maxes[:, 1:])
+                plain = centered.exp()
+                sums[:, 1] = plain.sum(dim=1)
+                sums[:, 2] = (plain * centered).sum(dim=1)
+                all_reduce_model_parallel(sums, groups, "sum")
+                stats[t0:t1, :2] = maxes
+                stats[t0:t1, 2:4] = sums[:, :2]
+                stats[t0:t1, 4] = sums[:, 2] / sums[:, 1]
+                if spec.from_gumbel:
+                    assert soft is not None
+                    psum.addmv_(soft.t(), sums[:, 0].reciprocal())
+                else:
+                    psum.addmv_(plain.t(), sums[:, 1].reciprocal())
+                del logits, scores, soft, plain, centered
+        # H(softmax(l)) per token = log S - E[l - max]; identical on every model-parallel rank.
+        entropy_sum = (stats[:, 3].log() - stats[:, 4]).sum()
+        owned, local = owned_codes(codes, spec.code_offset, n_local)
+        quantized = torch.zeros(n_tok, codebook.shape[1], dtype=spec.out_dtype, device=device)
+        quantized[owned] = codebook[local[owned]].to(spec.out_dtype)
+        ctx.spec = spec
+        # Detached: under ZeRO-3 the parameters' .data is released after the forward; the
+        # detached tensors keep the gathered values that backward recomputes the logits from.
+        ctx.save_for_backward(a, weight.detach(), bias.detach(), codebook.detach(), codes, stats)
+        ctx.mark_non_differentiable(codes, greedy)
+        ctx.set_materialize_grads(False)  # an unused output costs no backward work
+        return quantized, psum, codes, greedy, entropy_sum
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any,
+        grad_quantized: Tensor | None,
+        grad_psum: Tensor | None,
+        _grad_codes: Any,
+        _grad_greedy: Any,
+        grad_entropy: Tensor | None,
+    ) -> tuple[Tensor | None, ...]:
+        spec: FlatSpec = ctx.spec
+        a, weight, bias, codebook, codes, stats = ctx.saved_tensors
+        need_a, need_w, need_b, need_c = ctx.needs_input_grad[:4]
+        n_local = weight.shape[0]
+        grad_a = grad_w = grad_b = grad_c = None
+        with torch.autocast(a.device.type, enabled=False):
+            if need_c and grad_quantized is not None:
+                # Straight-through: d out / d codebook is the forward value of the weights,
+                # i.e. the one-hot, so only the chosen rows receive the output gradient.
+                owned, local = owned_codes(codes, spec.code_offset, n_local)
+                grad_c = torch.zeros(codebook.shape, dtype=torch.float32, device=a.device)
+                grad_c.index_add_(0, local[owned], grad_quantized[owned].float())
+                grad_c = grad_c.to(codebook.dtype)
+            if need_a or need_w or need_b:
+                grad_a, grad_w, grad_b = _flat_logit_backward(
+                    a,
+                    weight,
+                    bias,
+                    codebook,
+                    stats,
+                    grad_quantized,
+                    grad_psum,
+                    grad_entropy,
+                    spec,
+                    (need_a, need_w, need_b),
+                )
+        return grad_a, grad_w, grad_b, grad_c, None
+
+
+def owned_codes(codes: Tensor, offset: int, n_local: int) -> tuple[Tensor, Tensor]:
+    """Mask of codes held by this shard and their local indices (clamped where not owned)."""
+    local = codes - offset
+    owned = (local >= 0) & (local < n_local)
+    return owned, local.clamp(0, n_local - 1)
+
+
+def _flat_logit_backward(
+    a: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    codebook: Tensor,
+    stats: Tensor,
+    grad_quantized: Tensor | None,
+    grad_psum: Tensor | None,
+    grad_entropy: Tensor | None,
+    spec: FlatSpec,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of the local logits, chunk by chunk, then of ``a``, ``weight`` and ``bias``.
+
+    With q = softmax(s / tau) (Eq. 5) and r = softmax(l), both over all K codes:
+    dL/dl = q * (gq - <q, gq>) / tau + r * (gr - <r, gr>), where gq = grad_out @ codebook^T
+    (straight-through: d out / d q_k = code k) plus the diversity gradient when it uses q, and
+    gr the diversity gradient when it uses r; plus, for the summed token entropies
+    H_t = -sum r log r with upstream gradient g, -g * r * (l - max - E_r[l - max]). The dot
+    products run over all codes: one all-reduce of 2 scalars per token per chunk. ``needs``
+    says which of the three gradients to compute (a frozen layer needs only ``a``'s).
+    """
+    groups, tau = spec.groups, spec.temperature
+    need_a, need_w, need_b = needs
+    n_tok = a.shape[0]
+    w32, b32 = weight.float(), bias.float()
+    c32 = codebook.float() if grad_quantized is not None else None
+    g_div = grad_psum.float() if grad_psum is not None else None
+    grad_a = torch.empty_like(a) if need_a else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=a.device) if need_w else None
+    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=a.device) if need_b else None
+    soft_used = c32 is not None or (spec.from_gumbel and g_div is not None)
+    plain_div = not spec.from_gumbel and g_div is not None
+    plain_used = plain_div or grad_entropy is not None
+    for t0 in range(0, n_tok, spec.chunk_tokens):
+        t1 = min(n_tok, t0 + spec.chunk_tokens)
+        st = stats[t0:t1]
+        logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
+        dots = torch.zeros(t1 - t0, 2, dtype=torch.float32, device=a.device)
+        grad_soft = soft = None
+        if soft_used:
+            y = scores.div_(tau) if spec.sample else scores / tau
+            soft = y.sub_((st[:, 0] / tau)[:, None]).exp_().div_(st[:, 2:3])
+            if c32 is not None:
+                assert grad_quantized is not None
+                grad_soft = grad_quantized[t0:t1].float() @ c32.t()
+            else:
+                grad_soft = torch.zeros_like(soft)
+            if spec.from_gumbel and g_div is not None:
+                grad_soft.add_(g_div)
+            dots[:, 0] = (soft * grad_soft).sum(dim=1)
+        plain = centered = None
+        if plain_used:
+            centered = logits.sub_(st[:, 1:2])
+            plain = centered.exp().div_(st[:, 3:4])
+            if plain_div:
+                assert g_div is not None
+                dots[:, 1] = plain @ g_div
+        all_reduce_model_parallel(dots, groups, "sum")
+        if soft is not None:
+            assert grad_soft is not None
+            grad_logits = grad_soft.sub_(dots[:, 0:1]).mul_(soft).div_(tau)
+        else:
+            grad_logits = torch.zeros(t1 - t0, weight.shape[0], device=a.device)
+        if plain_div:
+            assert g_div is not None and plain is not None
+            grad_logits.add_((g_div - dots[:, 1:2]).mul_(plain))
+        if grad_entropy is not None:
+            assert plain is not None and centered is not None
+            # A 0-dim tensor multiplies without a host synchronisation.
+            grad_logits.sub_(plain.mul_(centered.sub_(st[:, 4:5])).mul_(grad_entropy))
+        if grad_a is not None:
+            grad_a[t0:t1] = (grad_logits @ w32).to(a.dtype)
+        if grad_w is not None:
+            grad_w.addmm_(grad_logits.t(), a[t0:t1].float())
+        if grad_b is not None:
+            grad_b.add_(grad_logits.sum(dim=0))
+        del logits, scores, soft, plain, centered, grad_soft, grad_logits
+    return (
+        grad_a,
+        grad_w.to(weight.dtype) if grad_w is not None else None,
+        grad_b.to(bias.dtype) if grad_b is not None else None,
+    )
