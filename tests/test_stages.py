@@ -140,6 +140,44 @@ def test_each_stage_only_trains_its_own_parameters(kind: str) -> None:
         assert any(_grads(list(model.interface.quantizer.parameters())))
 
 
+def test_extractor_diversity_trains_the_extractor_with_the_encoders_terms() -> None:
+    """With --extractor-diversity the decoder loss adds the extractor's diversity and token
+    entropy at the encoder's weights; their gradient reaches the extractor, never the
+    (fixed) codebook layer."""
+    config, batch = tiny(), random_batch(tiny())
+    plain = model_for("vq", config)
+    spread = model_for("vq", config, extractor_diversity=True)
+    out_plain = plain.decoder_loss(batch, torch.Generator().manual_seed(0))
+    out = spread.decoder_loss(batch, torch.Generator().manual_seed(0))
+    assert set(out_plain.components) == {"dec_clm"}
+    assert set(out.components) == {"dec_clm", "dec_diversity", "dec_token_entropy"}
+    torch.testing.assert_close(out.components["dec_clm"], out_plain.components["dec_clm"])
+    objective = spread.objective
+    expected = (
+        out.components["dec_clm"]
+        + objective.diversity_weight * out.components["dec_diversity"]
+        + objective.token_entropy_weight * out.components["dec_token_entropy"]
+    )
+    torch.testing.assert_close(out.loss.detach(), expected)
+    assert float(out.components["dec_diversity"]) > 0
+    out.loss.backward()
+    out_plain.loss.backward()
+    assert all(p.grad is None for p in spread.interface.quantizer.parameters())
+    moved = [
+        not torch.allclose(a.grad, b.grad)
+        for a, b in zip(
+            spread.interface.extractor.parameters(),
+            plain.interface.extractor.parameters(),
+            strict=True,
+        )
+        if a.grad is not None and b.grad is not None
+    ]
+    assert moved and any(moved), "the extractor's gradient did not change"
+    # The decoder itself sees the same memory: its gradient is the plain run's.
+    for a, b in zip(spread.decoder.parameters(), plain.decoder.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_xlm_baseline_has_no_decoder_stage() -> None:
     model = model_for("none", tiny())
     assert model.decoder is None

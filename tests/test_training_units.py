@@ -93,6 +93,15 @@ def test_train_options_refuse_impossible_combinations() -> None:
         TrainConfig(stage="finetune", interface="none", finetune_mode="semi", **base)
     with pytest.raises(ValueError, match="--steps"):
         TrainConfig(stage="encoder", interface="cl", steps=0, **base)
+    with pytest.raises(ValueError, match="--extractor-diversity"):
+        TrainConfig(stage="encoder", interface="vq", extractor_diversity=True, **base)
+    with pytest.raises(ValueError, match="--extractor-diversity"):
+        TrainConfig(stage="joint", interface="cl", extractor_diversity=True, **base)
+    with pytest.raises(ValueError, match="--commitment-weight must be >= 0"):
+        TrainConfig(stage="joint", interface="vq", commitment_weight=-0.1, **base)
+    with pytest.raises(ValueError, match="--mse-weight must be >= 0"):
+        TrainConfig(stage="joint", interface="cl", mse_weight=-1, **base)
+    TrainConfig(stage="joint", interface="vq", extractor_diversity=True, **base)
 
 
 def test_cpu_runs_use_torch_adam_for_exact_resume(tmp_path: Path) -> None:

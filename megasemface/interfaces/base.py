@@ -49,6 +49,9 @@ class InterfaceMemory:
     """What the decoder cross-attends to, in place of the encoder output."""
     mask_BS: torch.Tensor
     metrics: dict[str, float]
+    losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Unweighted auxiliary losses of the decoder side (VQ: the extractor's diversity and
+    token entropy); the objective decides whether they train the extractor."""
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:

@@ -87,7 +87,9 @@ class VectorQuantizedInterface(SemanticInterface):
         if self.training:
             self.decoder_usage.update(out.greedy_codes)
         metrics = {f"dec_{k}": v for k, v in out.metrics().items() if k != "vq_diversity_loss"}
-        return InterfaceMemory(_scatter_tokens(out.quantized, mask_BT), mask_BT, metrics)
+        # With the layer's weights detached, these losses reach only the extractor.
+        losses = {"diversity": out.diversity_loss, "token_entropy": out.token_entropy}
+        return InterfaceMemory(_scatter_tokens(out.quantized, mask_BT), mask_BT, metrics, losses)
 
     def health(self) -> dict[str, float]:
         """Argmax code usage of the encoder (``vq_*``) and of the decoder stage's extractor

@@ -75,6 +75,12 @@ class ObjectiveConfig:
     on a few codes. Together the two maximise the mutual information between tokens and
     codes. On by default because it measured better on validation (docs/reproduce.md, the
     VQ codebook); 0 with diversity weight 1: the paper's losses only."""
+    extractor_diversity: bool = False
+    """VQ-SemFace, not in the paper: the decoder stage's feature extractor is trained with
+    the diversity and token-entropy terms too (the encoder's weights), on the codes it picks
+    from the fixed codebook. Without them only the decoder's loss trains it, and it picks a
+    small part of the codebook, so the decoder's cross-attention is pre-trained on few of
+    the codes the encoder uses."""
     infill_ratio: float = 0.35
     """mBART baseline: share of tokens masked in Poisson spans."""
     poisson_lambda: float = 3.5
@@ -249,12 +255,16 @@ class SemFaceModel(nn.Module):
         selected = targets != -100
         logits = self.decoder.logits(hidden[selected])
         wanted = targets[selected]
-        loss = cross_entropy(logits, wanted, obj.label_smoothing)
+        lm = cross_entropy(logits, wanted, obj.label_smoothing)
+        loss = lm
+        components = {f"dec_{obj.decoder_objective}": lm.detach()}
+        if obj.extractor_diversity:
+            for name, value in memory.losses.items():
+                loss = loss + obj.weight_of(name) * value
+                components[f"dec_{name}"] = value.detach()
         accuracy = (logits.detach().argmax(-1) == wanted).float().mean().item()
         metrics = {**memory.metrics, "dec_accuracy": accuracy}
-        return StageOutput(
-            loss, {f"dec_{obj.decoder_objective}": loss.detach()}, metrics, int(wanted.numel())
-        )
+        return StageOutput(loss, components, metrics, int(wanted.numel()))
 
     def joint_loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
         """Algorithm 1: the same batch through both stages; their parameters are disjoint."""

@@ -81,14 +81,21 @@ ABLATIONS: dict[str, System] = {
             "vq",
             ("--token-entropy-weight", "0", "--diversity-weight", "1"),
         ),
+        System(
+            "vq-extractor-div",
+            "VQ-SemFace, extractor diversity",
+            "joint",
+            "vq",
+            ("--extractor-diversity",),
+        ),
         System("cl-trainable", "CL-SemFace, trained table", "joint", "cl", ("--cl-trainable",)),
     )
 }
 """The paper's Table 5, then what differs from the paper: Eq. 6 as printed (the default
 diversity loss is wav2vec 2.0's form), the paper's VQ losses alone (the default adds a
 per-token entropy term, with diversity weight 2), and options beyond the paper that are off
-by default: a commitment term tying the encoder's outputs to their codes, a trained CL
-table."""
+by default: a commitment term tying the encoder's outputs to their codes, diversity terms
+for the decoder stage's extractor, a trained CL table."""
 
 SETTINGS = ("supervised", "unsupervised")
 

@@ -43,6 +43,9 @@ class TrainConfig:
     l2_weight: float = 1.0
     commitment_weight: float = 0.0
     """VQ: weight of the commitment term (encoder output to its argmax code); 0: off."""
+    extractor_diversity: bool = False
+    """VQ: train the decoder stage's extractor with the diversity and token-entropy terms
+    too (not in the paper)."""
     token_entropy_weight: float = 0.5
     """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
     on by default, measured better on validation); 0: off."""
@@ -112,6 +115,23 @@ class TrainConfig:
             raise ValueError("--stage finetune has no codebook to split: use --mp-size 1")
         if not 0 <= self.label_smoothing < 1:
             raise ValueError("--label-smoothing must be in [0, 1)")
+        if self.extractor_diversity and (
+            self.interface != "vq" or self.stage not in ("decoder", "joint")
+        ):
+            raise ValueError(
+                "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
+                "--interface vq and --stage decoder or joint"
+            )
+        for name in (
+            "mse_weight",
+            "diversity_weight",
+            "l2_weight",
+            "commitment_weight",
+            "token_entropy_weight",
+        ):
+            # A negative weight would maximise the term it names.
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         self.tag_dict()  # validates KEY=VALUE
         for name in (
             "steps",
@@ -196,6 +216,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.token_entropy_weight,
         help="VQ: make each token's code distribution confident (not in the paper; "
         "default: %(default)s; 0: off)",
+    )
+    add(
+        "--extractor-diversity",
+        action="store_true",
+        help="VQ: the decoder stage's extractor gets the diversity and token-entropy terms "
+        "too, so it spreads over the codebook (not in the paper; default: off)",
     )
     add(
         "--codebook-warn-fraction",

@@ -176,6 +176,7 @@ class Trainer:
             l2_weight=cfg.l2_weight,
             commitment_weight=cfg.commitment_weight,
             token_entropy_weight=cfg.token_entropy_weight,
+            extractor_diversity=cfg.extractor_diversity,
         )
         if cfg.stage == "mbart":
             pieces = [self.tokenizer.processor.id_to_piece(i) for i in range(len(self.tokenizer))]
