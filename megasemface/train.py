@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args, unknown = build_parser().parse_known_args(argv)
-    from megasemface.training.engine import init_distributed, load_ds_config
+    from megasemface.distributed.engine import init_distributed, load_ds_config
     from megasemface.training.options import train_config_from_args
     from megasemface.training.trainer import Trainer
 
@@ -57,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"train: ignoring unknown arguments {unknown}", file=sys.stderr)
     groups = init_distributed(config.mp_size)
-    if config.stage == "finetune":
-        from megasemface.training.finetune import FinetuneTrainer as Trainer
     try:
         return Trainer(config, ds_config, groups).run()
     except (ValueError, FileNotFoundError) as exc:

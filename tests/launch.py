@@ -158,8 +158,8 @@ def _live_trainer() -> type:
 
 def main() -> int:
     """train.py's main with :class:`LiveTrainer`; run by the deepspeed launcher."""
+    from megasemface.distributed.engine import init_distributed, load_ds_config
     from megasemface.train import build_parser
-    from megasemface.training.engine import init_distributed, load_ds_config
     from megasemface.training.options import train_config_from_args
 
     args, _ = build_parser().parse_known_args()

@@ -8,7 +8,7 @@ import torch
 from megasemface.models.config import build_model_config
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 from megasemface.objectives.translation import TranslationModel
-from megasemface.training.finetune import parse_schedule, schedule_value
+from megasemface.training.schedules import parse_schedule, schedule_value
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
 

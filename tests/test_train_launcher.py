@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from megasemface.data.shard_builder import ShardBuildConfig, build_shards
 from megasemface.data.textio import parse_lang_path
 from megasemface.data.tokenizer import Tokenizer
-from megasemface.training.engine import consolidated_state
+from megasemface.distributed.engine import consolidated_state
 
 CONFIGS = {
     1: ROOT / "ds_configs" / "zero1_bf16.json",  # bf16 works on the CPU accelerator too

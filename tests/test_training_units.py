@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megasemface.training.checkpoint import CheckpointManager
-from megasemface.training.engine import load_ds_config
+from megasemface.checkpoints.manager import CheckpointManager
+from megasemface.distributed.engine import load_ds_config
 from megasemface.training.options import TrainConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))

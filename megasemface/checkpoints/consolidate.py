@@ -1,7 +1,7 @@
 """fp32 weights of a training checkpoint, with the model-parallel codebook gathered.
 
 Consolidation goes through DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``
-(:func:`megasemface.training.engine.consolidated_state`), which reassembles the fp32 master
+(:func:`megasemface.distributed.engine.consolidated_state`), which reassembles the fp32 master
 weights from the ZeRO partitions of every data-parallel rank. It reads DeepSpeed's files
 with DeepSpeed's loader, ``torch.load(weights_only=False)``, which can run code stored in
 a file: consolidate only checkpoints you trust. megasemface itself reads DeepSpeed's model
@@ -71,10 +71,10 @@ from megasemface.checkpoints.layout import (
     is_model_dir,
     read_ds_header,
 )
+from megasemface.distributed.engine import consolidated_state
 from megasemface.interfaces.vq import shard_state_dict
 from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, read_model_dir_info
-from megasemface.training.engine import consolidated_state
 
 __all__ = [
     "Codebook",

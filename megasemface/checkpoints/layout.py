@@ -42,9 +42,16 @@ __all__ = [
     "read_ds_header",
 ]
 
-_TAG = re.compile(r"^step-(\d{8})$")
+TAG_PATTERN = re.compile(r"^step-(\d{8})$")
+"""A checkpoint directory's name; the group is the step."""
 _DS_FILE = re.compile(r"(?:^|_)mp_rank_(\d+)_(model|optim)_states\.pt$")
 MARKER = "COMPLETE"
+"""Written by rank 0 once every rank has finished writing a checkpoint."""
+
+
+def checkpoint_tag(step: int) -> str:
+    """The directory name of the checkpoint of ``step``."""
+    return f"step-{step:08d}"
 
 
 class CheckpointError(ValueError):
@@ -109,7 +116,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
         )
     found = []
     for path in root.iterdir():
-        match = _TAG.match(path.name)
+        match = TAG_PATTERN.match(path.name)
         if match and path.is_dir() and (path / MARKER).is_file():
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
@@ -128,7 +135,7 @@ def find_checkpoint(path: str | Path) -> CheckpointInfo:
                 "save one (--save-interval) or resume it"
             )
         path = done[-1]
-    match = _TAG.match(path.name)
+    match = TAG_PATTERN.match(path.name)
     if not match or not path.is_dir():
         raise CheckpointError(
             f"{path} is neither a run directory (with checkpoints/), a checkpoint directory "

@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from megasemface.checkpoints.layout import MARKER, checkpoint_tag
+
 __all__ = ["LaunchError", "deepspeed_command", "run_logged", "training_complete"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,5 +116,5 @@ def run_logged(
 
 
 def training_complete(run_dir: Path, steps: int) -> bool:
-    """The run's final checkpoint is complete (train.py writes COMPLETE last)."""
-    return (run_dir / "checkpoints" / f"step-{steps:08d}" / "COMPLETE").is_file()
+    """The run's final checkpoint is complete (train.py writes its marker last)."""
+    return (run_dir / "checkpoints" / checkpoint_tag(steps) / MARKER).is_file()

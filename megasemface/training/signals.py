@@ -11,8 +11,7 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
-import torch
-import torch.distributed as dist
+from megasemface.distributed.collectives import any_rank
 
 __all__ = ["StopRequest"]
 
@@ -29,7 +28,4 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled (a collective: call on all)."""
-        flag = torch.tensor([1.0 if self.signal_name else 0.0])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return any_rank(self.signal_name is not None)

@@ -1,9 +1,11 @@
-"""The training loop shared by every pre-training stage.
+"""The one training loop, for every stage.
 
-Per step: one token-budget batch per rank (micro-batch), the stage's loss, a check that the
-loss is finite on every rank (if not, the step is skipped everywhere and nothing changes),
-backward and optimizer step through the DeepSpeed facade, metrics, a stop-signal check
-agreed by all ranks, and checkpoints every ``save_interval`` steps and at the end.
+Per step: one token-budget batch per rank (micro-batch), the stage's loss from its train
+unit, a check that the loss is finite on every rank (if not, the step is skipped everywhere
+and nothing changes), backward and optimizer step through the DeepSpeed facade, metrics, the
+unit's work between steps (validation), a stop-signal check agreed by all ranks, and
+checkpoints every ``save_interval`` steps and at the end. What differs per stage lives in
+its unit (:mod:`megasemface.training.units`).
 
 Exact resume: every random draw of a step is seeded from (seed, step, rank) and the loader
 position is restored from the checkpoint, so a run resumed from checkpoint k repeats the
@@ -23,27 +25,18 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource, TokenBatch
-from megasemface.data.shard_format import Manifest
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.checkpoints.manager import CheckpointManager
+from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
+from megasemface.distributed import collectives
+from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces.factory import build_interface
-from megasemface.models.config import ModelConfig, build_model_config
-from megasemface.objectives.noising import sentence_boundary_ids
-from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.objectives.stages import (
-    DenoisingSeq2Seq,
-    ObjectiveConfig,
-    SemFaceModel,
-    StageOutput,
-)
 from megasemface.tracking.mlflow_tracker import MLflowTracker, NullTracker, Tracker
-from megasemface.training.checkpoint import CheckpointManager
-from megasemface.training.engine import DeepSpeedEngine
 from megasemface.training.options import TrainConfig
+from megasemface.training.run_data import RunData
+from megasemface.training.schedules import inverse_sqrt_lr
 from megasemface.training.signals import StopRequest
+from megasemface.training.units import build_unit
 
 __all__ = ["NonFiniteError", "Trainer"]
 
@@ -68,42 +61,21 @@ def _seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)  # masking and noising
 
 
-def _all_reduce(values: list[float], op: str = "sum") -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
 class Trainer:
     def __init__(self, config: TrainConfig, ds_config: dict[str, Any], groups: ParallelGroups):
         self.config = config
         self.groups = groups
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = collectives.rank()
+        self.world = collectives.world_size()
         self.is_main = self.rank == 0
         config.output_dir.mkdir(parents=True, exist_ok=True)
 
-        self.manifest = Manifest.load(config.data)
-        self.tokenizer = Tokenizer.load(config.spm_model)
-        if self.tokenizer.sha256 != self.manifest.spm_sha256:
-            raise ValueError(
-                f"{config.spm_model} is not the SentencePiece model the shards in {config.data} "
-                "were built with (sha256 differs); pass the model given to build_shards"
-            )
-        self.languages = self.tokenizer.languages
-        self.pairs: dict[str, tuple[str, str]] = dict(self.manifest.pairs)
-        self._check_data()
-        self.special = SpecialTokens.from_tokenizer(self.tokenizer)
-        self.parent_runs: dict[str, str] = {}
-        self.model_config = self._model_config()
-        torch.manual_seed(config.seed)
-        self.model, trainable = self._build_model(self.model_config)
-        self.engine = DeepSpeedEngine(self.model, ds_config, groups, trainable)
+        self.data = RunData.load(config)
+        torch.manual_seed(config.seed)  # the model's initialisation
+        self.unit = build_unit(config, self.data, groups)
+        self.engine = DeepSpeedEngine(self.unit.model, ds_config, groups, self.unit.trainable())
         self.ds_config = ds_config
-        self.lr_schedule = config.lr_schedule or (
-            "inverse_sqrt" if config.stage == "finetune" else "deepspeed"
-        )
+        self.lr_schedule = config.lr_schedule or self.unit.lr_schedule
         if self.lr_schedule != "deepspeed" and ds_config.get("scheduler"):
             raise ValueError(
                 f"--lr-schedule {self.lr_schedule} replaces DeepSpeed's scheduler; remove "
@@ -116,14 +88,14 @@ class Trainer:
             self.lr_schedule = "constant"  # --lr replaces the config's optimizer lr
         self.checkpoints = CheckpointManager(config.output_dir, config.keep_last, self.rank)
         self.loader = ShardLoader(
-            ShardSource.from_manifest(self.manifest),
+            ShardSource.from_manifest(self.data.manifest),
             LoaderConfig(
                 max_tokens=config.max_tokens,
-                max_len=self._loader_max_len(),
+                max_len=self.unit.loader_max_len(),
                 seed=config.seed,
                 num_workers=config.num_workers,
             ),
-            pad_id=self.tokenizer.pad_id,
+            pad_id=self.data.tokenizer.pad_id,
             rank=groups.dp_rank,
             world_size=groups.dp_size,
         )
@@ -133,113 +105,21 @@ class Trainer:
         self.samples_seen = 0
         self.run_id: str | None = None
 
-    # Model --------------------------------------------------------------------------------
-
-    def _check_data(self) -> None:
-        data_langs = {lang for pair in self.pairs.values() for lang in pair}
-        data_langs |= set(self.manifest.languages) - set(self.pairs)
-        missing = sorted(data_langs - set(self.languages))
-        if missing:
-            raise ValueError(f"the tokenizer has no language tag for {missing}")
-        if self.pairs:
-            raise ValueError(
-                f"{self.config.data} holds parallel data ({sorted(self.pairs)}); pre-training "
-                "stages read monolingual shards (parallel shards are for --stage finetune)"
-            )
-
-    def _model_config(self) -> ModelConfig:
-        return build_model_config(
-            self.config.preset,
-            [*self._tokenizer_options(), *self.config.model_options],
-            config_file=self.config.model_config_file,
-        )
-
-    def _tokenizer_options(self) -> list[str]:
-        return [
-            f"vocab_size={self.tokenizer.vocab_size}",
-            f"num_langs={len(self.languages)}",
-            f"pad_id={self.tokenizer.pad_id}",
-            f"mask_id={self.tokenizer.mask_id}",
-        ]
-
-    def _loader_max_len(self) -> int:
-        return self.model_config.max_len - 2  # room for </s> and the language tag
-
-    def _build_model(
-        self, model_config: ModelConfig
-    ) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
-        cfg = self.config
-        objective = ObjectiveConfig(
-            decoder_objective=cfg.decoder_objective,
-            mse_weight=cfg.mse_weight,
-            diversity_weight=cfg.diversity_weight,
-            l2_weight=cfg.l2_weight,
-            commitment_weight=cfg.commitment_weight,
-            token_entropy_weight=cfg.token_entropy_weight,
-            extractor_diversity=cfg.extractor_diversity,
-        )
-        if cfg.stage == "mbart":
-            pieces = [self.tokenizer.processor.id_to_piece(i) for i in range(len(self.tokenizer))]
-            model = DenoisingSeq2Seq(
-                model_config, self.special, objective, tuple(sentence_boundary_ids(pieces))
-            )
-            return model, list(model.parameters())
-        interface = build_interface(
-            cfg.interface,
-            model_config,
-            groups=self.groups,
-            seed=cfg.seed,
-            cl_table=cfg.cl_table,
-            cl_trainable=cfg.cl_trainable,
-        )
-        semface = SemFaceModel(model_config, interface, self.special, objective)
-        if cfg.stage == "decoder" and cfg.interface == "vq":
-            self._load_codebook(semface, cfg.init_from)
-        semface.stage = cfg.stage  # type: ignore[assignment]
-        if cfg.stage == "encoder":
-            keep = semface.encoder_stage_parameters()
-        elif cfg.stage == "decoder":
-            keep = semface.decoder_stage_parameters()
-        else:
-            keep = semface.encoder_stage_parameters() + semface.decoder_stage_parameters()
-        # Everything a stage does not train is frozen and kept out of the optimizer.
-        kept = {id(p) for p in keep}
-        for param in semface.parameters():
-            if id(param) not in kept:
-                param.requires_grad_(False)
-        return semface, [p for p in keep if p.requires_grad]
-
-    def _load_codebook(self, model: SemFaceModel, source: Path | None) -> None:
-        """The frozen VQ layer of an encoder-stage run, cut for this model-parallel rank."""
-        from megasemface.checkpoints import load_codebook
-
-        assert source is not None
-        codebook = load_codebook(source)  # a run, a checkpoint or a pretraining model dir
-        if codebook.meta.get("vocab_sha256") != self.tokenizer.sha256:
-            raise ValueError(f"{source} was trained with another SentencePiece model")
-        quantizer = model.interface.quantizer  # type: ignore[union-attr]
-        quantizer.load_state_dict(codebook.for_rank(self.groups.mp_rank, self.groups.mp_size))
-        quantizer.freeze()
-        self.parent_runs["encoder"] = codebook.meta.get("mlflow_run_id") or ""
-
     # Checkpoints --------------------------------------------------------------------------
 
     def _meta(self) -> dict[str, Any]:
         """Run metadata; a collective under ZeRO-3 (the fingerprint gathers weights)."""
-        interface = getattr(self.engine.module, "interface", None)
-        fingerprint = {"kind": self.config.stage}  # mbart, finetune: no interface
-        if interface is not None:
-            with self.engine.gathered(interface.parameters()):
-                fingerprint = interface.fingerprint()
+        unit_meta = self.unit.meta(self.engine)
         return {
             "stage": self.config.stage,
-            "interface": fingerprint,
-            "model": self.model_config.to_dict(),
-            "languages": self.languages,
-            "vocab_sha256": self.tokenizer.sha256,
+            "interface": unit_meta.pop("interface"),
+            "model": self.unit.model_config.to_dict(),
+            "languages": self.data.languages,
+            "vocab_sha256": self.data.tokenizer.sha256,
             "mlflow_run_id": self.run_id,
-            "parent_runs": self.parent_runs,
+            "parent_runs": self.unit.parent_runs,
             "train_config": self.config.to_dict(),
+            **unit_meta,
         }
 
     def save(self) -> float:
@@ -252,7 +132,7 @@ class Trainer:
             "samples_seen": self.samples_seen,
             "mlflow_run_id": self.run_id,
             "meta": meta,
-            **self._extra_state(),
+            **self.unit.state_dict(),
         }
         rank_state = {
             "step": self.step,
@@ -267,7 +147,7 @@ class Trainer:
             if self.is_main:
                 (root / tag / "meta.json").write_text(json.dumps(meta, indent=1))
 
-        self.checkpoints.save(self.step, write_engine, rank_state, dist.barrier)
+        self.checkpoints.save(self.step, write_engine, rank_state, collectives.barrier)
         return time.perf_counter() - started
 
     @staticmethod
@@ -296,70 +176,25 @@ class Trainer:
         self.skipped = int(client_state.get("skipped", 0))
         self.samples_seen = int(client_state.get("samples_seen", 0))
         self.run_id = client_state.get("mlflow_run_id")
-        self._restore_extra_state(client_state)
+        self.unit.load_state_dict(client_state)
         if self.is_main:
             print(f"resuming from {self.checkpoints.root / tag} (step {self.step})", flush=True)
         return True
 
     # Loop ---------------------------------------------------------------------------------
 
-    def _sequence_batch(self, batch: TokenBatch) -> SequenceBatch:
-        lang = self.languages.index(batch.lang)
-        return SequenceBatch(batch.tokens, batch.lengths, torch.full_like(batch.lengths, lang))
-
-    def _forward(self, batch: TokenBatch, generator: torch.Generator, step: int) -> StageOutput:
-        """The step's loss (a subclass hook: fine-tuning builds its batches differently)."""
-        interface = getattr(self.engine.module, "interface", None)
-        if hasattr(interface, "set_step"):
-            interface.set_step(step)
-        return self.engine.forward(self._sequence_batch(batch), generator)
-
-    def _interface_health(self, step: int) -> dict[str, float]:
-        """The interface's health over the logging window (a collective on every rank), with
-        a warning on rank 0 when a VQ codebook's argmax falls into a few codes."""
-        interface = getattr(self.engine.module, "interface", None)
-        if interface is None:
-            return {}
-        figures = interface.health()
-        for prefix, part in (("vq_", "encoder"), ("dec_vq_", "decoder-stage extractor")):
-            if f"{prefix}codes_used" not in figures or not self.is_main:
-                continue
-            used, tokens = figures[f"{prefix}codes_used"], figures[f"{prefix}tokens"]
-            codes = used + figures[f"{prefix}dead_codes"]
-            if used < self.config.codebook_warn_fraction * min(codes, tokens):
-                print(
-                    f"warning: step {step}: the {part} picked {used:.0f} of {codes:.0f} VQ codes "
-                    f"for {tokens:.0f} tokens since the last log (histogram perplexity "
-                    f"{figures[f'{prefix}code_perplexity']:.1f}): the codebook is collapsing; "
-                    "raise --diversity-weight or check --model vq.diversity_loss",
-                    flush=True,
-                )
-        return figures
-
-    def _after_step(self, step: int, tracker: Tracker) -> None:
-        """Runs on every rank after each step, before any checkpoint (validation hooks)."""
-
-    def _extra_state(self) -> dict[str, Any]:
-        """Stage-specific counters saved in checkpoints."""
-        return {}
-
-    def _restore_extra_state(self, state: dict[str, Any]) -> None:
-        pass
-
     def _lr_at(self, step: int) -> float:
-        """``--lr-schedule inverse_sqrt``: linear warm-up, then decay with 1/sqrt(step) (the
-        paper's fine-tuning schedule); a pure function of the step, so resume is exact."""
+        """The learning rate of ``step`` for the schedules megasemface runs itself."""
         if self.lr_schedule == "constant":
             return self.base_lr
-        warmup = self.config.warmup_steps
-        return self.base_lr * min(step / warmup, math.sqrt(warmup / step))
+        return inverse_sqrt_lr(self.base_lr, self.config.warmup_steps, step)
 
     def _tracker(self) -> Tracker:
         cfg = self.config
         if not self.is_main or cfg.no_tracking:
             return NullTracker()
         tags = {"stage": cfg.stage, "interface": cfg.interface, "git_commit": _git_commit()}
-        tags.update({f"parent_{k}_run": v for k, v in self.parent_runs.items() if v})
+        tags.update({f"parent_{k}_run": v for k, v in self.unit.parent_runs.items() if v})
         tags.update(cfg.tag_dict())
         return MLflowTracker(
             cfg.tracking_uri,
@@ -378,7 +213,7 @@ class Trainer:
         if self.is_main:
             resolved = {
                 "train": cfg.to_dict(),
-                "model": self.model_config.to_dict(),
+                "model": self.unit.model_config.to_dict(),
                 "deepspeed": self.ds_config,
             }
             (cfg.output_dir / "config.json").write_text(json.dumps(resolved, indent=1))
@@ -388,7 +223,8 @@ class Trainer:
                 tracker.log_artifact(cfg.output_dir / "config.json")
                 tracker.log_artifact(cfg.spm_model)
                 tracker.log_dict(
-                    {"manifest_fingerprint": self.manifest.raw["build_fingerprint"]}, "data.json"
+                    {"manifest_fingerprint": self.data.manifest.raw["build_fingerprint"]},
+                    "data.json",
                 )
         stop = StopRequest()
         status = "FAILED"
@@ -415,9 +251,9 @@ class Trainer:
             step = self.step + 1
             batch = next(stream)
             generator = _seed_everything(_step_seed(cfg.seed, step, self.groups.dp_rank))
-            out = self._forward(batch, generator, step)
+            out = self.unit.loss(self.engine, batch, generator, step)
             loss = out.loss * float("nan") if step in cfg.inject_nan_at else out.loss
-            bad, loss_sum, tokens, sentences = _all_reduce(
+            bad, loss_sum, tokens, sentences = collectives.sum_or_max(
                 [
                     0.0 if math.isfinite(loss.item()) else 1.0,
                     loss.item(),
@@ -468,7 +304,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_started
                 metrics = {name: float(v) for name, v in out.components.items()}
                 metrics.update(out.metrics)
-                metrics.update(self._interface_health(step))
+                metrics.update(self.unit.health(self.engine, step))
                 metrics.update(
                     loss=mean_loss,
                     lr=self.engine.lr,
@@ -480,7 +316,7 @@ class Trainer:
                 tracker.log_metrics(metrics, step)
                 progress.update(step, metrics)
                 window_tokens, window_started = 0, time.perf_counter()
-            self._after_step(step, tracker)
+            self.unit.after_step(self.engine, step, tracker)
             stopping = stop.agreed()
             if stopping or step % cfg.save_interval == 0 or step == cfg.steps:
                 blocked = self._flush_tracker(tracker) + self.save()

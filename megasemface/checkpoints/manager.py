@@ -1,4 +1,4 @@
-"""Checkpoint directories: atomic completion, discovery of the newest, pruning.
+"""Writing checkpoints during training: atomic completion, discovery of the newest, pruning.
 
 Layout under ``<output>/checkpoints/``::
 
@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckpointManager"]
+from megasemface.checkpoints.layout import MARKER, TAG_PATTERN, checkpoint_tag
 
-_TAG = re.compile(r"^step-(\d{8})$")
-MARKER = "COMPLETE"
+__all__ = ["CheckpointManager"]
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -46,14 +44,14 @@ class CheckpointManager:
 
     @staticmethod
     def tag(step: int) -> str:
-        return f"step-{step:08d}"
+        return checkpoint_tag(step)
 
     def _tags(self) -> list[tuple[int, Path]]:
         if not self.root.is_dir():
             return []
         found = []
         for path in self.root.iterdir():
-            match = _TAG.match(path.name)
+            match = TAG_PATTERN.match(path.name)
             if match and path.is_dir():
                 found.append((int(match.group(1)), path))
         return sorted(found)

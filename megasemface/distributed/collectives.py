@@ -1,0 +1,64 @@
+"""Collectives over every rank of the run, for the training loop's bookkeeping.
+
+The loop agrees on things all ranks must decide alike (skip a step with a non-finite loss,
+stop on a signal, keep generating while any rank has unfinished sentences) and sums counters
+for its logs. These go over the whole world, unlike the model-parallel and data-parallel
+collectives of :mod:`megasemface.distributed.groups`, which live inside the model's
+arithmetic. In a one-process run (``torch.distributed`` not started, or a world of one)
+every function here is the identity and touches nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_objects", "any_rank", "barrier", "rank", "sum_or_max", "world_size"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _multi_process() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's global rank (0 without ``torch.distributed``)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of processes of the run (1 without ``torch.distributed``)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def sum_or_max(values: list[float], op: Literal["sum", "max"] = "sum") -> list[float]:
+    """``values`` reduced element-wise over every rank, in float64 (exact for counters)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if _multi_process():
+        dist.all_reduce(tensor, op=_OPS[op])
+    return tensor.tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on at least one."""
+    if not _multi_process():
+        return flag
+    return sum_or_max([1.0 if flag else 0.0], "max")[0] > 0
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (JSON-like values), in rank order."""
+    if not _multi_process():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    """Waits until every rank has arrived."""
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,109 @@
+"""The train unit: what one stage contributes to the training loop.
+
+The loop (:class:`megasemface.training.trainer.Trainer`) reads batches, seeds every step,
+agrees on skipped steps and signals, steps the optimizer, logs and checkpoints; it knows
+nothing of stages. A unit owns the rest: the model and which of its parameters train, the
+loss of a batch, the stage's health figures and its work between steps (validation), the
+counters it keeps in checkpoints and what it adds to a checkpoint's metadata. The engine is
+passed to every call that runs the model, since the model runs through DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from megasemface.data.loader import TokenBatch
+from megasemface.distributed.engine import DeepSpeedEngine
+from megasemface.distributed.groups import ParallelGroups
+from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.objectives.stages import ObjectiveConfig, StageOutput
+from megasemface.tracking.mlflow_tracker import Tracker
+from megasemface.training.options import TrainConfig
+from megasemface.training.run_data import RunData
+
+__all__ = ["TrainUnit", "model_config_from", "objective_config_from"]
+
+
+def model_config_from(config: TrainConfig, data: RunData) -> ModelConfig:
+    """The model shape of a run that starts from no model directory: the preset, the
+    tokenizer's sizes and special ids, then the user's ``--model`` options."""
+    tokenizer = data.tokenizer
+    sizes = [
+        f"vocab_size={tokenizer.vocab_size}",
+        f"num_langs={len(data.languages)}",
+        f"pad_id={tokenizer.pad_id}",
+        f"mask_id={tokenizer.mask_id}",
+    ]
+    return build_model_config(
+        config.preset, [*sizes, *config.model_options], config_file=config.model_config_file
+    )
+
+
+def objective_config_from(config: TrainConfig) -> ObjectiveConfig:
+    """The pre-training losses' options and weights."""
+    return ObjectiveConfig(
+        decoder_objective=config.decoder_objective,
+        mse_weight=config.mse_weight,
+        diversity_weight=config.diversity_weight,
+        l2_weight=config.l2_weight,
+        commitment_weight=config.commitment_weight,
+        token_entropy_weight=config.token_entropy_weight,
+        extractor_diversity=config.extractor_diversity,
+    )
+
+
+class TrainUnit(abc.ABC):
+    """One stage of training: built from the run's config, data and parallel groups."""
+
+    lr_schedule: ClassVar[str] = "deepspeed"
+    """The learning-rate schedule when ``--lr-schedule`` is not given."""
+
+    model: nn.Module
+    """The module the engine wraps; its ``forward`` is what :meth:`loss` calls."""
+    model_config: ModelConfig
+
+    def __init__(self, config: TrainConfig, data: RunData, groups: ParallelGroups) -> None:
+        self.config = config
+        self.data = data
+        self.groups = groups
+        self.parent_runs: dict[str, str] = {}
+        """MLflow run ids of the runs this one starts from, by stage name."""
+
+    @abc.abstractmethod
+    def trainable(self) -> list[nn.Parameter]:
+        """The parameters the optimizer updates (the rest are frozen or not trained here)."""
+
+    def loader_max_len(self) -> int:
+        """The longest sample the loader yields: room for ``</s>`` and the language tag."""
+        return self.model_config.max_len - 2
+
+    @abc.abstractmethod
+    def loss(
+        self, engine: DeepSpeedEngine, batch: TokenBatch, generator: torch.Generator, step: int
+    ) -> StageOutput:
+        """The loss of ``batch`` at ``step``; ``generator`` draws the step's masks and noise."""
+
+    def health(self, engine: DeepSpeedEngine, step: int) -> dict[str, float]:
+        """Figures over the logging window, logged with the losses (a collective)."""
+        return {}
+
+    def after_step(  # noqa: B027 (an optional hook)
+        self, engine: DeepSpeedEngine, step: int, tracker: Tracker
+    ) -> None:
+        """Runs on every rank after each step, before any checkpoint (validation)."""
+
+    def meta(self, engine: DeepSpeedEngine) -> dict[str, Any]:
+        """What the stage adds to a checkpoint's metadata; at least ``interface``, the
+        fingerprint of its semantic interface (a collective under ZeRO-3)."""
+        return {"interface": {"kind": self.config.stage}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters the stage keeps in checkpoints (JSON values)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 (optional)
+        """Restores :meth:`state_dict` from a checkpoint's client state."""

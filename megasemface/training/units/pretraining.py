@@ -1,0 +1,150 @@
+"""Pre-training units: SemFace's encoder, decoder and joint stages (XLM is the encoder stage
+without an interface) and mBART's denoising baseline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from megasemface.checkpoints import load_codebook
+from megasemface.data.loader import TokenBatch
+from megasemface.distributed.collectives import rank
+from megasemface.distributed.engine import DeepSpeedEngine
+from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces.factory import build_interface
+from megasemface.objectives.noising import sentence_boundary_ids
+from megasemface.objectives.sequences import SequenceBatch
+from megasemface.objectives.stages import DenoisingSeq2Seq, SemFaceModel, StageOutput
+from megasemface.training.options import TrainConfig
+from megasemface.training.run_data import RunData
+from megasemface.training.units.base import (
+    TrainUnit,
+    model_config_from,
+    objective_config_from,
+)
+
+__all__ = ["DenoisingUnit", "SemFaceUnit"]
+
+
+class _MonolingualUnit(TrainUnit):
+    """A unit that reads monolingual shards, one language per batch."""
+
+    def __init__(self, config: TrainConfig, data: RunData, groups: ParallelGroups) -> None:
+        super().__init__(config, data, groups)
+        if data.pairs:
+            raise ValueError(
+                f"{config.data} holds parallel data ({sorted(data.pairs)}); pre-training "
+                "stages read monolingual shards (parallel shards are for --stage finetune)"
+            )
+        self.model_config = model_config_from(config, data)
+
+    def sequence_batch(self, batch: TokenBatch) -> SequenceBatch:
+        return SequenceBatch(
+            batch.tokens, batch.lengths, self.data.lang_index(batch.lang, len(batch.lengths))
+        )
+
+
+class SemFaceUnit(_MonolingualUnit):
+    """``--stage encoder|decoder|joint``: the SemFace model with its interface; a stage
+    trains its own part, everything else is frozen and kept out of the optimizer."""
+
+    def __init__(self, config: TrainConfig, data: RunData, groups: ParallelGroups) -> None:
+        super().__init__(config, data, groups)
+        interface = build_interface(
+            config.interface,
+            self.model_config,
+            groups=groups,
+            seed=config.seed,
+            cl_table=config.cl_table,
+            cl_trainable=config.cl_trainable,
+        )
+        model = SemFaceModel(
+            self.model_config, interface, data.special, objective_config_from(config)
+        )
+        if config.stage == "decoder" and config.interface == "vq":
+            self._load_codebook(model)
+        model.stage = config.stage  # type: ignore[assignment]
+        if config.stage == "encoder":
+            keep = model.encoder_stage_parameters()
+        elif config.stage == "decoder":
+            keep = model.decoder_stage_parameters()
+        else:
+            keep = model.encoder_stage_parameters() + model.decoder_stage_parameters()
+        kept = {id(p) for p in keep}
+        for param in model.parameters():
+            if id(param) not in kept:
+                param.requires_grad_(False)
+        self.model = model
+        self._trainable = [p for p in keep if p.requires_grad]
+
+    def _load_codebook(self, model: SemFaceModel) -> None:
+        """The frozen VQ layer of an encoder-stage run, cut for this model-parallel rank."""
+        source = self.config.init_from
+        assert source is not None  # TrainConfig requires it for the VQ decoder stage
+        codebook = load_codebook(source)  # a run, a checkpoint or a pretraining model dir
+        if codebook.meta.get("vocab_sha256") != self.data.tokenizer.sha256:
+            raise ValueError(f"{source} was trained with another SentencePiece model")
+        quantizer = model.interface.quantizer  # type: ignore[union-attr]
+        quantizer.load_state_dict(codebook.for_rank(self.groups.mp_rank, self.groups.mp_size))
+        quantizer.freeze()
+        self.parent_runs["encoder"] = codebook.meta.get("mlflow_run_id") or ""
+
+    def trainable(self) -> list[nn.Parameter]:
+        return self._trainable
+
+    def loss(
+        self, engine: DeepSpeedEngine, batch: TokenBatch, generator: torch.Generator, step: int
+    ) -> StageOutput:
+        interface = engine.module.interface
+        if hasattr(interface, "set_step"):
+            interface.set_step(step)  # the Gumbel temperature schedule
+        return engine.forward(self.sequence_batch(batch), generator)
+
+    def health(self, engine: DeepSpeedEngine, step: int) -> dict[str, float]:
+        """The interface's health over the logging window, with a warning on rank 0 when a
+        VQ codebook's argmax falls into a few codes."""
+        figures = engine.module.interface.health()
+        for prefix, part in (("vq_", "encoder"), ("dec_vq_", "decoder-stage extractor")):
+            if f"{prefix}codes_used" not in figures or rank() != 0:
+                continue
+            used, tokens = figures[f"{prefix}codes_used"], figures[f"{prefix}tokens"]
+            codes = used + figures[f"{prefix}dead_codes"]
+            if used < self.config.codebook_warn_fraction * min(codes, tokens):
+                print(
+                    f"warning: step {step}: the {part} picked {used:.0f} of {codes:.0f} VQ codes "
+                    f"for {tokens:.0f} tokens since the last log (histogram perplexity "
+                    f"{figures[f'{prefix}code_perplexity']:.1f}): the codebook is collapsing; "
+                    "raise --diversity-weight or check --model vq.diversity_loss",
+                    flush=True,
+                )
+        return figures
+
+    def meta(self, engine: DeepSpeedEngine) -> dict[str, Any]:
+        interface = engine.module.interface
+        with engine.gathered(interface.parameters()):  # the fingerprint hashes the weights
+            return {"interface": interface.fingerprint()}
+
+
+class DenoisingUnit(_MonolingualUnit):
+    """``--stage mbart``: the sequence-to-sequence model reconstructs noised text."""
+
+    def __init__(self, config: TrainConfig, data: RunData, groups: ParallelGroups) -> None:
+        super().__init__(config, data, groups)
+        processor = data.tokenizer.processor
+        pieces = [processor.id_to_piece(i) for i in range(len(data.tokenizer))]
+        self.model = DenoisingSeq2Seq(
+            self.model_config,
+            data.special,
+            objective_config_from(config),
+            tuple(sentence_boundary_ids(pieces)),
+        )
+
+    def trainable(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def loss(
+        self, engine: DeepSpeedEngine, batch: TokenBatch, generator: torch.Generator, step: int
+    ) -> StageOutput:
+        return engine.forward(self.sequence_batch(batch), generator)
