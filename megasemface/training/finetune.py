@@ -37,7 +37,7 @@ from megasemface.models.model_dir import load_model_dir, read_model_dir_info, sa
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
 from megasemface.objectives.stages import StageOutput
 from megasemface.objectives.translation import TranslationModel
-from megasemface.tracking.mlflow_tracker import Tracker
+from megasemface.tracking.tracker import Tracker
 from megasemface.training.options import TrainConfig
 from megasemface.training.trainer import Trainer
 

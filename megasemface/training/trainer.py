@@ -39,7 +39,8 @@ from megasemface.objectives.stages import (
     SemFaceModel,
     StageOutput,
 )
-from megasemface.tracking.mlflow_tracker import MLflowTracker, NullTracker, Tracker
+from megasemface.tracking.mlflow_tracker import MLflowTracker
+from megasemface.tracking.tracker import NullTracker, Tracker
 from megasemface.training.checkpoint import CheckpointManager
 from megasemface.training.engine import DeepSpeedEngine
 from megasemface.training.options import TrainConfig
