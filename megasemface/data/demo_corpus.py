@@ -24,7 +24,6 @@ import math
 import os
 import re
 import struct
-import tempfile
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,6 +31,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from megasemface.files import atomic_write_text
 
 __all__ = [
     "DEFAULT_LOCALE_DIR",
@@ -599,19 +600,10 @@ def _line_order(line: str) -> tuple[str, str]:
     return stable_hash(line), line
 
 
-def _write_atomic(path: Path, lines: Iterable[str]) -> None:
-    """Writes lines through a temporary file and os.replace, so a reader never sees half."""
+def _write_lines(path: Path, lines: Iterable[str]) -> None:
+    """Writes one line per item, atomically (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.writelines(f"{line}\n" for line in lines)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, "".join(f"{line}\n" for line in lines))
 
 
 def _check_options(
@@ -690,7 +682,7 @@ def build_demo_corpus(
     for lang, texts in mono_sets.items():
         lines = sorted(texts - held_out, key=_line_order)
         path = Path("mono", f"{lang}.txt")
-        _write_atomic(out_dir / path, lines)
+        _write_lines(out_dir / path, lines)
         mono_report[lang] = {
             "file": str(path),
             "lines": len(lines),
@@ -705,10 +697,10 @@ def build_demo_corpus(
             pairs.sort(key=_pair_order)
             for side, lang_code in enumerate((SOURCE_LANG, lang)):
                 path = out_dir / "parallel" / pair / f"{name}.{lang_code}"
-                _write_atomic(path, (p[side] for p in pairs))
+                _write_lines(path, (p[side] for p in pairs))
         all_pairs = {p for pairs in harvests[lang].pairs_by_domain.values() for p in pairs}
         entries = build_dictionary(all_pairs, common_words)
-        _write_atomic(out_dir / "dict" / f"{pair}.tsv", (f"{s}\t{t}" for s, t in entries))
+        _write_lines(out_dir / "dict" / f"{pair}.tsv", (f"{s}\t{t}" for s, t in entries))
         pair_report[pair] = {
             "directory": str(Path("parallel", pair)),
             "unique_pairs": len(all_pairs),
@@ -733,5 +725,5 @@ def build_demo_corpus(
         "pairs": pair_report,
         "mono": mono_report,
     }
-    _write_atomic(out_dir / "report.json", [json.dumps(report, indent=2, ensure_ascii=False)])
+    _write_lines(out_dir / "report.json", [json.dumps(report, indent=2, ensure_ascii=False)])
     return report

@@ -35,7 +35,6 @@ import math
 import multiprocessing
 import os
 import random
-import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -48,6 +47,7 @@ import sentencepiece as spm
 
 from megasemface.data.languages import lang_from_tag, lang_tag, temperature_probs
 from megasemface.data.textio import CorpusSpec, iter_lines
+from megasemface.files import atomic_write_bytes, atomic_write_text
 
 __all__ = [
     "BOS_ID",
@@ -395,22 +395,6 @@ def _validate_corpora(corpora: Sequence[CorpusSpec]) -> None:
                 )
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Writes ``data`` to a temporary file next to ``path``, then renames it into place."""
-    # Not tempfile.mkstemp: it creates files with mode 0600 whatever the umask, and the model
-    # must be readable by whoever runs training. "x" still refuses to clobber anything.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _vocab_text(processor: spm.SentencePieceProcessor) -> str:
     # Same format as SentencePiece's own .vocab file ("piece<TAB>score", score printed with
     # six significant digits); written by us because model_writer skips the .vocab file.
@@ -595,10 +579,10 @@ def train_spm(
         # Lists rather than tuples, so the returned report equals the JSON file's contents.
         "config": {**asdict(config), "extra_control_symbols": list(config.extra_control_symbols)},
     }
-    _atomic_write(model_path, model)
-    _atomic_write(vocab_path, _vocab_text(tokenizer.processor).encode("utf-8"))
+    atomic_write_bytes(model_path, model)
+    atomic_write_text(vocab_path, _vocab_text(tokenizer.processor))
     # The report goes last: its presence means the model and vocab beside it are complete.
-    _atomic_write(report_path, (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode())
+    atomic_write_text(report_path, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return report
 
 
