@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path
 from megasemface.embeddings import CLEmbeddingConfig, SkipGramConfig, build_cl_embeddings

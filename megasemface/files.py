@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "write_atomically"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "fsync_directory", "write_atomically"]
 
 
 def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
@@ -52,3 +52,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
     """Write ``text`` to ``path`` atomically, as it is (no newline translation)."""
     atomic_write_bytes(path, text.encode(encoding))
+
+
+def fsync_directory(path: str | os.PathLike[str]) -> None:
+    """Flush a directory's entries to disk, so that a rename into it survives a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

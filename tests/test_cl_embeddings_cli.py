@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path
 from megasemface.interfaces.cross_lingual import CrossLingualInterface, load_embedding_table

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from megasemface.data.demo_corpus import build_demo_corpus
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path, parse_parallel
 from megasemface.data.tokenizer import Tokenizer
