@@ -29,10 +29,11 @@ import sentencepiece as spm
 from megasemface.data.cleaning import DropReason, clean_line
 from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
 from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.shard_format import Manifest
+from megasemface.data.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.textio import iter_lines, parse_lang_path
-from megasemface.data.tokenizer import SpmTrainConfig, train_spm
 
 
 def _clean_texts(corpus: Path) -> list[str]:

@@ -27,9 +27,11 @@ from typing import Any
 import torch
 
 from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
+from megasemface.data.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import SpmTrainConfig, Tokenizer, train_spm
+from megasemface.data.tokenizer import Tokenizer
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.config import build_model_config
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens

@@ -35,8 +35,8 @@ def demo_corpus(locale_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 @pytest.fixture(scope="session")
 def spm_model(demo_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small joint en-de BPE model trained on the demo corpus."""
+    from megasemface.data.spm_training import SpmTrainConfig, train_spm
     from megasemface.data.textio import parse_lang_path
-    from megasemface.data.tokenizer import SpmTrainConfig, train_spm
 
     prefix = tmp_path_factory.mktemp("spm") / "joint"
     corpora = parse_lang_path(

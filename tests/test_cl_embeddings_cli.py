@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
+from megasemface.data.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import SpmTrainConfig, train_spm
 from megasemface.interfaces.cross_lingual import CrossLingualInterface, load_embedding_table
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.config import build_model_config

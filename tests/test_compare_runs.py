@@ -34,7 +34,7 @@ from megasemface.tracking.compare import (
     resolve_tracking_uri,
     select_runs,
 )
-from megasemface.tracking.mlflow_tracker import flatten_params
+from megasemface.tracking.tracker import flatten_params
 
 ROOT = Path(__file__).resolve().parents[1]
 START_MS = 1_780_000_000_000  # fixed start times: durations and ordering are deterministic

@@ -13,22 +13,18 @@ from pathlib import Path
 import pytest
 
 from megasemface.cli.make_demo_corpus import main
-from megasemface.data.demo_corpus import (
+from megasemface.data.demo_corpus import NoCatalogsError, assign_domain_splits, build_demo_corpus
+from megasemface.data.gettext_catalogs import Message, MoFormatError, read_mo
+from megasemface.data.message_cleaning import (
     DROP_CONTROL_CHARS,
     DROP_MULTILINE,
     DROP_NO_LETTERS,
     DROP_TOO_LONG,
     DROP_URL_PATH_EMAIL,
-    Message,
-    MoFormatError,
-    NoCatalogsError,
-    assign_domain_splits,
-    build_demo_corpus,
     build_dictionary,
     clean_message,
     clean_message_with_reason,
     lowercase_words,
-    read_mo,
     strip_accelerators,
 )
 

@@ -20,7 +20,8 @@ from launch import (
     train_command,
 )
 
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.textio import parse_lang_path, parse_parallel
 from megasemface.data.tokenizer import Tokenizer
 from megasemface.models.config import build_model_config

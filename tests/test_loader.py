@@ -18,7 +18,8 @@ import webdataset as wds
 
 from megasemface.data.languages import temperature_probs
 from megasemface.data.loader import DataError, LoaderConfig, ShardLoader, ShardSource, TokenBatch
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.shard_format import Manifest
 from megasemface.data.textio import parse_lang_path
 

@@ -40,7 +40,8 @@ from megasemface.checkpoints import (
 )
 from megasemface.checkpoints.codebook import SPLIT_KEYS
 from megasemface.cli.merge_checkpoints import main as merge_main
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.textio import parse_lang_path
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.vector_quantized import VectorQuantizedInterface

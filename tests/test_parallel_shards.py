@@ -21,7 +21,8 @@ import zstandard
 from megasemface.cli.build_shards import main as build_shards_main
 from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.data.pairs import split_pairs
-from megasemface.data.shard_builder import ShardBuildConfig, ShardBuildError, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig, ShardBuildError
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.shard_format import Manifest, PairLayout, iter_shard_chunks
 from megasemface.data.textio import parse_parallel
 

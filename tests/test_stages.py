@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.shard_format import Manifest
 from megasemface.data.textio import parse_lang_path
 from megasemface.data.tokenizer import Tokenizer

@@ -1,4 +1,4 @@
-"""Tests for joint SentencePiece training (megasemface.data.tokenizer) and its CLI.
+"""Tests for joint SentencePiece training (megasemface.data.spm_training), the tokenizer, the CLI.
 
 Corpora are generated here: seeded random words over Latin, Cyrillic and Gujarati alphabets,
 with Zipf-like word frequencies so that BPE has real merges to learn. Models are tiny
@@ -20,16 +20,15 @@ import pytest
 
 from megasemface.cli.train_spm import main as cli_main
 from megasemface.data.languages import lang_tag, temperature_probs
-from megasemface.data.textio import CorpusSpec
-from megasemface.data.tokenizer import (
+from megasemface.data.spm_sampling import (
     LanguageSample,
-    SpmTrainConfig,
-    Tokenizer,
     balanced_sentences,
     compute_quotas,
     reservoir_sample,
-    train_spm,
 )
+from megasemface.data.spm_training import SpmTrainConfig, train_spm
+from megasemface.data.textio import CorpusSpec
+from megasemface.data.tokenizer import Tokenizer
 
 ALPHABETS = {
     "en": "abcdefghijklmnopqrstuvwxyz",

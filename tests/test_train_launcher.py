@@ -22,7 +22,8 @@ from launch import (
 )
 from safetensors.torch import save_file
 
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.textio import parse_lang_path
 from megasemface.data.tokenizer import Tokenizer
 from megasemface.distributed.engine import consolidated_state

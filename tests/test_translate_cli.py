@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,14 @@ def tool(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[
         capture_output=True,
         cwd=ROOT,
     )
+
+
+def test_model_dir_files_are_readable_by_everyone_the_umask_allows(model_dir: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in model_dir.iterdir()}
+    assert "model.safetensors" in modes
+    assert set(modes.values()) == {0o666 & ~umask}
 
 
 def test_token_batches() -> None:

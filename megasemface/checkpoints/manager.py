@@ -14,24 +14,19 @@ and is removed by the next save.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from megasemface.checkpoints.layout import MARKER, TAG_PATTERN, checkpoint_tag
+from megasemface.files import atomic_write_text
 
 __all__ = ["CheckpointManager"]
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj))
 
 
 class CheckpointManager:

@@ -17,7 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from megasemface.data.shard_builder import ShardBuildConfig, ShardBuildError, build_shards
+from megasemface.data.shard_build_config import ShardBuildConfig, ShardBuildError
+from megasemface.data.shard_builder import build_shards
 from megasemface.data.textio import parse_lang_path, parse_parallel
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.data import demo_corpus as dc
+from megasemface.data.message_cleaning import DEFAULT_MAX_CHARS
 
 _PROG = "make_demo_corpus"
 
@@ -26,7 +27,7 @@ def _langs(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser; defaults come from megasemface.data.demo_corpus."""
+    """The argument parser; defaults come from the demo corpus and message cleaning modules."""
     parser = argparse.ArgumentParser(prog=_PROG, description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
         "--langs",
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-chars",
         type=int,
-        default=dc.DEFAULT_MAX_CHARS,
+        default=DEFAULT_MAX_CHARS,
         help="drop longer messages (default: %(default)s)",
     )
     parser.add_argument(

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megasemface.data.spm_training import MODEL_TYPES, SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import MODEL_TYPES, SpmTrainConfig, train_spm
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,104 +23,49 @@ import json
 import math
 import os
 import re
-import struct
-import tempfile
-import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megasemface.data.gettext_catalogs import MoFormatError, find_catalogs, parse_mo
+from megasemface.data.message_cleaning import (
+    DEFAULT_MAX_CHARS,
+    DROP_IDENTICAL,
+    CleanResult,
+    build_dictionary,
+    clean_message_with_reason,
+    lowercase_words,
+)
+from megasemface.files import atomic_write_text
+
 __all__ = [
     "DEFAULT_LOCALE_DIR",
-    "DEFAULT_MAX_CHARS",
     "DEFAULT_MIN_TEST_PAIRS",
     "DEFAULT_TEST_FRACTION",
     "DEFAULT_VALID_FRACTION",
-    "DROP_CONTROL_CHARS",
-    "DROP_IDENTICAL",
-    "DROP_MULTILINE",
-    "DROP_NO_LETTERS",
-    "DROP_TOO_LONG",
-    "DROP_URL_PATH_EMAIL",
     "SOURCE_LANG",
     "SPLITS",
-    "Catalog",
-    "CleanResult",
     "DemoCorpusError",
-    "Message",
-    "MoFormatError",
     "NoCatalogsError",
     "assign_domain_splits",
     "build_demo_corpus",
-    "build_dictionary",
-    "clean_message",
-    "clean_message_with_reason",
     "domain_order",
-    "find_catalogs",
-    "is_dictionary_entry",
-    "lowercase_words",
-    "parse_mo",
-    "read_mo",
     "stable_hash",
-    "strip_accelerators",
 ]
 
 SOURCE_LANG = "en"
 DEFAULT_LOCALE_DIR = Path("/usr/share/locale")
-DEFAULT_MAX_CHARS = 200
 DEFAULT_TEST_FRACTION = 0.1
 DEFAULT_VALID_FRACTION = 0.05
 DEFAULT_MIN_TEST_PAIRS = 200
 SPLITS = ("train", "valid", "test")
 
-DROP_MULTILINE = "multiline"
-DROP_NO_LETTERS = "no_letters"
-DROP_CONTROL_CHARS = "control_chars"
-DROP_TOO_LONG = "too_long"
-DROP_URL_PATH_EMAIL = "url_path_email"
-DROP_IDENTICAL = "identical"  # a translation that merely copies its English source
-
 # The test set may take at most this share of a pair, whatever --min-test-pairs asks:
 # a tiny language keeps training data instead of handing it all to evaluation.
 _MAX_TEST_SHARE = 0.5
 
-_MO_MAGIC = 0x950412DE
-_MO_HEADER_SIZE = 28  # magic, revision, count, two table offsets, hash size and offset
-_MO_MAJOR_REVISIONS = (0, 1)
-
-_CHARSET_RE = re.compile(rb"^content-type:[^\n]*?charset\s*=\s*([^\s;]+)", re.I | re.M)
-_LINE_BREAKS = ("\n", "\r", "\x85", "\u2028", "\u2029")
-# Non-breaking spaces are typography (French puts one before ':'), not layout: keep them.
-_SPACE_RUN_RE = re.compile(r"[^\S\u00a0\u202f]+")
-# CJK UIs append the accelerator in brackets: "ファイル(_F)", "打开(&O)...".
-_BRACKETED_ACCEL_RE = re.compile(r"\s*\([_&][^\W_]\)")
-# An accelerator marker starts a word and precedes a letter: "_File", "Save &As".
-_MARKER_RE = re.compile(r"(?<![\w&])[_&](?=[^\W\d_])")
-_ENTITY_RE = re.compile(r"&(?:#[0-9]+|#[xX][0-9a-fA-F]+|[A-Za-z][A-Za-z0-9]*);")
-_WORD_RE = re.compile(r"\w*")
-_URL_PATH_EMAIL_RE = re.compile(
-    r"""
-      \b[a-z][a-z0-9+.-]*://                  # scheme://host (http, ftp, file, ...)
-    | \bwww\.\w                               # bare web address
-    | [\w.+-]+@[\w-]+(?:\.[\w-]+)+            # e-mail address
-    | (?:^|[\s"'(<\[=`])(?:~|\.{1,2})?/[\w.-]  # absolute, home or relative path
-    | \b[a-z]:\\                              # Windows drive path
-    """,
-    re.I | re.X,
-)
-_LETTER_RE = re.compile(r"[^\W\d_]")
-_LETTERS_RE = re.compile(r"[^\W\d_]+")
-_PLACEHOLDER_RE = re.compile(
-    r"%(?:\d+\$|\(\w+\))?[-+ #0']*(?:\*|\d+)?(?:\.(?:\*|\d+))?"  # printf and Python %(name)s
-    r"(?:hh|h|ll|l|L|j|z|t)?[diouxXeEfFgGaAcspm]"
-    r"|\{\w*\}"  # str.format and brace templates
-)
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
-_WORD_JOINER_RE = re.compile(r"[-'’]")
-_JOINERS = frozenset("\u200c\u200d")  # ZWNJ/ZWJ shape Indic and Persian words
 _LANG_RE = re.compile(r"[A-Za-z]{2,3}(?:_[A-Za-z0-9]+)?(?:@[A-Za-z0-9]+)?")
 
 
@@ -130,241 +75,6 @@ class DemoCorpusError(Exception):
 
 class NoCatalogsError(DemoCorpusError):
     """A requested language has no readable catalog under the locale directory."""
-
-
-class MoFormatError(ValueError):
-    """A file is not a well-formed gettext ``.mo`` catalog."""
-
-
-@dataclass(frozen=True)
-class Message:
-    """One catalog entry: context stripped, plural forms reduced to the singular.
-
-    ``msgstr`` is empty when the entry is untranslated.
-    """
-
-    msgid: str
-    msgstr: str
-    context: str | None = None
-    plural: bool = False
-
-
-@dataclass(frozen=True)
-class Catalog:
-    """A parsed ``.mo`` file. The counts are independent: a plural entry may be untranslated.
-
-    ``entries`` counts every entry but the header; entries that do not decode in the
-    catalog's charset are counted in ``undecodable`` and left out of ``messages``.
-    """
-
-    path: Path
-    domain: str
-    charset: str
-    charset_known: bool
-    messages: tuple[Message, ...]
-    entries: int
-    contexts: int
-    plurals: int
-    untranslated: int
-    undecodable: int
-
-
-@dataclass(frozen=True)
-class CleanResult:
-    """The cleaned text, or None and the drop reason (one of the ``DROP_*`` names)."""
-
-    text: str | None
-    reason: str | None = None
-
-
-def read_mo(path: str | os.PathLike[str]) -> Catalog:
-    """Reads a gettext ``.mo`` catalog; raises MoFormatError when it is malformed."""
-    path = Path(path)
-    return parse_mo(path.read_bytes(), path=path)
-
-
-def parse_mo(data: bytes, *, path: str | os.PathLike[str] = "<memory>.mo") -> Catalog:
-    """Parses the bytes of a ``.mo`` catalog in either byte order; the domain is the file stem.
-
-    Every offset and length is checked against the file size before it is used, so a
-    truncated or corrupt file raises MoFormatError instead of yielding garbage.
-    """
-    path = Path(path)
-    size = len(data)
-    if size < _MO_HEADER_SIZE:
-        raise MoFormatError(f"{path}: {size} bytes, shorter than the {_MO_HEADER_SIZE}-byte header")
-    for order in ("<", ">"):
-        if struct.unpack_from(order + "I", data)[0] == _MO_MAGIC:
-            break
-    else:
-        raise MoFormatError(f"{path}: bad magic number 0x{data[:4].hex()}, not a gettext catalog")
-    revision, count, orig_offset, trans_offset, hash_size, hash_offset = struct.unpack_from(
-        order + "6I", data, 4
-    )
-    if revision >> 16 not in _MO_MAJOR_REVISIONS:
-        raise MoFormatError(
-            f"{path}: unsupported format revision {revision >> 16}.{revision & 0xFFFF}"
-        )
-    _check_span(path, "original-string table", orig_offset, 8 * count, size)
-    _check_span(path, "translation table", trans_offset, 8 * count, size)
-    if hash_size:
-        _check_span(path, "hash table", hash_offset, 4 * hash_size, size)
-
-    descriptor = struct.Struct(order + "2I")
-    raw: list[tuple[bytes, bytes]] = []
-    for index in range(count):
-        orig_len, orig_off = descriptor.unpack_from(data, orig_offset + 8 * index)
-        trans_len, trans_off = descriptor.unpack_from(data, trans_offset + 8 * index)
-        _check_span(path, f"original string {index}", orig_off, orig_len, size)
-        _check_span(path, f"translation {index}", trans_off, trans_len, size)
-        raw.append((data[orig_off : orig_off + orig_len], data[trans_off : trans_off + trans_len]))
-
-    header = next((msgstr for msgid, msgstr in raw if msgid == b""), b"")
-    match = _CHARSET_RE.search(header)
-    charset = match.group(1).decode("ascii", "replace") if match else "UTF-8"
-    encoding, charset_known = charset, True
-    try:
-        "".encode(encoding)  # LookupError for unknown names and for non-text codecs (rot13)
-    except LookupError:
-        # Placeholder charsets ("CHARSET") still hold ASCII or UTF-8 in practice; any other
-        # bytes then fail to decode and are counted, which is safer than guessing.
-        encoding, charset_known = "utf-8", False
-
-    messages: list[Message] = []
-    counts: Counter[str] = Counter()
-    for msgid_raw, msgstr_raw in raw:
-        if msgid_raw == b"":
-            continue  # the header entry: metadata, not a message
-        counts["entries"] += 1
-        context_raw: bytes | None = None
-        if b"\x04" in msgid_raw:
-            context_raw, msgid_raw = msgid_raw.split(b"\x04", 1)
-            counts["contexts"] += 1
-        plural = b"\x00" in msgid_raw
-        if plural:
-            counts["plurals"] += 1
-            msgid_raw = msgid_raw.split(b"\x00", 1)[0]
-            msgstr_raw = msgstr_raw.split(b"\x00", 1)[0]
-        try:
-            msgid = msgid_raw.decode(encoding)
-            msgstr = msgstr_raw.decode(encoding)
-            context = None if context_raw is None else context_raw.decode(encoding)
-        except UnicodeDecodeError:
-            counts["undecodable"] += 1
-            continue
-        if not msgstr:
-            counts["untranslated"] += 1
-        messages.append(Message(msgid, msgstr, context, plural))
-    return Catalog(
-        path=path,
-        domain=path.stem,
-        charset=charset,
-        charset_known=charset_known,
-        messages=tuple(messages),
-        entries=counts["entries"],
-        contexts=counts["contexts"],
-        plurals=counts["plurals"],
-        untranslated=counts["untranslated"],
-        undecodable=counts["undecodable"],
-    )
-
-
-def _check_span(path: Path, what: str, offset: int, length: int, size: int) -> None:
-    if offset + length > size:
-        raise MoFormatError(
-            f"{path}: {what} at offset {offset} (+{length} bytes) lies beyond the "
-            f"end of the file ({size} bytes); the catalog is truncated or corrupt"
-        )
-
-
-def strip_accelerators(text: str) -> str:
-    """Removes keyboard-accelerator markers: ``_File``, ``&File``, ``Datei(_F)``.
-
-    A marker is removed only at a word start before a letter and only when the string has
-    exactly one, so identifiers (``file_name``, ``_NET_WM_NAME``), entities (``&amp;``),
-    escaped ampersands (``&&``) and strings with several underscores are left alone.
-    """
-    text = _BRACKETED_ACCEL_RE.sub("", text)
-    markers = [m.start() for m in _MARKER_RE.finditer(text) if _is_marker(text, m.start())]
-    if len(markers) != 1:
-        return text
-    return text[: markers[0]] + text[markers[0] + 1 :]
-
-
-def _is_marker(text: str, pos: int) -> bool:
-    """Whether the ``_``/``&`` found by _MARKER_RE at ``pos`` is not an entity or identifier."""
-    if text[pos] == "&":
-        return _ENTITY_RE.match(text, pos) is None
-    word = _WORD_RE.match(text, pos + 1)
-    return word is None or "_" not in word.group()  # "_NET_WM_NAME" is an identifier
-
-
-def clean_message_with_reason(text: str, *, max_chars: int = DEFAULT_MAX_CHARS) -> CleanResult:
-    """Cleans one side of a message, or says why it is not corpus material.
-
-    Multi-line strings are dropped before spaces are collapsed: they are help texts and
-    tables whose line structure carries meaning that a one-line corpus cannot keep.
-    """
-    if any(brk in text for brk in _LINE_BREAKS):
-        return CleanResult(None, DROP_MULTILINE)
-    text = _SPACE_RUN_RE.sub(" ", strip_accelerators(text)).strip()
-    # Letters inside placeholders ("%s: %d", "{name}") are not text.
-    if not _LETTER_RE.search(_PLACEHOLDER_RE.sub("", text)):
-        return CleanResult(None, DROP_NO_LETTERS)
-    if _CONTROL_RE.search(text):
-        return CleanResult(None, DROP_CONTROL_CHARS)  # terminal escapes, bells
-    if len(text) > max_chars:
-        return CleanResult(None, DROP_TOO_LONG)
-    # The cheap test first: every URL, path and address holds one of these characters.
-    if any(ch in text for ch in "/@\\.") and _URL_PATH_EMAIL_RE.search(text):
-        return CleanResult(None, DROP_URL_PATH_EMAIL)
-    return CleanResult(text)
-
-
-def clean_message(text: str, *, max_chars: int = DEFAULT_MAX_CHARS) -> str | None:
-    """The cleaned text, or None when it is dropped (see clean_message_with_reason)."""
-    return clean_message_with_reason(text, max_chars=max_chars).text
-
-
-def _is_single_word(text: str) -> bool:
-    """Letters and combining marks, joined at most by hyphens or apostrophes.
-
-    Marks count because Indic vowel signs are marks, not letters: "ફાઇલ" is one word, and
-    so are "E-Mail" and "aujourd'hui".
-    """
-    parts = _WORD_JOINER_RE.split(text)
-    return text[:1].isalpha() and all(
-        part and all(ch in _JOINERS or unicodedata.category(ch)[0] in "LM" for ch in part)
-        for part in parts
-    )
-
-
-def is_dictionary_entry(source: str, target: str) -> bool:
-    """True for a one-word pair: an English word of letters only, a one-word translation."""
-    return source.isalpha() and _is_single_word(target) and source.lower() != target.lower()
-
-
-def lowercase_words(texts: Iterable[str]) -> set[str]:
-    """The words written in lower case somewhere in ``texts``."""
-    return {word for text in texts for word in _LETTERS_RE.findall(text) if word.islower()}
-
-
-def build_dictionary(
-    pairs: Iterable[tuple[str, str]], common_words: AbstractSet[str]
-) -> list[tuple[str, str]]:
-    """Lower-cased one-word entries of ``pairs`` whose English is in ``common_words``, sorted.
-
-    Pass lowercase_words() of the English text: a word never written in lower case is taken
-    for a name (language, country, program), and names, transliterated rather than
-    translated, make poor gold entries for lexicon induction.
-    """
-    return sorted(
-        {
-            (source.lower(), target.lower())
-            for source, target in pairs
-            if is_dictionary_entry(source, target) and source.lower() in common_words
-        }
-    )
 
 
 def stable_hash(text: str) -> str:
@@ -436,14 +146,6 @@ def assign_domain_splits(
                     filled[pair][split] += size
                 break
     return assignment
-
-
-def find_catalogs(locale_dir: str | os.PathLike[str], lang: str) -> list[Path]:
-    """The ``.mo`` files of one language, sorted by name."""
-    catalog_dir = Path(locale_dir) / lang / "LC_MESSAGES"
-    if not catalog_dir.is_dir():
-        return []
-    return sorted(p for p in catalog_dir.iterdir() if p.suffix == ".mo" and p.is_file())
 
 
 @dataclass
@@ -599,19 +301,10 @@ def _line_order(line: str) -> tuple[str, str]:
     return stable_hash(line), line
 
 
-def _write_atomic(path: Path, lines: Iterable[str]) -> None:
-    """Writes lines through a temporary file and os.replace, so a reader never sees half."""
+def _write_lines(path: Path, lines: Iterable[str]) -> None:
+    """Writes one line per item, atomically (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.writelines(f"{line}\n" for line in lines)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, "".join(f"{line}\n" for line in lines))
 
 
 def _check_options(
@@ -690,7 +383,7 @@ def build_demo_corpus(
     for lang, texts in mono_sets.items():
         lines = sorted(texts - held_out, key=_line_order)
         path = Path("mono", f"{lang}.txt")
-        _write_atomic(out_dir / path, lines)
+        _write_lines(out_dir / path, lines)
         mono_report[lang] = {
             "file": str(path),
             "lines": len(lines),
@@ -705,10 +398,10 @@ def build_demo_corpus(
             pairs.sort(key=_pair_order)
             for side, lang_code in enumerate((SOURCE_LANG, lang)):
                 path = out_dir / "parallel" / pair / f"{name}.{lang_code}"
-                _write_atomic(path, (p[side] for p in pairs))
+                _write_lines(path, (p[side] for p in pairs))
         all_pairs = {p for pairs in harvests[lang].pairs_by_domain.values() for p in pairs}
         entries = build_dictionary(all_pairs, common_words)
-        _write_atomic(out_dir / "dict" / f"{pair}.tsv", (f"{s}\t{t}" for s, t in entries))
+        _write_lines(out_dir / "dict" / f"{pair}.tsv", (f"{s}\t{t}" for s, t in entries))
         pair_report[pair] = {
             "directory": str(Path("parallel", pair)),
             "unique_pairs": len(all_pairs),
@@ -733,5 +426,5 @@ def build_demo_corpus(
         "pairs": pair_report,
         "mono": mono_report,
     }
-    _write_atomic(out_dir / "report.json", [json.dumps(report, indent=2, ensure_ascii=False)])
+    _write_lines(out_dir / "report.json", [json.dumps(report, indent=2, ensure_ascii=False)])
     return report

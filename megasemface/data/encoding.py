@@ -1,4 +1,5 @@
-"""The worker side of shard building: clean, hash and encode a block of raw lines.
+"""The worker side of shard building: clean, hash and encode a block of raw lines; and
+:class:`EncodingPool`, which runs that in order, inline or in worker processes.
 
 Kept apart from the builder so that worker processes import only numpy, SentencePiece and
 the cleaning rules.
@@ -10,16 +11,19 @@ target ids`` (see ``megasemface.data.pairs``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
-from collections.abc import Iterable
+import multiprocessing as mp
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import sentencepiece as spm
 
 from megasemface.data.cleaning import clean_aligned, line_hash
 
-__all__ = ["EncodedBlock", "init_worker", "process_block"]
+__all__ = ["EncodedBlock", "EncodingPool", "init_worker", "process_block"]
 
 _PROCESSOR: spm.SentencePieceProcessor | None = None
 
@@ -87,3 +91,38 @@ def process_block(
             longest = np.maximum(side_lengths[0], side_lengths[1])
         tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype, int(lengths.sum()))
     return EncodedBlock(statuses, kept, hashes, tokens, lengths, longest)
+
+
+class EncodingPool:
+    """Runs process_block in order, inline or on a pool with a bounded number in flight."""
+
+    def __init__(self, jobs: int, model_proto: bytes) -> None:
+        self._pool = None
+        if jobs > 1:
+            # fork starts workers in milliseconds; spawn would re-import torch (through
+            # webdataset) in each worker. The pool is made before any thread is started.
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            ctx = mp.get_context(method)
+            self._pool = ctx.Pool(jobs, initializer=init_worker, initargs=(model_proto,))
+        else:
+            init_worker(model_proto)
+        self._in_flight = 2 * jobs
+
+    def map(self, blocks: Iterable[tuple[Any, ...]]) -> Iterator[EncodedBlock]:
+        """process_block over argument tuples, results in order."""
+        if self._pool is None:
+            for args in blocks:
+                yield process_block(*args)
+            return
+        pending: collections.deque[Any] = collections.deque()
+        for args in blocks:
+            pending.append(self._pool.apply_async(process_block, args))
+            if len(pending) >= self._in_flight:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from megasemface.files import atomic_write_text
+
 __all__ = [
     "FORMAT_VERSION",
     "Chunk",
@@ -188,14 +190,8 @@ def iter_shard_chunks(
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Writes JSON through a temporary file and a rename, so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(obj, handle, indent=1, sort_keys=True, ensure_ascii=False)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    """Writes JSON as manifests and build reports are written, atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 @dataclasses.dataclass(frozen=True)

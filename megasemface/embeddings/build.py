@@ -66,6 +66,7 @@ from megasemface.embeddings.gold import (
 from megasemface.embeddings.mapping import bli_precision, normalize
 from megasemface.embeddings.skipgram import train_skipgram
 from megasemface.embeddings.table import map_language, merge_table
+from megasemface.files import write_atomically
 
 __all__ = [
     "INITS",
@@ -331,14 +332,16 @@ def _build(
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tensor_path = out_path.with_name(out_path.name + ".safetensors")
-    save_file(
-        {"embeddings": table.contiguous()},
-        str(tensor_path),
-        metadata={
-            "format": REPORT_FORMAT,
-            "spm_sha256": tokenizer.sha256,
-            "languages": ",".join(languages),
-        },
+    metadata = {
+        "format": REPORT_FORMAT,
+        "spm_sha256": tokenizer.sha256,
+        "languages": ",".join(languages),
+    }
+    write_atomically(
+        tensor_path,
+        lambda target: save_file(
+            {"embeddings": table.contiguous()}, str(target), metadata=metadata
+        ),
     )
     report["seconds"] = round(time.perf_counter() - started, 3)
     report["peak_rss_mib"] = round(_peak_mib(), 1)

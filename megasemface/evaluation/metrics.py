@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from sacrebleu.metrics import BLEU, CHRF
+
+from megasemface.tracking.run_scores import log_scores
 
 __all__ = ["EvaluationResult", "MetricScore", "evaluate", "log_to_mlflow"]
 
@@ -116,16 +117,11 @@ def log_to_mlflow(
     step: int | None = None,
 ) -> None:
     """Logs ``<prefix>bleu`` and ``<prefix>chrf`` as metrics of an existing MLflow run, and
-    each signature as the tag ``<prefix><name>_signature``.
-
-    Synchronous (one request per value): meant for the end of an evaluation, not for a
-    training step's hot path.
-    """
-    from mlflow.tracking import MlflowClient  # slow to import; only evaluation needs it
-
-    client = MlflowClient(tracking_uri)
-    client.get_run(run_id)  # fails with MLflow's own clear message for an unknown run
-    extra: dict[str, Any] = {} if step is None else {"step": step}
-    for score in result.scores:
-        client.log_metric(run_id, f"{prefix}{score.name}", score.score, **extra)
-        client.set_tag(run_id, f"{prefix}{score.name}_signature", score.signature)
+    each signature as the tag ``<prefix><name>_signature`` (see :func:`log_scores`)."""
+    log_scores(
+        tracking_uri,
+        run_id,
+        {f"{prefix}{score.name}": score.score for score in result.scores},
+        {f"{prefix}{score.name}_signature": score.signature for score in result.scores},
+        step=step,
+    )

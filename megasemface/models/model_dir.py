@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from megasemface.files import write_atomically
 from megasemface.models.config import ModelConfig, config_from_dict
 
 __all__ = [
@@ -91,7 +92,10 @@ def save_model_dir(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
+    write_atomically(
+        tmp / "model.safetensors",
+        lambda target: save_file(tensors, str(target), metadata={"format": FORMAT}),
+    )
     (tmp / "spm.model").write_bytes(spm_bytes)
     config = {
         "format": FORMAT,

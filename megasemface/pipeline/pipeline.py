@@ -36,6 +36,7 @@ from megasemface.pipeline.launcher import (
     training_complete,
 )
 from megasemface.pipeline.report import Report, build_report
+from megasemface.tracking.run_scores import log_scores
 
 __all__ = ["Pipeline"]
 
@@ -285,17 +286,11 @@ class Pipeline:
             values = [v for k, v in scores.items() if k.startswith(f"test_{metric}_")]
             scores[f"test_{metric}"] = sum(values) / len(values)
         best = json.loads((run_dir / "best" / "config.json").read_text())["meta"]
-        _log_scores(self.tracking_uri, best["parent_runs"]["finetune"], scores)
+        log_scores(
+            self.tracking_uri,
+            best["parent_runs"]["finetune"],
+            {key: float(value) for key, value in scores.items() if key.startswith("test_")},
+            {f"test_{name}_signature": sig for name, sig in scores["signatures"].items()},
+        )
         path.write_text(json.dumps(scores, indent=1))
         return scores
-
-
-def _log_scores(tracking_uri: str, run_id: str, scores: dict[str, Any]) -> None:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    for key, value in scores.items():
-        if key.startswith("test_"):
-            client.log_metric(run_id, key, float(value))
-    for name, signature in scores["signatures"].items():
-        client.set_tag(run_id, f"test_{name}_signature", signature)

@@ -1,1 +1,5 @@
-"""Experiment tracking (MLflow) for the trainer; see :mod:`megasemface.tracking.mlflow_tracker`."""
+"""Experiment tracking (MLflow) for the trainer.
+
+:mod:`megasemface.tracking.tracker` is what the trainer calls, and
+:mod:`megasemface.tracking.mlflow_tracker` records it in MLflow.
+"""

@@ -31,7 +31,8 @@ from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.distributed import collectives
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.tracking.mlflow_tracker import MLflowTracker, NullTracker, Tracker
+from megasemface.tracking.mlflow_tracker import MLflowTracker
+from megasemface.tracking.tracker import NullTracker, Tracker
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.schedules import inverse_sqrt_lr

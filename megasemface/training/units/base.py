@@ -21,7 +21,7 @@ from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.models.config import ModelConfig, build_model_config
 from megasemface.objectives.stages import ObjectiveConfig, StageOutput
-from megasemface.tracking.mlflow_tracker import Tracker
+from megasemface.tracking.tracker import Tracker
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 

@@ -30,7 +30,7 @@ from megasemface.models.model_dir import ModelDirInfo, load_model_dir, read_mode
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
 from megasemface.objectives.stages import StageOutput
 from megasemface.objectives.translation import TranslationModel
-from megasemface.tracking.mlflow_tracker import Tracker
+from megasemface.tracking.tracker import Tracker
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.schedules import parse_schedule, schedule_value

@@ -20,7 +20,7 @@ from megasemface.evaluation.metrics import evaluate
 from megasemface.models.config import ModelConfig
 from megasemface.models.model_dir import save_model_dir
 from megasemface.objectives.sequences import SequenceBatch
-from megasemface.tracking.mlflow_tracker import Tracker
+from megasemface.tracking.tracker import Tracker
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 
