@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from megasemface.distributed.groups import ParallelGroups, build_parallel_groups
-from megasemface.interfaces.vq import GumbelVectorQuantizer
+from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.config import VQConfig
 
 

@@ -41,7 +41,7 @@ from megasemface.evaluation.diagnostics import (
     word_codes,
 )
 from megasemface.evaluation.diagnostics.dictionary import whole_word_occurrences
-from megasemface.interfaces.vq import GumbelVectorQuantizer
+from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.config import VQConfig
 
 pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")

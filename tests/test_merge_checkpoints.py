@@ -46,8 +46,8 @@ from megasemface.data.textio import parse_lang_path
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
 from megasemface.models.config import config_from_dict
-from megasemface.models.connect import ConnectError
 from megasemface.models.model_dir import load_model_dir, load_seq2seq
+from megasemface.models.seq2seq_init import ConnectError
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_shared_memory")]
 

@@ -15,8 +15,8 @@ from megasemface.models.config import (
     apply_overrides,
     build_model_config,
 )
-from megasemface.models.connect import ConnectError, connect_stages
 from megasemface.models.layers import MultiHeadAttention, attention_mask
+from megasemface.models.seq2seq_init import ConnectError, connect_stages
 from megasemface.models.transformer import Seq2SeqModel, TransformerEncoder
 
 

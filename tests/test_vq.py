@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups
-from megasemface.interfaces.vq import (
+from megasemface.interfaces.gumbel_quantizer import (
     SPLIT_PARAMETERS,
     GumbelVectorQuantizer,
     gather_codebook,

@@ -25,7 +25,11 @@ from megasemface.distributed.groups import (
     build_parallel_groups,
     global_batch_sum,
 )
-from megasemface.interfaces.vq import GumbelVectorQuantizer, gather_state_dicts, shard_state_dict
+from megasemface.interfaces.gumbel_quantizer import (
+    GumbelVectorQuantizer,
+    gather_state_dicts,
+    shard_state_dict,
+)
 from megasemface.models.config import VQConfig
 
 D = 8

@@ -2,7 +2,7 @@
 
 - SemFace: the encoder of an encoder-stage run and the decoder (with its pre-trained
   cross-attention) of a decoder-stage run, through
-  :func:`megasemface.models.connect.connect_stages`, which drops the interface and refuses
+  :func:`megasemface.models.seq2seq_init.connect_stages`, which drops the interface and refuses
   stages pre-trained against different interfaces, tokenizers or shapes.
 - XLM-style: an encoder stage alone initialises encoder and decoder (cross-attention random).
 - mBART baseline: the run's model already is a ``Seq2SeqModel`` (under ``model.``).
@@ -26,7 +26,7 @@ from megasemface.checkpoints.codebook import quantizer_state, vq_fingerprint
 from megasemface.checkpoints.consolidate import DTYPES, load_stage
 from megasemface.checkpoints.layout import CheckpointError
 from megasemface.models.config import ModelConfig, config_from_dict
-from megasemface.models.connect import ConnectError, connect_stages
+from megasemface.models.seq2seq_init import ConnectError, connect_stages
 from megasemface.models.transformer import Seq2SeqModel
 
 __all__ = ["Connected", "connect_mbart", "connect_runs"]
@@ -75,7 +75,7 @@ def connect_runs(
 
     Each source is a run directory, a checkpoint directory or a ``pretraining`` model
     directory. The model shape is the encoder stage's, with the decoder stage's decoder
-    depth. Raises :class:`~megasemface.models.connect.ConnectError` when the stages do not
+    depth. Raises :class:`~megasemface.models.seq2seq_init.ConnectError` when the stages do not
     fit together (the message names both sources and what differs).
     """
     enc_state, enc_meta = _stage(encoder, "encoder", ("encoder", "joint"))

@@ -72,7 +72,7 @@ from megasemface.checkpoints.layout import (
     read_ds_header,
 )
 from megasemface.distributed.engine import consolidated_state
-from megasemface.interfaces.vq import shard_state_dict
+from megasemface.interfaces.gumbel_quantizer import shard_state_dict
 from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, read_model_dir_info
 

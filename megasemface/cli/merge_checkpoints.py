@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors import SafetensorError
 
     from megasemface.checkpoints import CheckpointError
-    from megasemface.models.connect import ConnectError
     from megasemface.models.model_dir import ModelDirError
+    from megasemface.models.seq2seq_init import ConnectError
 
     # Imported before the baseline is taken, so that the RSS growth is the work's own.
     importlib.import_module("deepspeed.utils.zero_to_fp32")

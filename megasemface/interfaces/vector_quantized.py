@@ -29,7 +29,7 @@ from megasemface.interfaces.base import (
     tensor_sha256,
 )
 from megasemface.interfaces.code_usage import CodeUsage
-from megasemface.interfaces.vq import GumbelVectorQuantizer, VQOutput
+from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer, VQOutput
 from megasemface.models.config import ModelConfig
 from megasemface.models.transformer import EncoderOutput, TransformerEncoder
 

@@ -5,7 +5,7 @@ contiguous shards; :class:`FlatQuantize` computes everything shard-locally, on t
 Megatron's vocab-parallel cross entropy: the only collectives are all-reduces of a few
 scalars per token (maxima, partition sums, the smallest index among maxima). The [n, Kl]
 logits exist for one chunk of tokens at a time, in forward and again in backward. The layer
-that uses it, and the notation, are in :mod:`megasemface.interfaces.vq`.
+that uses it, and the notation, are in :mod:`megasemface.interfaces.gumbel_quantizer`.
 """
 
 from __future__ import annotations

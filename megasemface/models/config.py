@@ -52,10 +52,11 @@ class VQConfig:
     diversity_loss: Literal["perplexity", "eq6"] = "perplexity"
     """perplexity: wav2vec 2.0's ``(K - exp(H(pbar))) / K``, whose pull does not fade with K;
     eq6: the paper's Eq. 6 as printed, ``(1/K) sum pbar log pbar``, which moves by at most
-    ln(K)/K and lets the codebook collapse (kept for the ablation). See interfaces/vq.py."""
+    ln(K)/K and lets the codebook collapse (kept for the ablation). See
+    interfaces/gumbel_quantizer.py."""
     diversity_from_gumbel: bool = False
     """Average Eq. 5's Gumbel probabilities for the diversity loss (the paper's text) instead
-    of the noise-free softmax (wav2vec 2.0's code); see interfaces/vq.py."""
+    of the noise-free softmax (wav2vec 2.0's code); see interfaces/gumbel_quantizer.py."""
 
     def __post_init__(self) -> None:
         if self.layout not in ("flat", "product"):

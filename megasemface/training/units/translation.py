@@ -25,8 +25,8 @@ from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.inference.search import SearchConfig, search
 from megasemface.models.config import ModelConfig, apply_overrides
-from megasemface.models.connect import ConnectError
 from megasemface.models.model_dir import ModelDirInfo, load_model_dir, read_model_dir_info
+from megasemface.models.seq2seq_init import ConnectError
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
 from megasemface.objectives.stages import StageOutput
 from megasemface.objectives.translation import TranslationModel
