@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = build_parser().parse_known_args(argv)
     from megasemface.distributed.engine import init_distributed, load_ds_config
     from megasemface.training.options import train_config_from_args
+    from megasemface.training.preflight import check_before_start
     from megasemface.training.trainer import Trainer
 
     try:
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.deepspeed_config is None:
             raise ValueError("--deepspeed_config is required (see ds_configs/)")
         ds_config = load_ds_config(args.deepspeed_config)
+        check_before_start(config, ds_config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2

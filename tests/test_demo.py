@@ -18,7 +18,7 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     tmp_path: Path, locale_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     workdir = tmp_path / "demo"
-    args = ["--preset", "smoke", "--workdir", str(workdir), "--locale-dir", str(locale_dir)]
+    args = ["--budget", "smoke", "--workdir", str(workdir), "--locale-dir", str(locale_dir)]
     args += ["--vocab-size", "1000"]
     assert main(args) == 0
     first = capsys.readouterr().out
@@ -91,6 +91,6 @@ def test_pipeline_without_catalogs_says_what_to_do(
 ) -> None:
     empty = tmp_path / "locale"
     empty.mkdir()
-    args = ["--preset", "smoke", "--workdir", str(tmp_path / "out"), "--locale-dir", str(empty)]
+    args = ["--budget", "smoke", "--workdir", str(tmp_path / "out"), "--locale-dir", str(empty)]
     assert main(args) == 2
     assert "--locale-dir" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import pytest
 
 from megasemface.cli.reproduce import build_parser, config_from_args, main
 from megasemface.pipeline import pipeline as pipeline_module
-from megasemface.pipeline.config import PRESETS, PipelineConfig, System, seeded
+from megasemface.pipeline.config import BUDGETS, PipelineConfig, System, seeded
 from megasemface.pipeline.pipeline import Pipeline
 
 
@@ -19,19 +19,19 @@ def _config(*argv: str) -> PipelineConfig:
 
 
 def test_a_budget_names_its_systems_and_settings_options_override_them() -> None:
-    study = _config("--preset", "study")
+    study = _config("--budget", "study")
     assert study.systems == ("transformer", "xlm", "mbart", "cl", "vq")
     assert study.settings == ("supervised",)
     assert (study.model_preset, study.run_seeds) == ("small", (0,))
     assert study.workdir == Path("runs/study")
     assert (study.pretrain_steps, study.finetune_steps) == (800, 1000)
-    changed = _config("--preset", "study", "--systems", "vq", "--settings", "unsupervised")
+    changed = _config("--budget", "study", "--systems", "vq", "--settings", "unsupervised")
     assert (changed.systems, changed.settings) == (("vq",), ("unsupervised",))
     # Budgets without their own take the entry point's: the paper's comparison, or the demo's.
     assert _config().systems == ("transformer", "xlm", "mbart", "cl", "vq")
     assert _config().settings == ("supervised", "unsupervised")
     demo = build_parser("demo", systems="transformer,cl,vq", settings="supervised")
-    config = config_from_args(demo.parse_args(["--preset", "smoke"]))
+    config = config_from_args(demo.parse_args(["--budget", "smoke"]))
     assert (config.systems, config.settings) == (("transformer", "cl", "vq"), ("supervised",))
 
 
@@ -110,7 +110,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
 
 
 def _pipeline(tmp_path: Path, seeds: tuple[int, ...]) -> Pipeline:
-    values = {**PRESETS["smoke"], "workdir": tmp_path, "seeds": seeds}
+    values = {**BUDGETS["smoke"], "workdir": tmp_path, "seeds": seeds}
     config = PipelineConfig(**values)  # type: ignore[arg-type]
     pipeline = Pipeline(config)
     pipeline.spm, pipeline.mono, pipeline.parallel = (tmp_path / n for n in ("spm", "mono", "par"))

@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from megasemface.checkpoints.manager import CheckpointManager
+from megasemface.data.tokenizer import Tokenizer
 from megasemface.distributed.engine import load_ds_config
+from megasemface.objectives.sequences import SpecialTokens
 from megasemface.training.options import TrainConfig
+from megasemface.training.preflight import check_before_start, lr_schedule_of
+from megasemface.training.run_data import RunData
+from megasemface.training.units.base import model_config_from
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))
 
@@ -118,3 +123,47 @@ def test_cpu_runs_use_torch_adam_for_exact_resume(tmp_path: Path) -> None:
     del raw["optimizer"]["params"]["torch_adam"]
     path.write_text(json.dumps(raw))
     assert "torch_adam" not in load_ds_config(path)["optimizer"]["params"]  # offload: as given
+
+
+def test_options_are_checked_before_distributed_start_up() -> None:
+    base = {"data": Path("d"), "spm_model": Path("m"), "output_dir": Path("o")}
+    plain: dict = {"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}
+    scheduled = {**plain, "scheduler": {"type": "WarmupLR", "params": {}}}
+    finetune = TrainConfig(stage="finetune", interface="none", **base)
+    assert lr_schedule_of(finetune, plain) == "inverse_sqrt"  # the fine-tuning unit's own
+    encoder = TrainConfig(stage="encoder", interface="vq", **base)
+    assert lr_schedule_of(encoder, plain) == "deepspeed"
+    assert lr_schedule_of(TrainConfig(stage="joint", interface="vq", lr=1e-3, **base), plain) == (
+        "constant"
+    )
+    with pytest.raises(ValueError, match="replaces DeepSpeed's scheduler"):
+        lr_schedule_of(finetune, scheduled)
+    with pytest.raises(ValueError, match="fight"):
+        lr_schedule_of(TrainConfig(stage="encoder", interface="cl", lr=1e-3, **base), scheduled)
+    check_before_start(TrainConfig(stage="joint", interface="vq", mp_size=2, **base), plain)
+    with pytest.raises(ValueError, match=r"vq\.num_codes 512 is not divisible by --mp-size 3"):
+        check_before_start(TrainConfig(stage="joint", interface="vq", mp_size=3, **base), plain)
+    with pytest.raises(ValueError, match="d_model"):
+        bad_shape = TrainConfig(
+            stage="encoder", interface="cl", model_options=["d_model=65"], **base
+        )
+        check_before_start(bad_shape, plain)
+
+
+def test_the_tokenizer_sets_the_vocabulary_and_refuses_a_contradicting_option(
+    spm_model: Path,
+) -> None:
+    tokenizer = Tokenizer.load(spm_model)
+    data = RunData(None, tokenizer, SpecialTokens.from_tokenizer(tokenizer))  # type: ignore[arg-type]
+    base = {"data": Path("d"), "spm_model": spm_model, "output_dir": Path("o")}
+    config = model_config_from(TrainConfig(stage="joint", interface="vq", **base), data)
+    assert (config.vocab_size, config.num_langs) == (tokenizer.vocab_size, len(tokenizer.languages))
+    assert (config.pad_id, config.mask_id) == (tokenizer.pad_id, tokenizer.mask_id)
+    same = [f"vocab_size={tokenizer.vocab_size}", "dropout=0.3"]
+    config = model_config_from(
+        TrainConfig(stage="joint", interface="vq", model_options=same, **base), data
+    )
+    assert config.dropout == 0.3
+    other = TrainConfig(stage="joint", interface="vq", model_options=["vocab_size=999"], **base)
+    with pytest.raises(ValueError, match="vocab_size=999 contradicts"):
+        model_config_from(other, data)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megasemface.cli.parsing import parse_or_status
 from megasemface.evaluation.lines import TextFileError, read_lines
 from megasemface.evaluation.metrics import evaluate, log_to_mlflow
 
@@ -35,10 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command; returns the exit status (2 for bad input)."""
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error argparse already printed
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse_or_status(parser, argv)
+    if isinstance(args, int):
+        return args
     if (args.tracking_uri is None) != (args.run_id is None):
         parser.print_usage(sys.stderr)
         print("evaluate: error: --tracking-uri and --run-id go together", file=sys.stderr)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megasemface.cli.parsing import parse_or_status
 from megasemface.data import demo_corpus as dc
 from megasemface.data.message_cleaning import DEFAULT_MAX_CHARS
 
@@ -94,10 +95,9 @@ def _print_summary(report: dict[str, Any], out: Path, seconds: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command; returns the exit status (2 for bad input or no catalogs)."""
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error argparse already printed
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse_or_status(parser, argv)
+    if isinstance(args, int):
+        return args
     start = time.perf_counter()
     try:
         report = dc.build_demo_corpus(

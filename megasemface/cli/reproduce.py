@@ -10,7 +10,7 @@ Examples::
     python tools/reproduce.py                      # demo budget, CPU, the demo corpus
     python tools/reproduce.py --systems vq,vq-no-div,vq-no-l2,vq-mlm --settings supervised
     python tools/reproduce.py --settings supervised --seeds 0,1,2  # mean ± std, p-values
-    python tools/reproduce.py --preset paper --corpus data/en-ro --pair en-ro \\
+    python tools/reproduce.py --budget paper --corpus data/en-ro --pair en-ro \\
         --hostfile hostfile --deepspeed-config ds_configs/zero2_bf16.json
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from megasemface.pipeline.config import (
     ABLATIONS,
-    PRESETS,
+    BUDGETS,
     SETTINGS,
     SYSTEMS,
     PipelineConfig,
@@ -41,9 +41,14 @@ def build_parser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
-    add("--preset", default="demo", choices=sorted(PRESETS), help="budget (default: demo)")
+    add(
+        "--budget",
+        default="demo",
+        choices=sorted(BUDGETS),
+        help="steps, data and model sizes (default: demo)",
+    )
     add("--model-preset", help="model shapes: tiny, small or paper (default: the budget's)")
-    add("--workdir", type=Path, help="where everything is built (default: runs/<preset>)")
+    add("--workdir", type=Path, help="where everything is built (default: runs/<budget>)")
     add("--pair", default="en-de", help="language pair en-xx (default: en-de)")
     add("--locale-dir", type=Path, help="gettext catalogs of the demo corpus")
     add("--corpus", type=Path, help="a corpus in the demo corpus layout instead of the demo")
@@ -99,9 +104,9 @@ def _systems(text: str) -> tuple[str, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> PipelineConfig:
-    budget = PRESETS[args.preset]
+    budget = BUDGETS[args.budget]
     values: dict[str, object] = dict(budget)
-    values.setdefault("workdir", Path("runs") / args.preset)
+    values.setdefault("workdir", Path("runs") / args.budget)
     names = {f.name for f in dataclasses.fields(PipelineConfig)} - {"systems", "settings", "seeds"}
     for name, value in vars(args).items():
         if name in names and value not in (None, []):

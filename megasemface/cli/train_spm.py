@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megasemface.cli.parsing import parse_or_status
 from megasemface.data.spm_training import MODEL_TYPES, SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path
 
@@ -102,10 +103,9 @@ def _print_report(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command; returns the exit status (2 for bad input)."""
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error argparse already printed
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse_or_status(parser, argv)
+    if isinstance(args, int):
+        return args
     if not args.quiet:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from megasemface.cli.parsing import parse_or_status
 from megasemface.evaluation.lines import TextFileError, one_line, read_lines, write_lines
 from megasemface.evaluation.metrics import evaluate, log_to_mlflow
 from megasemface.inference.search import SearchConfig
@@ -69,10 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command; returns the exit status (2 for bad input)."""
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error argparse already printed
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse_or_status(parser, argv)
+    if isinstance(args, int):
+        return args
     if (args.tracking_uri is None) != (args.run_id is None):
         parser.print_usage(sys.stderr)
         print("translate: error: --tracking-uri and --run-id go together", file=sys.stderr)

@@ -14,7 +14,7 @@ from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR
 
 __all__ = [
     "ABLATIONS",
-    "PRESETS",
+    "BUDGETS",
     "SETTINGS",
     "SYSTEMS",
     "PipelineConfig",
@@ -102,7 +102,7 @@ SETTINGS = ("supervised", "unsupervised")
 
 @dataclasses.dataclass(kw_only=True)
 class PipelineConfig:
-    """Budgets and options of a pipeline run; ``PRESETS`` holds named ones."""
+    """Budgets and options of a pipeline run; ``BUDGETS`` holds the named ones (`--budget`)."""
 
     workdir: Path = Path("runs/demo")
     """Everything is built here: corpus, tokenizer, shards, runs, models, the MLflow store."""
@@ -225,7 +225,7 @@ def parse_seeds(text: str) -> tuple[int, ...]:
     return tuple(int(item) for item in items)
 
 
-PRESETS: dict[str, dict[str, object]] = {
+BUDGETS: dict[str, dict[str, object]] = {
     "demo": {},
     "smoke": {
         "workdir": Path("runs/smoke"),

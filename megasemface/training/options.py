@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STAGES", "TrainConfig", "add_train_arguments", "train_config_from_args"]
+from megasemface.models.config import ModelConfig, build_model_config
+
+__all__ = [
+    "STAGES",
+    "TrainConfig",
+    "add_train_arguments",
+    "train_config_from_args",
+    "user_model_config",
+    "user_model_keys",
+]
 
 STAGES = ("encoder", "decoder", "joint", "mbart", "finetune")
 LR_SCHEDULES = ("deepspeed", "inverse_sqrt")
@@ -292,3 +302,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def user_model_config(config: TrainConfig) -> ModelConfig:
+    """The preset with the user's ``--model-config`` file and ``--model`` options, before
+    the tokenizer's sizes are known (they replace the preset's placeholders)."""
+    return build_model_config(
+        config.preset, config.model_options, config_file=config.model_config_file
+    )
+
+
+def user_model_keys(config: TrainConfig) -> set[str]:
+    """The model options the user set, in the ``--model-config`` file or with ``--model``."""
+    keys = {option.partition("=")[0].strip() for option in config.model_options}
+    if config.model_config_file is not None and config.model_config_file.is_file():
+        data = json.loads(config.model_config_file.read_text(encoding="utf-8"))
+        keys |= set(data) if isinstance(data, dict) else set()
+    return keys

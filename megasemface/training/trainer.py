@@ -34,6 +34,7 @@ from megasemface.distributed.groups import ParallelGroups
 from megasemface.tracking.mlflow_tracker import MLflowTracker
 from megasemface.tracking.tracker import NullTracker, Tracker
 from megasemface.training.options import TrainConfig
+from megasemface.training.preflight import lr_schedule_of
 from megasemface.training.run_data import RunData
 from megasemface.training.schedules import inverse_sqrt_lr
 from megasemface.training.signals import StopRequest
@@ -76,17 +77,8 @@ class Trainer:
         self.unit = build_unit(config, self.data, groups)
         self.engine = DeepSpeedEngine(self.unit.model, ds_config, groups, self.unit.trainable())
         self.ds_config = ds_config
-        self.lr_schedule = config.lr_schedule or self.unit.lr_schedule
-        if self.lr_schedule != "deepspeed" and ds_config.get("scheduler"):
-            raise ValueError(
-                f"--lr-schedule {self.lr_schedule} replaces DeepSpeed's scheduler; remove "
-                "'scheduler' from the DeepSpeed config or pass --lr-schedule deepspeed"
-            )
+        self.lr_schedule = lr_schedule_of(config, ds_config)
         self.base_lr = config.lr if config.lr is not None else self.engine.lr
-        if self.lr_schedule == "deepspeed" and config.lr is not None:
-            if ds_config.get("scheduler"):
-                raise ValueError("--lr would fight the DeepSpeed config's scheduler; set it there")
-            self.lr_schedule = "constant"  # --lr replaces the config's optimizer lr
         self.checkpoints = CheckpointManager(config.output_dir, config.keep_last, self.rank)
         self.loader = ShardLoader(
             ShardSource.from_manifest(self.data.manifest),

@@ -19,28 +19,34 @@ from torch import nn
 from megasemface.data.loader import TokenBatch
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.models.config import ModelConfig, apply_overrides
 from megasemface.objectives.stages import ObjectiveConfig, StageOutput
 from megasemface.tracking.tracker import Tracker
-from megasemface.training.options import TrainConfig
+from megasemface.training.options import TrainConfig, user_model_config, user_model_keys
 from megasemface.training.run_data import RunData
 
 __all__ = ["TrainUnit", "model_config_from", "objective_config_from"]
 
 
 def model_config_from(config: TrainConfig, data: RunData) -> ModelConfig:
-    """The model shape of a run that starts from no model directory: the preset, the
-    tokenizer's sizes and special ids, then the user's ``--model`` options."""
+    """The model shape of a run that starts from no model directory: the preset and the
+    user's options, with the sizes and special ids of the run's tokenizer."""
     tokenizer = data.tokenizer
-    sizes = [
-        f"vocab_size={tokenizer.vocab_size}",
-        f"num_langs={len(data.languages)}",
-        f"pad_id={tokenizer.pad_id}",
-        f"mask_id={tokenizer.mask_id}",
-    ]
-    return build_model_config(
-        config.preset, [*sizes, *config.model_options], config_file=config.model_config_file
-    )
+    sizes: dict[str, Any] = {
+        "vocab_size": tokenizer.vocab_size,
+        "num_langs": len(data.languages),
+        "pad_id": tokenizer.pad_id,
+        "mask_id": tokenizer.mask_id,
+    }
+    given = user_model_keys(config)
+    user = user_model_config(config)
+    for key, value in sizes.items():
+        if key in given and getattr(user, key) != value:
+            raise ValueError(
+                f"--model {key}={getattr(user, key)} contradicts {config.spm_model}, whose "
+                f"{key} is {value}; leave it out: the tokenizer sets it"
+            )
+    return apply_overrides(user, list(sizes.items()))
 
 
 def objective_config_from(config: TrainConfig) -> ObjectiveConfig:

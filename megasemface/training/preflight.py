@@ -1,0 +1,44 @@
+"""Checks of a run's options that need no process group, no data and no model.
+
+``train.py`` runs them before distributed start-up, so a mistake in the options costs a
+one-line error at once, not a traceback from every rank after start-up and data loading.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megasemface.training.options import TrainConfig, user_model_config
+from megasemface.training.units import UNITS, unit_name
+
+__all__ = ["check_before_start", "lr_schedule_of"]
+
+
+def lr_schedule_of(config: TrainConfig, ds_config: dict[str, Any]) -> str:
+    """The learning-rate schedule megasemface runs: ``deepspeed`` (the config's optimizer
+    and scheduler), ``constant`` (``--lr`` replaces the config's rate) or ``inverse_sqrt``;
+    without ``--lr-schedule``, the stage's own default."""
+    schedule = config.lr_schedule or UNITS[unit_name(config)].lr_schedule
+    has_scheduler = bool(ds_config.get("scheduler"))
+    if schedule != "deepspeed" and has_scheduler:
+        raise ValueError(
+            f"--lr-schedule {schedule} replaces DeepSpeed's scheduler; remove "
+            "'scheduler' from the DeepSpeed config or pass --lr-schedule deepspeed"
+        )
+    if schedule == "deepspeed" and config.lr is not None:
+        if has_scheduler:
+            raise ValueError("--lr would fight the DeepSpeed config's scheduler; set it there")
+        return "constant"
+    return schedule
+
+
+def check_before_start(config: TrainConfig, ds_config: dict[str, Any]) -> None:
+    """Raises ValueError for options that cannot work together."""
+    lr_schedule_of(config, ds_config)
+    model = user_model_config(config)
+    flat = config.interface == "vq" and model.vq.layout == "flat"
+    if flat and model.vq.num_codes % config.mp_size:
+        raise ValueError(
+            f"vq.num_codes {model.vq.num_codes} is not divisible by --mp-size "
+            f"{config.mp_size}: the flat codebook is split evenly over the model-parallel ranks"
+        )
