@@ -14,7 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megasemface.cli.parsing import parse_or_status
+from megasemface.cli.parsing import (
+    add_score_logging_arguments,
+    parse_or_status,
+    score_logging_error,
+)
 from megasemface.evaluation.lines import TextFileError, read_lines
 from megasemface.evaluation.metrics import evaluate, log_to_mlflow
 
@@ -24,11 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hypotheses", required=True, help="translations, one per line")
     parser.add_argument("--references", required=True, help="references, line-aligned")
     parser.add_argument("--lowercase", action="store_true", help="case-insensitive metrics")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI to log the metrics to")
-    parser.add_argument("--run-id", help="the MLflow run to log the metrics to")
-    parser.add_argument(
-        "--metric-prefix", default="", help="prefix of the MLflow metric names, e.g. test/"
-    )
+    add_score_logging_arguments(parser)
     parser.add_argument("--step", type=int, help="MLflow step of the logged metrics")
     return parser
 
@@ -39,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_or_status(parser, argv)
     if isinstance(args, int):
         return args
-    if (args.tracking_uri is None) != (args.run_id is None):
-        parser.print_usage(sys.stderr)
-        print("evaluate: error: --tracking-uri and --run-id go together", file=sys.stderr)
+    if score_logging_error(parser, args, "evaluate"):
         return 2
     try:
         result = evaluate(

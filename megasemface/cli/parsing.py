@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-__all__ = ["parse_or_status"]
+__all__ = ["add_score_logging_arguments", "parse_or_status", "score_logging_error"]
 
 
 def parse_or_status(parser: argparse.ArgumentParser, argv: list[str] | None) -> Any:
@@ -16,3 +17,24 @@ def parse_or_status(parser: argparse.ArgumentParser, argv: list[str] | None) -> 
         return parser.parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
+
+
+def add_score_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tracking-uri``, ``--run-id`` and ``--metric-prefix``: log scores to an MLflow run."""
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI to log the metrics to")
+    parser.add_argument("--run-id", help="the MLflow run to log the metrics to")
+    parser.add_argument(
+        "--metric-prefix", default="", help="prefix of the MLflow metric names, e.g. test/"
+    )
+
+
+def score_logging_error(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, command: str
+) -> bool:
+    """Prints the usage and an error when only one of ``--tracking-uri`` and ``--run-id``
+    is given; returns whether it did."""
+    if (args.tracking_uri is None) == (args.run_id is None):
+        return False
+    parser.print_usage(sys.stderr)
+    print(f"{command}: error: --tracking-uri and --run-id go together", file=sys.stderr)
+    return True

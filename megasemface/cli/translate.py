@@ -21,7 +21,11 @@ import time
 
 import torch
 
-from megasemface.cli.parsing import parse_or_status
+from megasemface.cli.parsing import (
+    add_score_logging_arguments,
+    parse_or_status,
+    score_logging_error,
+)
 from megasemface.evaluation.lines import TextFileError, one_line, read_lines, write_lines
 from megasemface.evaluation.metrics import evaluate, log_to_mlflow
 from megasemface.inference.search import SearchConfig
@@ -59,11 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if any)")
     parser.add_argument("--reference", help="reference translations: print BLEU and chrF")
     parser.add_argument("--lowercase", action="store_true", help="case-insensitive metrics")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI to log the metrics to")
-    parser.add_argument("--run-id", help="the MLflow run to log the metrics to")
-    parser.add_argument(
-        "--metric-prefix", default="", help="prefix of the MLflow metric names, e.g. test/"
-    )
+    add_score_logging_arguments(parser)
     return parser
 
 
@@ -73,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_or_status(parser, argv)
     if isinstance(args, int):
         return args
-    if (args.tracking_uri is None) != (args.run_id is None):
-        parser.print_usage(sys.stderr)
-        print("translate: error: --tracking-uri and --run-id go together", file=sys.stderr)
+    if score_logging_error(parser, args, "translate"):
         return 2
     if args.tracking_uri and not args.reference:
         print("translate: error: --tracking-uri needs --reference", file=sys.stderr)
