@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "fsync_directory", "write_atomically"]
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "fsync_directory",
+    "replace_directory",
+    "write_atomically",
+]
 
 
 def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
@@ -61,3 +68,13 @@ def fsync_directory(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_directory(built: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Put the directory ``built`` (complete, under a temporary name beside ``path``) in
+    place of ``path``, removing what was there: a reader finds the old directory, no
+    directory, or the new one, never a half-written one."""
+    path = Path(path)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(built, path)

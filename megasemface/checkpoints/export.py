@@ -23,6 +23,7 @@ from torch import Tensor
 from megasemface.checkpoints.codebook import SPLIT_KEYS, quantizer_state, resplit_codebook
 from megasemface.checkpoints.connect import Connected
 from megasemface.checkpoints.layout import CheckpointError
+from megasemface.files import replace_directory, write_atomically
 from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import ModelDirError, save_model_dir
 
@@ -86,12 +87,10 @@ def _pretraining_provenance(state: Mapping[str, Tensor], meta: Mapping[str, Any]
 
 
 def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
-    if out.exists():
-        if not overwrite:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise ModelDirError(f"{out} exists; pass --overwrite to replace it")
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    if out.exists() and not overwrite:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelDirError(f"{out} exists; pass --overwrite to replace it")
+    replace_directory(tmp, out)
 
 
 def write_pretraining_dir(
@@ -141,7 +140,12 @@ def write_pretraining_dir(
         parts = resplit_codebook(state, mp_size or 1, layout=config.vq.layout)
         for name, part in zip(shard_files, parts, strict=True):
             tensors = {k: v.contiguous() for k, v in quantizer_state(part).items()}
-            save_file(tensors, str(tmp / name), metadata={"mp_size": str(mp_size)})
+            write_atomically(
+                tmp / name,
+                lambda target, t=tensors: save_file(
+                    t, str(target), metadata={"mp_size": str(mp_size)}
+                ),
+            )
     _replace_dir(tmp, out, overwrite)
     return out
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from megasemface.files import write_atomically
+from megasemface.files import replace_directory, write_atomically
 from megasemface.models.config import ModelConfig, config_from_dict
 
 __all__ = [
@@ -111,9 +111,7 @@ def save_model_dir(
     (tmp / "provenance.json").write_text(
         json.dumps(dict(provenance or {}), indent=1) + "\n", encoding="utf-8"
     )
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    replace_directory(tmp, path)
     return path
 
 
