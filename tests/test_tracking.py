@@ -210,7 +210,10 @@ def test_system_metrics_follow_the_training_step(tmp_path: Path, template_db: Pa
     key = "system/cpu_utilization_percentage"
     assert _wait_for(lambda: tracker.flush(5) and client.get_metric_history(run_id, key), 5)
     tracker.end()
-    assert {m.step for m in client.get_metric_history(run_id, key)} == {7}
+    # Samples carry the latest logged step: 7 once it is logged; a sample the worker took
+    # before (the run's start-up can outlast the interval on a busy machine) carries 0.
+    steps = {m.step for m in client.get_metric_history(run_id, key)}
+    assert 7 in steps and steps <= {0, 7}
 
 
 def test_unreachable_server_never_blocks_and_warns_once(
