@@ -1,4 +1,5 @@
-"""Shared fixtures: a real corpus from the system's gettext catalogs and a tokenizer on it."""
+"""Shared fixtures: a real corpus from the system's gettext catalogs, a tokenizer on it, and
+the shards and models that tests launching training runs train on."""
 
 from __future__ import annotations
 
@@ -44,6 +45,65 @@ def spm_model(demo_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     )
     train_spm(corpora, prefix, SpmTrainConfig(vocab_size=1000, num_threads=1, seed=1))
     return prefix.with_suffix(".model")
+
+
+@pytest.fixture(scope="session")
+def launch_data(
+    tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path
+) -> dict:
+    """What launched training runs read, from the demo corpus: monolingual and en-de parallel
+    shards (``mono``, ``parallel``; small samples, so that two ranks get shards), a random
+    CL-SemFace table (``cl``), a random translation model directory (``init``) that names an
+    encoder run as its parent, the SentencePiece model (``spm``) and the prefixes of the
+    validation and test text (``valid``, ``test``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megasemface.data.shard_build_config import ShardBuildConfig
+    from megasemface.data.shard_builder import build_shards
+    from megasemface.data.textio import parse_lang_path, parse_parallel
+    from megasemface.data.tokenizer import Tokenizer
+    from megasemface.models.config import build_model_config
+    from megasemface.models.model_dir import save_model_dir
+    from megasemface.models.transformer import Seq2SeqModel
+
+    root = tmp_path_factory.mktemp("launch-data")
+    config = ShardBuildConfig(tokens_per_sample=4096, samples_per_shard=4, max_tokens=60)
+    mono = [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
+    build_shards(parse_lang_path(mono), spm_model, root / "mono", config)
+    parallel = demo_corpus / "parallel" / "en-de"
+    build_shards(
+        parse_parallel([f"en-de:{parallel / 'train.en'},{parallel / 'train.de'}"]),
+        spm_model,
+        root / "parallel",
+        config,
+    )
+    tokenizer = Tokenizer.load(spm_model)
+    table = torch.randn(tokenizer.vocab_size, 64, generator=torch.Generator().manual_seed(0))
+    save_file({"embeddings": table * 0.3}, str(root / "cl.safetensors"))
+    model_config = build_model_config(
+        "tiny", [f"vocab_size={tokenizer.vocab_size}", f"num_langs={len(tokenizer.languages)}"]
+    )
+    torch.manual_seed(0)
+    save_model_dir(
+        root / "init",
+        Seq2SeqModel(model_config).state_dict(),
+        kind="seq2seq",
+        model_config=model_config,
+        languages=tokenizer.languages,
+        spm_model=spm_model,
+        meta={"parent_runs": {"encoder": "0123abcd"}},
+    )
+    return {
+        "root": root,
+        "mono": root / "mono",
+        "parallel": root / "parallel",
+        "cl": root / "cl.safetensors",
+        "init": root / "init",
+        "spm": spm_model,
+        "valid": parallel / "valid",
+        "test": parallel / "test",
+    }
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from launch import (
     ROOT,
     check_finished,
@@ -20,52 +19,10 @@ from launch import (
     train_command,
 )
 
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.textio import parse_lang_path, parse_parallel
 from megasemface.data.tokenizer import Tokenizer
-from megasemface.models.config import build_model_config
-from megasemface.models.model_dir import load_seq2seq, save_model_dir
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.models.model_dir import load_seq2seq
 
 pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path) -> dict:
-    root = tmp_path_factory.mktemp("finetune-data")
-    config = ShardBuildConfig(tokens_per_sample=4096, samples_per_shard=4, max_tokens=60)
-    parallel = demo_corpus / "parallel" / "en-de"
-    build_shards(
-        parse_parallel([f"en-de:{parallel / 'train.en'},{parallel / 'train.de'}"]),
-        spm_model,
-        root / "parallel",
-        config,
-    )
-    mono = [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
-    build_shards(parse_lang_path(mono), spm_model, root / "mono", config)
-    tokenizer = Tokenizer.load(spm_model)
-    model_config = build_model_config(
-        "tiny", [f"vocab_size={tokenizer.vocab_size}", f"num_langs={len(tokenizer.languages)}"]
-    )
-    torch.manual_seed(0)
-    save_model_dir(
-        root / "init",
-        Seq2SeqModel(model_config).state_dict(),
-        kind="seq2seq",
-        model_config=model_config,
-        languages=tokenizer.languages,
-        spm_model=spm_model,
-        meta={"parent_runs": {"encoder": "0123abcd"}},
-    )
-    return {
-        "parallel": root / "parallel",
-        "mono": root / "mono",
-        "spm": spm_model,
-        "init": root / "init",
-        "valid": parallel / "valid",
-        "test": parallel / "test",
-    }
 
 
 def _finetune(data: dict, out: Path, shards: Path, *args: str, zero: int) -> list[str]:
@@ -119,13 +76,13 @@ def _mlflow_run(out: Path) -> tuple:
 
 
 def test_supervised_finetune_zero2_validates_keeps_best_and_translates(
-    data: dict, tmp_path: Path
+    launch_data: dict, tmp_path: Path
 ) -> None:
     out = tmp_path / "supervised"
     cmd = _finetune(
-        data,
+        launch_data,
         out,
-        data["parallel"],
+        launch_data["parallel"],
         "--steps",
         "6",
         "--valid-interval",
@@ -153,7 +110,7 @@ def test_supervised_finetune_zero2_validates_keeps_best_and_translates(
     assert best["meta"]["valid_bleu"] == pytest.approx(run.data.metrics["best_valid_bleu"])
     assert best["meta"]["parent_runs"]["finetune"] == run.info.run_id
     _, info = load_seq2seq(out / "best")
-    assert info.languages == Tokenizer.load(data["spm"]).languages
+    assert info.languages == Tokenizer.load(launch_data["spm"]).languages
     # The best model directory is what the translate command reads.
     translated = subprocess.run(
         [
@@ -166,9 +123,9 @@ def test_supervised_finetune_zero2_validates_keeps_best_and_translates(
             "--tgt-lang",
             "de",
             "--input",
-            f"{data['test']}.en",
+            f"{launch_data['test']}.en",
             "--reference",
-            f"{data['test']}.de",
+            f"{launch_data['test']}.de",
             "--output",
             str(tmp_path / "hyp.de"),
         ],
@@ -179,14 +136,16 @@ def test_supervised_finetune_zero2_validates_keeps_best_and_translates(
     assert translated.returncode == 0, translated.stderr[-2000:]
     assert "BLEU" in translated.stdout + translated.stderr
     hyps = (tmp_path / "hyp.de").read_text(encoding="utf-8").splitlines()
-    assert len(hyps) == len(Path(f"{data['test']}.en").read_text().splitlines())
+    assert len(hyps) == len(Path(f"{launch_data['test']}.en").read_text().splitlines())
 
 
 def test_unsupervised_finetune_zero3_back_translates_in_lockstep(
-    data: dict, tmp_path: Path
+    launch_data: dict, tmp_path: Path
 ) -> None:
     out = tmp_path / "unsupervised"
-    cmd = _unsupervised(data, out, "--denoise-schedule", "0:1,2:0.5,4:0", "--steps", "4", zero=3)
+    cmd = _unsupervised(
+        launch_data, out, "--denoise-schedule", "0:1,2:0.5,4:0", "--steps", "4", zero=3
+    )
     result = launch(cmd, timeout=400)
     check_finished(result, out, 4)
     client, run = _mlflow_run(out)
@@ -199,13 +158,13 @@ def test_unsupervised_finetune_zero3_back_translates_in_lockstep(
     assert (out / "best" / "model.safetensors").is_file()
 
 
-def test_killed_unsupervised_finetune_resumes_exactly(data: dict, tmp_path: Path) -> None:
+def test_killed_unsupervised_finetune_resumes_exactly(launch_data: dict, tmp_path: Path) -> None:
     """Back-translation, the denoising schedule, validation and the best model all carry over
     a kill: the resumed run logs the very losses and scores of an uninterrupted one."""
 
     def command(out: Path) -> list[str]:
         args = ["--denoise-schedule", "0:1,6:0", "--steps", "6", "--save-interval", "2"]
-        return _unsupervised(data, out, *args, "--valid-interval", "3", zero=2)
+        return _unsupervised(launch_data, out, *args, "--valid-interval", "3", zero=2)
 
     reference = tmp_path / "reference"
     check_finished(launch(command(reference), timeout=400), reference, 6)
@@ -236,14 +195,22 @@ def test_killed_unsupervised_finetune_resumes_exactly(data: dict, tmp_path: Path
     assert best["meta"]["valid_bleu"] == best_reference["meta"]["valid_bleu"]
 
 
-def test_finetune_refuses_wrong_data_and_model(data: dict, tmp_path: Path) -> None:
+def test_finetune_refuses_wrong_data_and_model(launch_data: dict, tmp_path: Path) -> None:
     mono_supervised = launch(
-        _finetune(data, tmp_path / "a", data["mono"], "--steps", "1", zero=2), timeout=120
+        _finetune(launch_data, tmp_path / "a", launch_data["mono"], "--steps", "1", zero=2),
+        timeout=120,
     )
     assert mono_supervised.returncode != 0
     assert "parallel shards" in mono_supervised.stderr + mono_supervised.stdout
     not_a_model = launch(
-        _finetune(data, tmp_path / "b", data["parallel"], "--init-from", str(tmp_path), zero=2),
+        _finetune(
+            launch_data,
+            tmp_path / "b",
+            launch_data["parallel"],
+            "--init-from",
+            str(tmp_path),
+            zero=2,
+        ),
         timeout=120,
     )
     assert not_a_model.returncode != 0

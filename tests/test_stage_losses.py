@@ -19,16 +19,7 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from launch import ROOT, check_finished, ds_config, launch, losses, train_command
-from safetensors.torch import save_file
-
-from megasemface.data.shard_builder import ShardBuildConfig, build_shards
-from megasemface.data.textio import parse_lang_path, parse_parallel
-from megasemface.data.tokenizer import Tokenizer
-from megasemface.models.config import build_model_config
-from megasemface.models.model_dir import save_model_dir
-from megasemface.models.transformer import Seq2SeqModel
 
 RECORDED = ROOT / "tests" / "data" / "stage_losses.json"
 RECORD = os.environ.get("MEGASEMFACE_RECORD_STAGE_LOSSES") == "1"
@@ -64,53 +55,23 @@ RUNS: dict[str, tuple[str, tuple[str, ...], str | None]] = {
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path) -> dict:
-    root = tmp_path_factory.mktemp("stage-losses")
-    config = ShardBuildConfig(tokens_per_sample=4096, samples_per_shard=4, max_tokens=60)
-    mono = [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
-    build_shards(parse_lang_path(mono), spm_model, root / "mono", config)
-    parallel = demo_corpus / "parallel" / "en-de"
-    build_shards(
-        parse_parallel([f"en-de:{parallel / 'train.en'},{parallel / 'train.de'}"]),
-        spm_model,
-        root / "parallel",
-        config,
-    )
-    tokenizer = Tokenizer.load(spm_model)
-    table = torch.randn(tokenizer.vocab_size, 64, generator=torch.Generator().manual_seed(0))
-    save_file({"embeddings": table * 0.3}, str(root / "cl.safetensors"))
-    model_config = build_model_config(
-        "tiny", [f"vocab_size={tokenizer.vocab_size}", f"num_langs={len(tokenizer.languages)}"]
-    )
-    torch.manual_seed(0)
-    save_model_dir(
-        root / "init",
-        Seq2SeqModel(model_config).state_dict(),
-        kind="seq2seq",
-        model_config=model_config,
-        languages=tokenizer.languages,
-        spm_model=spm_model,
-    )
-    return {"root": root, "spm": spm_model, "cl": root / "cl.safetensors"}
-
-
-@pytest.fixture(scope="module")
-def measured(data: dict) -> dict[str, list[float]]:
+def measured(launch_data: dict) -> dict[str, list[float]]:
     """Runs every stage once (in dependency order); the losses of steps 1..STEPS per run."""
-    root: Path = data["root"]
+    root: Path = launch_data["root"] / "stage-losses"
     found: dict[str, list[float]] = {}
     for name, (shards, args, init) in RUNS.items():
         out = root / "runs" / name
         extra = []
         if init is not None:
-            extra = ["--init-from", str(root / init if init == "init" else root / "runs" / init)]
+            source = launch_data["init"] if init == "init" else root / "runs" / init
+            extra = ["--init-from", str(source)]
         cmd = train_command(
-            {"shards": root / shards, "spm": data["spm"]},
+            {"shards": launch_data[shards], "spm": launch_data["spm"]},
             out,
             *args,
             *extra,
             "--cl-table",
-            str(data["cl"]),
+            str(launch_data["cl"]),
             "--steps",
             str(STEPS),
             "--seed",
