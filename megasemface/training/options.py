@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import itertools
 import json
 import os
+import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +20,7 @@ __all__ = [
     "STAGES",
     "TrainConfig",
     "add_train_arguments",
+    "field_docs",
     "train_config_from_args",
     "user_model_config",
     "user_model_keys",
@@ -32,25 +38,42 @@ class TrainConfig:
     stage: str
     """encoder, decoder, joint (Algorithm 1), mbart (the denoising baseline) or finetune."""
     interface: str
-    """cl, vq or none (the XLM baseline: encoder stage only)."""
+    """cl, vq or none (the XLM baseline: encoder stage only); mbart and finetune have
+    none."""
     data: Path
     """Shard directory or its manifest.json."""
     spm_model: Path
+    """The SentencePiece model the shards were built with."""
     output_dir: Path
+    """Checkpoints, logs, metrics.jsonl and (without a tracking URI) the MLflow store."""
     preset: str = "tiny"
+    """Model preset: tiny, small or paper (megasemface/models/config.py)."""
     model_options: list[str] = dataclasses.field(default_factory=list)
+    """Model option overrides KEY=VALUE, dotted for the interface's options, e.g.
+    d_model=128 or vq.layout=product (ModelConfig's fields); applied after the preset and
+    the model config file."""
     model_config_file: Path | None = None
+    """JSON file of model options (a dict of ModelConfig's fields), applied after the
+    preset."""
     cl_table: Path | None = None
+    """CL-SemFace: the cross-lingual embedding table (safetensors,
+    tools/build_cl_embeddings.py)."""
     cl_trainable: bool = False
     """CL-SemFace: train the table with the encoder, as Algorithm 1 updates the interface
     (off: the table stays the cross-lingual embeddings it was built as)."""
     init_from: Path | None = None
     """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
-    finetune: the seq2seq model directory to start from (none: random, no pre-training)."""
+    finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
+    makes one; none: random, no pre-training)."""
     decoder_objective: str = "clm"
+    """Decoder stage loss: clm (causal LM, Eq. 3) or mlm (masked LM over a bidirectional
+    decoder, Eq. 2)."""
     mse_weight: float = 1.0
+    """CL-SemFace: weight of the MSE term of Eq. 1; 0: off (the 'w/o MSE' ablation)."""
     diversity_weight: float = 2.0
+    """VQ: weight of the diversity loss (the paper's losses: 1)."""
     l2_weight: float = 1.0
+    """VQ: weight of the L2 penalty on the encoder's last activations."""
     commitment_weight: float = 0.0
     """VQ: weight of the commitment term (encoder output to its argmax code); 0: off."""
     extractor_diversity: bool = False
@@ -63,20 +86,37 @@ class TrainConfig:
     """VQ-SemFace: warn when the argmax picks fewer codes over a logging window than this
     share of what the window's tokens could use (min of K and the tokens)."""
     mp_size: int = 1
+    """Model-parallel size: ranks the VQ codebook is split over."""
     steps: int = 1000
+    """Optimizer steps in all (a resumed run counts from its checkpoint's step)."""
     seed: int = 0
+    """Seed of the model's initialisation, the data order and every step's randomness."""
     max_tokens: int = 4096
+    """Tokens per batch and rank, padding included."""
     num_workers: int = 0
+    """Data loader worker processes per rank (0: read in the training process)."""
     save_interval: int = 500
+    """Steps between checkpoints."""
     keep_last: int = 3
+    """Complete checkpoints kept; older ones are removed."""
     log_interval: int = 10
+    """Steps between logged metrics (progress line, metrics.jsonl, MLflow)."""
     max_consecutive_skips: int = 8
+    """Stop when the loss was non-finite this many steps in a row (such a step is skipped
+    on every rank)."""
     experiment: str = "megasemface"
+    """MLflow experiment."""
     run_name: str | None = None
+    """MLflow run name."""
     tracking_uri: str | None = None
+    """MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite in the output
+    directory)."""
     no_tracking: bool = False
+    """Do not log to MLflow."""
     log_sample_ids: bool = False
+    """Write the sentence ids of every step to samples-rank*.jsonl (for audits)."""
     inject_nan_at: list[int] = dataclasses.field(default_factory=list)
+    """Make the loss non-finite at these steps (to test the skip logic)."""
     tags: list[str] = dataclasses.field(default_factory=list)
     """Extra MLflow tags, KEY=VALUE (e.g. system=VQ-SemFace for tools/compare_runs.py)."""
     lr: float | None = None
@@ -85,6 +125,7 @@ class TrainConfig:
     """deepspeed (the config's optimizer and scheduler) or inverse_sqrt (warm-up, then
     1/sqrt decay); default inverse_sqrt for finetune, deepspeed otherwise."""
     warmup_steps: int = 4000
+    """Warm-up steps of the inverse_sqrt schedule."""
     # Fine-tuning ---------------------------------------------------------------------------
     finetune_mode: str = "supervised"
     """supervised (parallel shards) or unsupervised (monolingual shards: denoising plus
@@ -92,16 +133,24 @@ class TrainConfig:
     directions: list[str] = dataclasses.field(default_factory=list)
     """Translation directions SRC-TGT to train (default: both directions of every pair)."""
     label_smoothing: float = 0.1
+    """Label smoothing of the translation loss, in [0, 1)."""
     denoise_schedule: str = "0:1,100000:0.1,300000:0"
-    """Unsupervised: the denoising loss weight, piecewise linear over STEP:WEIGHT points."""
+    """Unsupervised: the denoising loss weight, piecewise linear over STEP:WEIGHT points
+    (the default is the paper's)."""
     valid_prefix: Path | None = None
     """Validation text: PREFIX.SRC and PREFIX.TGT files, e.g. corpus/en-de/valid."""
     valid_interval: int = 1000
+    """Steps between validations (BLEU on the validation text; the best model is kept)."""
     valid_max_sentences: int = 500
+    """Validation sentences per direction (the first ones of the files)."""
     valid_beam: int = 1
+    """Beam size of validation (1: greedy)."""
     max_len_a: float = 1.2
+    """Generation (validation, back-translation) stops after a x source length + b tokens;
+    this is a."""
     max_len_b: int = 10
-    """Generation (validation, back-translation) stops after a x source length + b tokens."""
+    """Generation (validation, back-translation) stops after a x source length + b tokens;
+    this is b."""
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -172,11 +221,53 @@ class TrainConfig:
         }
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+def field_docs() -> dict[str, str]:
+    """Each TrainConfig field's docstring, one paragraph: the one text of its ``--help``
+    line and of docs/options.md."""
+    (class_def,) = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig))).body
+    assert isinstance(class_def, ast.ClassDef)
+    docs = {}
+    for field, doc in itertools.pairwise(class_def.body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+        ):
+            docs[field.target.id] = " ".join(inspect.cleandoc(doc.value.value).split())
+    return docs
+
+
+def _adder(group: Any, actions: list[argparse.Action], docs: dict[str, str]) -> Callable[..., None]:
+    """``group.add_argument`` (of a parser or an argument group) that collects the actions
+    in ``actions`` and, without a ``help``, takes the field's docstring from ``docs``."""
+
+    def add(*flags: str, **kwargs: Any) -> None:
+        dest = kwargs.get("dest") or flags[0].removeprefix("--").replace("-", "_")
+        if "help" not in kwargs:
+            default = kwargs.get("default")
+            shown = not (default is None or isinstance(default, (bool, list)))
+            if kwargs.get("action") == "append":
+                note = " (repeatable)"
+            elif shown and not kwargs.get("required"):
+                note = " (default: %(default)s)"
+            else:
+                note = ""
+            kwargs["help"] = docs[dest].replace("%", "%%") + note
+        actions.append(group.add_argument(*flags, **kwargs))
+
+    return add
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Adds train.py's options to ``parser`` and returns them. An option's help is its
+    TrainConfig field's docstring."""
     d = TrainConfig(
         stage="encoder", interface="vq", data=Path(), spm_model=Path(), output_dir=Path()
     )
-    add = parser.add_argument
+    actions: list[argparse.Action] = []
+    docs = field_docs()
+    add = _adder(parser, actions, docs)
     add(
         "--local_rank",
         type=int,
@@ -185,118 +276,55 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--stage", required=True, choices=STAGES)
     add("--interface", default="vq", choices=("cl", "vq", "none"))
-    add("--data", type=Path, required=True, help="shard directory (with manifest.json)")
-    add("--spm-model", type=Path, required=True, help="the SentencePiece model of the shards")
-    add("--output-dir", type=Path, required=True, help="checkpoints, logs and MLflow store")
-    add("--preset", default=d.preset, help="model preset: tiny, small or paper")
-    add(
-        "--model",
-        dest="model_options",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model option override, e.g. --model d_model=128 --model vq.layout=product",
-    )
-    add("--model-config", dest="model_config_file", type=Path, help="JSON file of model options")
-    add("--cl-table", type=Path, help="cross-lingual embedding table (safetensors) for cl")
-    add(
-        "--cl-trainable",
-        action="store_true",
-        help="cl: train the table with the encoder (Algorithm 1, line 5); default: fixed",
-    )
-    add(
-        "--init-from",
-        type=Path,
-        help="VQ decoder stage: the encoder-stage run whose codebook it uses; finetune: the "
-        "seq2seq model directory to start from (tools/merge_checkpoints.py connect)",
-    )
+    add("--data", type=Path, required=True)
+    add("--spm-model", type=Path, required=True)
+    add("--output-dir", type=Path, required=True)
+    add("--preset", default=d.preset)
+    add("--model", dest="model_options", action="append", default=[], metavar="KEY=VALUE")
+    add("--model-config", dest="model_config_file", type=Path)
+    add("--cl-table", type=Path)
+    add("--cl-trainable", action="store_true")
+    add("--init-from", type=Path)
     add("--decoder-objective", default=d.decoder_objective, choices=("clm", "mlm"))
     add("--mse-weight", type=float, default=d.mse_weight)
     add("--diversity-weight", type=float, default=d.diversity_weight)
     add("--l2-weight", type=float, default=d.l2_weight)
-    add(
-        "--commitment-weight",
-        type=float,
-        default=d.commitment_weight,
-        help="VQ: pull encoder outputs towards their argmax codes (not in the paper; 0: off)",
-    )
-    add(
-        "--token-entropy-weight",
-        type=float,
-        default=d.token_entropy_weight,
-        help="VQ: make each token's code distribution confident (not in the paper; "
-        "default: %(default)s; 0: off)",
-    )
-    add(
-        "--extractor-diversity",
-        action="store_true",
-        help="VQ: the decoder stage's extractor gets the diversity and token-entropy terms "
-        "too, so it spreads over the codebook (not in the paper; default: off)",
-    )
-    add(
-        "--codebook-warn-fraction",
-        type=float,
-        default=d.codebook_warn_fraction,
-        help="VQ: warn when a logging window's argmax codes fall below this share of "
-        "min(K, tokens) (default: %(default)s)",
-    )
-    add("--mp-size", type=int, default=d.mp_size, help="model-parallel size of the codebook")
-    add("--steps", type=int, default=d.steps, help="optimizer steps in all")
+    add("--commitment-weight", type=float, default=d.commitment_weight)
+    add("--token-entropy-weight", type=float, default=d.token_entropy_weight)
+    add("--extractor-diversity", action="store_true")
+    add("--codebook-warn-fraction", type=float, default=d.codebook_warn_fraction)
+    add("--mp-size", type=int, default=d.mp_size)
+    add("--steps", type=int, default=d.steps)
     add("--seed", type=int, default=d.seed)
-    add("--max-tokens", type=int, default=d.max_tokens, help="tokens per batch, with padding")
-    add("--num-workers", type=int, default=d.num_workers, help="loader workers per rank")
+    add("--max-tokens", type=int, default=d.max_tokens)
+    add("--num-workers", type=int, default=d.num_workers)
     add("--save-interval", type=int, default=d.save_interval)
     add("--keep-last", type=int, default=d.keep_last)
     add("--log-interval", type=int, default=d.log_interval)
     add("--max-consecutive-skips", type=int, default=d.max_consecutive_skips)
-    add("--experiment", default=d.experiment, help="MLflow experiment")
-    add("--run-name", help="MLflow run name")
-    add(
-        "--tracking-uri",
-        help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite in the output directory)",
-    )
-    add("--no-tracking", action="store_true", help="do not log to MLflow")
-    add(
-        "--log-sample-ids",
-        action="store_true",
-        help="write the sentence ids of every step to samples-rank*.jsonl (for audits)",
-    )
-    add("--tag", dest="tags", action="append", default=[], metavar="KEY=VALUE", help="MLflow tag")
-    add("--lr", type=float, help="peak learning rate (default: the DeepSpeed config's)")
-    add("--lr-schedule", choices=LR_SCHEDULES, help="default: inverse_sqrt for finetune")
+    add("--experiment", default=d.experiment)
+    add("--run-name")
+    add("--tracking-uri")
+    add("--no-tracking", action="store_true")
+    add("--log-sample-ids", action="store_true")
+    add("--tag", dest="tags", action="append", default=[], metavar="KEY=VALUE")
+    add("--lr", type=float)
+    add("--lr-schedule", choices=LR_SCHEDULES)
     add("--warmup-steps", type=int, default=d.warmup_steps)
-    finetune = parser.add_argument_group("fine-tuning (--stage finetune)")
-    add = finetune.add_argument
+    add = _adder(parser.add_argument_group("fine-tuning (--stage finetune)"), actions, docs)
     add("--finetune-mode", default=d.finetune_mode, choices=FINETUNE_MODES)
-    add(
-        "--direction",
-        dest="directions",
-        action="append",
-        default=[],
-        metavar="SRC-TGT",
-        help="a direction to train (repeatable; default: both directions)",
-    )
+    add("--direction", dest="directions", action="append", default=[], metavar="SRC-TGT")
     add("--label-smoothing", type=float, default=d.label_smoothing)
-    add(
-        "--denoise-schedule",
-        default=d.denoise_schedule,
-        metavar="STEP:WEIGHT,...",
-        help="unsupervised: denoising weight, piecewise linear (paper: %(default)s)",
-    )
-    add("--valid-prefix", type=Path, help="validation text PREFIX.SRC / PREFIX.TGT")
-    add("--valid-interval", type=int, default=d.valid_interval, help="steps between BLEU runs")
+    add("--denoise-schedule", default=d.denoise_schedule, metavar="STEP:WEIGHT,...")
+    add("--valid-prefix", type=Path, metavar="PREFIX")
+    add("--valid-interval", type=int, default=d.valid_interval)
     add("--valid-max-sentences", type=int, default=d.valid_max_sentences)
-    add("--valid-beam", type=int, default=d.valid_beam, help="beam size of validation (1: greedy)")
+    add("--valid-beam", type=int, default=d.valid_beam)
     add("--max-len-a", type=float, default=d.max_len_a)
     add("--max-len-b", type=int, default=d.max_len_b)
-    add = parser.add_argument
-    add(
-        "--inject-nan-at",
-        type=int,
-        action="append",
-        default=[],
-        help="make the loss non-finite at this step (to test the skip logic)",
-    )
+    add = _adder(parser, actions, docs)
+    add("--inject-nan-at", type=int, action="append", default=[], metavar="STEP")
+    return actions
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
