@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.training.schedules import parse_schedule
 
 __all__ = [
     "STAGES",
@@ -192,6 +193,16 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         self.tag_dict()  # validates KEY=VALUE
+        for text in self.directions:
+            src, sep, tgt = text.partition("-")
+            if not (sep and src and tgt):
+                raise ValueError(f"--direction takes SRC-TGT, got {text!r}")
+        try:
+            parse_schedule(self.denoise_schedule)
+        except ValueError as exc:
+            raise ValueError(f"--denoise-schedule: {exc}") from None
+        if self.num_workers < 0:
+            raise ValueError("--num-workers must be >= 0")
         for name in (
             "steps",
             "save_interval",
