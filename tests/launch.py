@@ -17,7 +17,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megasemface.training.options import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = Path(sys.executable).with_name("deepspeed")
@@ -84,6 +87,14 @@ def train_command(
         "1",
         *args,
     ]
+
+
+def parse_train_argv(argv: list[str]) -> TrainConfig:
+    """The TrainConfig train.py makes of ``argv`` (its own parser)."""
+    from megasemface.train import build_parser
+    from megasemface.training.options import train_config_from_args
+
+    return train_config_from_args(build_parser().parse_args(argv))
 
 
 def launch(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:

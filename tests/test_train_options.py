@@ -1,4 +1,5 @@
-"""train.py's options: TrainConfig's fields and what it checks of them."""
+"""train.py's options: one TrainConfig, its command line and back, typed overrides of its
+fields."""
 
 from __future__ import annotations
 
@@ -6,10 +7,104 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from launch import parse_train_argv
 
-from megasemface.training.options import TrainConfig, field_docs
+from megasemface.training.options import (
+    TrainConfig,
+    field_docs,
+    train_argv,
+    typed_overrides,
+)
 
 PATHS = {"data": Path("shards/mono"), "spm_model": Path("spm/j.model"), "output_dir": Path("o")}
+
+
+def test_every_option_survives_the_command_line() -> None:
+    """A config with every field away from its default: train.py parses its command line
+    back into the same config."""
+    config = TrainConfig(
+        stage="joint",
+        interface="vq",
+        data=Path("shards/en"),
+        spm_model=Path("spm/joint.model"),
+        output_dir=Path("runs/all options"),
+        preset="small",
+        model_options=["d_model=128", "vq.layout=product"],
+        model_config_file=Path("model.json"),
+        cl_table=Path("cl.safetensors"),
+        cl_trainable=True,
+        init_from=Path("runs/encoder"),
+        decoder_objective="mlm",
+        mse_weight=0.5,
+        diversity_weight=1.0,
+        l2_weight=0.0,
+        commitment_weight=0.25,
+        extractor_diversity=True,
+        token_entropy_weight=1e-3,
+        codebook_warn_fraction=0.1,
+        mp_size=2,
+        steps=7,
+        seed=3,
+        max_tokens=512,
+        num_workers=2,
+        save_interval=3,
+        keep_last=2,
+        log_interval=1,
+        max_consecutive_skips=2,
+        experiment="x",
+        run_name="run",
+        tracking_uri="sqlite:///m.db",
+        no_tracking=True,
+        log_sample_ids=True,
+        inject_nan_at=[2, 5],
+        tags=["system=VQ-SemFace, Eq. 6", "seed=3"],
+        lr=2e-4,
+        lr_schedule="inverse_sqrt",
+        warmup_steps=10,
+        finetune_mode="unsupervised",
+        directions=["en-de", "de-en"],
+        label_smoothing=0.0,
+        denoise_schedule="0:1,5:0",
+        valid_prefix=Path("corpus/valid"),
+        valid_interval=5,
+        valid_max_sentences=10,
+        valid_beam=4,
+        max_len_a=1.5,
+        max_len_b=3,
+    )
+    defaults = TrainConfig(stage="encoder", interface="cl", **PATHS)
+    same = [
+        f.name
+        for f in dataclasses.fields(TrainConfig)
+        if getattr(config, f.name) == getattr(defaults, f.name)
+    ]
+    assert same == [], "set these fields away from their defaults here"
+    assert parse_train_argv(train_argv(config)) == config
+
+
+def test_the_command_line_holds_what_differs_from_the_defaults() -> None:
+    config = TrainConfig(stage="finetune", interface="vq", **PATHS)
+    argv = ["--stage", "finetune", "--interface", "none", "--data", "shards/mono"]
+    assert train_argv(config) == [*argv, "--spm-model", "spm/j.model", "--output-dir", "o"]
+    assert parse_train_argv(train_argv(config)) == config
+
+
+def test_typed_overrides_are_checked_against_the_fields() -> None:
+    checked = typed_overrides({"diversity_weight": 0, "cl_trainable": True, "lr": None})
+    assert checked == {"diversity_weight": 0.0, "cl_trainable": True, "lr": None}
+    assert isinstance(checked["diversity_weight"], float)
+    assert typed_overrides({"tags": ["a=b"], "init_from": Path("m")})
+    for overrides, message in [
+        ({"diversity": 0.0}, "'diversity' is not a TrainConfig field"),
+        ({"diversity_weight": "0"}, "diversity_weight takes float, got '0'"),
+        ({"steps": 1.5}, "steps takes int, got 1.5"),
+        ({"steps": True}, "steps takes int, got True"),
+        ({"cl_trainable": 1}, "cl_trainable takes bool, got 1"),
+        ({"tags": "a=b"}, r"tags takes list\[str\], got 'a=b'"),
+        ({"init_from": "m"}, r"init_from takes Path \| None, got 'm'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            typed_overrides(overrides)
 
 
 def test_options_the_units_read_are_checked_up_front() -> None:

@@ -10,7 +10,9 @@ import itertools
 import json
 import os
 import textwrap
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,9 @@ __all__ = [
     "TrainConfig",
     "add_train_arguments",
     "field_docs",
+    "train_argv",
     "train_config_from_args",
+    "typed_overrides",
     "user_model_config",
     "user_model_keys",
 ]
@@ -341,6 +345,61 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def train_argv(config: TrainConfig) -> list[str]:
+    """train.py's command line for ``config``, the inverse of :func:`train_config_from_args`:
+    the required options and every value that differs from the option's default (a flag when
+    true, a repeatable option once per item)."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    argv: list[str] = []
+    for action in add_train_arguments(argparse.ArgumentParser(add_help=False)):
+        if action.dest not in names:
+            continue  # --local_rank: the launcher's
+        flag, value = action.option_strings[0], getattr(config, action.dest)
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif isinstance(value, list):
+            argv += [text for item in value for text in (flag, str(item))]
+        elif value is not None and (action.required or value != action.default):
+            argv += [flag, str(value)]
+    return argv
+
+
+def _fits(value: object, hint: Any) -> bool:
+    """``value`` has the type ``hint`` names (an int where a float is wanted too)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def typed_overrides(overrides: Mapping[str, object]) -> dict[str, Any]:
+    """``overrides`` of TrainConfig fields by name, checked against the fields' types; an int
+    given for a float field becomes a float.
+
+    Raises:
+        ValueError: naming an unknown field or a value of the wrong type.
+    """
+    hints = typing.get_type_hints(TrainConfig)
+    written = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    checked: dict[str, Any] = {}
+    for name, value in overrides.items():
+        if name not in hints:
+            raise ValueError(f"{name!r} is not a TrainConfig field (docs/options.md)")
+        hint = hints[name]
+        if not _fits(value, hint):
+            raise ValueError(f"{name} takes {written[name]}, got {value!r}")
+        if type(value) is int and (hint is float or float in typing.get_args(hint)):
+            value = float(value)
+        checked[name] = value
+    return checked
 
 
 def user_model_config(config: TrainConfig) -> ModelConfig:
