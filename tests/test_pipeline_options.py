@@ -4,14 +4,26 @@ settings."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+from launch import parse_train_argv
 
 from megasemface.cli.reproduce import build_parser, config_from_args, main
 from megasemface.pipeline import pipeline as pipeline_module
-from megasemface.pipeline.config import BUDGETS, PipelineConfig, System, seeded
+from megasemface.pipeline.config import (
+    ABLATIONS,
+    BUDGETS,
+    SETTINGS,
+    SYSTEMS,
+    PipelineConfig,
+    System,
+    seeded,
+)
+from megasemface.pipeline.launcher import TRAIN_SCRIPT
 from megasemface.pipeline.pipeline import Pipeline
+from megasemface.training.options import TrainConfig, train_argv
 
 
 def _config(*argv: str) -> PipelineConfig:
@@ -115,12 +127,14 @@ def _pipeline(tmp_path: Path, seeds: tuple[int, ...]) -> Pipeline:
     pipeline = Pipeline(config)
     pipeline.spm, pipeline.mono, pipeline.parallel = (tmp_path / n for n in ("spm", "mono", "par"))
     pipeline.valid = tmp_path / "valid"
-    pipeline.cl_table = None
+    pipeline.cl_table = tmp_path / "cl.safetensors"
     return pipeline
 
 
-def _option(cmd: list[str], name: str) -> list[str]:
-    return [cmd[i + 1] for i, arg in enumerate(cmd) if arg == name]
+def _launched(cmd: list[str]) -> TrainConfig:
+    """The TrainConfig train.py makes of a command the pipeline launched."""
+    assert cmd[cmd.index(str(TRAIN_SCRIPT)) + 1] == "--deepspeed_config"
+    return parse_train_argv(cmd[cmd.index(str(TRAIN_SCRIPT)) + 1 :])
 
 
 def test_every_seed_has_its_run_directories_and_seed_tag(
@@ -131,14 +145,90 @@ def test_every_seed_has_its_run_directories_and_seed_tag(
     for seed in (0, 1):
         pipeline.pretrain(vq, seed)
         pipeline.finetune(vq, "supervised", tmp_path / "models" / seeded("vq", seed), seed)
-    runs = tmp_path.resolve() / "runs"
+    runs = [_launched(cmd) for cmd in launches]
     expected = ["pretrain-vq", "supervised-vq", "pretrain-vq-s1", "supervised-vq-s1"]
-    assert [_option(c, "--output-dir") for c in launches] == [[str(runs / n)] for n in expected]
-    assert [_option(c, "--run-name") for c in launches] == [[n] for n in expected]
-    assert [_option(c, "--seed") for c in launches] == [["0"], ["0"], ["1"], ["1"]]
-    for cmd, seed in zip(launches, (0, 0, 1, 1), strict=True):
-        assert f"seed={seed}" in _option(cmd, "--tag")
-    assert _option(launches[3], "--init-from") == [str(tmp_path / "models" / "vq-s1")]
+    assert [r.output_dir for r in runs] == [tmp_path.resolve() / "runs" / n for n in expected]
+    assert [r.run_name for r in runs] == expected
+    assert [r.seed for r in runs] == [0, 0, 1, 1]
+    assert [r.tag_dict()["seed"] for r in runs] == ["0", "0", "1", "1"]
+    assert runs[3].init_from == tmp_path / "models" / "vq-s1"
+
+
+def test_every_run_of_the_pipeline_survives_its_command_line(
+    tmp_path: Path, launches: list[list[str]]
+) -> None:
+    """Each system's pre-training run and its fine-tuning runs, as typed configs: train.py
+    parses the command line the pipeline launches back into the same config."""
+    pipeline = _pipeline(tmp_path, (0, 2))
+    pipeline.config.model_options = ("dropout=0.2",)
+    configs = []
+    for system in [*SYSTEMS.values(), *ABLATIONS.values()]:
+        if system.stage is not None:
+            configs.append(pipeline.pretrain_config(system, 2))
+        init = None if system.stage is None else tmp_path / "models" / system.key
+        configs += [pipeline.finetune_config(system, s, init, 0) for s in SETTINGS]
+    for config in configs:
+        assert parse_train_argv(train_argv(config)) == config, config.run_name
+    pipeline.pretrain(ABLATIONS["vq-eq6"], 0)
+    pipeline.finetune(SYSTEMS["transformer"], "unsupervised", None, 0)
+    assert [_launched(cmd) for cmd in launches] == [
+        pipeline.pretrain_config(ABLATIONS["vq-eq6"], 0),
+        pipeline.finetune_config(SYSTEMS["transformer"], "unsupervised", None, 0),
+    ]
+
+
+def test_an_ablation_changes_only_its_options(tmp_path: Path) -> None:
+    """An ablation's pre-training run is its interface's (CL-SemFace's or VQ-SemFace's) with
+    the ablation's options, in its own directory."""
+    pipeline = _pipeline(tmp_path, (0,))
+    pipeline.config.model_options = ("dropout=0.2",)
+    for key, system in ABLATIONS.items():
+        config = pipeline.pretrain_config(system, 0)
+        base = pipeline.pretrain_config(SYSTEMS[system.interface], 0)
+        changed = {
+            f.name
+            for f in dataclasses.fields(TrainConfig)
+            if getattr(config, f.name) != getattr(base, f.name)
+        }
+        assert changed == {"output_dir", "run_name", "tags", *system.options} | (
+            {"model_options"} if system.model else set()
+        ), key
+        assert config.output_dir.name == f"pretrain-{key}"
+        assert config.tag_dict()["system"] == system.display
+        assert {k: getattr(config, k) for k in system.options} == dict(system.options)
+    eq6 = pipeline.pretrain_config(ABLATIONS["vq-eq6"], 0)
+    assert eq6.model_options == ["dropout=0.2", "vq.diversity_loss=eq6"]
+    paper = pipeline.pretrain_config(ABLATIONS["vq-paper-losses"], 0)
+    assert (paper.token_entropy_weight, paper.diversity_weight) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"options": {"diversity": 0.0}}, "'diversity' is not a TrainConfig field"),
+        ({"options": {"diversity_weight": "0"}}, "diversity_weight takes float, got '0'"),
+        ({"options": {"steps": 10}}, "the pipeline sets steps for every run"),
+        ({"model": {"vq.diversity": "eq6"}}, "unknown model option 'vq.diversity'"),
+        ({"model": {"vq.diversity_loss": "eq7"}}, "vq.diversity_loss must be one of"),
+        ({"model": {"d_model": 1.5}}, "model option d_model takes int, got 1.5"),
+        ({"interface": "cl", "options": {"extractor_diversity": True}}, "--extractor-diversity"),
+        ({"stage": None, "options": {"mse_weight": 0.0}}, "belong to a pre-training run"),
+    ],
+)
+def test_a_system_s_options_are_checked_when_it_is_made(values: dict, message: str) -> None:
+    values = {"stage": "joint", "interface": "vq", **values}
+    with pytest.raises(ValueError, match=message) as error:
+        System("vq-new", "VQ-SemFace, new", **values)
+    assert str(error.value).startswith("system 'vq-new': ")
+
+
+def test_a_system_s_options_are_read_only() -> None:
+    options = {"diversity_weight": 0.0}
+    system = System("vq-no-div", "VQ-SemFace w/o diversity", "joint", "vq", options)
+    options["diversity_weight"] = 5.0
+    assert system.options == {"diversity_weight": 0.0}
+    with pytest.raises(TypeError):
+        system.options["l2_weight"] = 0.0  # type: ignore[index]
 
 
 def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "apply_overrides",
     "build_model_config",
     "config_from_dict",
+    "model_option",
 ]
 
 
@@ -234,6 +235,32 @@ def apply_overrides(config: ModelConfig, overrides: Iterable[str | tuple[str, An
     config.vq.__post_init__()
     config.__post_init__()
     return config
+
+
+def model_option(key: str, value: bool | int | float | str) -> str:
+    """The ``key=value`` override of a typed value, as ``--model`` and
+    :func:`build_model_config` take it (``model_option("vq.diversity_loss", "eq6")``).
+
+    Raises:
+        ValueError: ``key`` names no option, or ``value`` is not of its type (an int for a
+            float option is one).
+    """
+    config: Any = ModelConfig
+    *heads, name = key.split(".")
+    for head in heads:
+        hints = typing.get_type_hints(config)
+        if not (head in hints and dataclasses.is_dataclass(hints[head])):
+            raise ValueError(f"unknown model option {key!r}")
+        config = hints[head]
+    hint = typing.get_type_hints(config).get(name)
+    if hint is None or dataclasses.is_dataclass(hint):
+        raise ValueError(f"unknown model option {key!r}")
+    if typing.get_origin(hint) is Literal:
+        _coerce(value, hint, key)  # one of its choices
+    elif not (type(value) is hint or (hint is float and type(value) is int)):
+        raise ValueError(f"model option {key} takes {hint.__name__}, got {value!r}")
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{key}={text}"
 
 
 def config_from_dict(data: dict[str, Any], preset: str = "paper") -> ModelConfig:

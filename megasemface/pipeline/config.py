@@ -8,13 +8,19 @@ of parallel data, or unsupervised (denoising and back-translation on monolingual
 from __future__ import annotations
 
 import dataclasses
+import types
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR
+from megasemface.models.config import model_option
+from megasemface.training.options import TrainConfig, typed_overrides
 
 __all__ = [
     "ABLATIONS",
     "BUDGETS",
+    "RUN_FIELDS",
     "SETTINGS",
     "SYSTEMS",
     "PipelineConfig",
@@ -24,9 +30,34 @@ __all__ = [
 ]
 
 
+RUN_FIELDS = frozenset(
+    {
+        "stage",
+        "interface",
+        "data",
+        "spm_model",
+        "output_dir",
+        "cl_table",
+        "model_options",
+        "steps",
+        "seed",
+        "experiment",
+        "run_name",
+        "tracking_uri",
+        "tags",
+    }
+)
+"""TrainConfig fields the pipeline sets for every run from its own configuration, so not a
+system's ``options`` (a system has its own ``stage``, ``interface`` and ``model``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class System:
-    """One pre-training recipe and how its stages are connected."""
+    """One pre-training recipe and how its stages are connected.
+
+    Raises:
+        ValueError: naming the system, for options its pre-training run cannot take.
+    """
 
     key: str
     display: str
@@ -34,10 +65,47 @@ class System:
     stage: str | None
     """train.py --stage of the pre-training run; None: no pre-training."""
     interface: str = "none"
-    options: tuple[str, ...] = ()
-    """Extra train.py options of the pre-training run (ablations)."""
+    options: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
+    """TrainConfig fields of the pre-training run by name (ablations), e.g.
+    ``{"diversity_weight": 0.0}``; they replace the pipeline's values (docs/options.md lists
+    the fields)."""
+    model: Mapping[str, bool | int | float | str] = dataclasses.field(
+        default_factory=dict, hash=False
+    )
+    """Model options of the pre-training run, dotted as ``--model`` names them, e.g.
+    ``{"vq.diversity_loss": "eq6"}``; after the pipeline's own."""
     connect: str = "semface"
     """semface (encoder and decoder of the run), xlm (encoder into both) or mbart."""
+
+    def __post_init__(self) -> None:
+        try:
+            options = self._checked_options()
+        except ValueError as exc:
+            raise ValueError(f"system {self.key!r}: {exc}") from None
+        # Read-only, as the rest of a frozen System.
+        object.__setattr__(self, "options", types.MappingProxyType(options))
+        object.__setattr__(self, "model", types.MappingProxyType(dict(self.model)))
+
+    def _checked_options(self) -> dict[str, Any]:
+        if self.stage is None:
+            if self.options or self.model:
+                raise ValueError("options belong to a pre-training run, and it has none")
+            return {}
+        reserved = sorted(RUN_FIELDS & set(self.options))
+        if reserved:
+            raise ValueError(f"the pipeline sets {', '.join(reserved)} for every run")
+        options = typed_overrides(self.options)
+        for key, value in self.model.items():
+            model_option(key, value)  # a known option, a value of its type
+        # What TrainConfig refuses together (e.g. extractor_diversity with a CL interface).
+        paths = {"data": Path(), "spm_model": Path(), "output_dir": Path()}
+        TrainConfig(stage=self.stage, interface=self.interface, **paths, **options)
+        return options
+
+    @property
+    def model_options(self) -> list[str]:
+        """``model`` as train.py's ``--model`` KEY=VALUE options."""
+        return [model_option(key, value) for key, value in self.model.items()]
 
 
 SYSTEMS: dict[str, System] = {
@@ -55,40 +123,34 @@ SYSTEMS: dict[str, System] = {
 ABLATIONS: dict[str, System] = {
     s.key: s
     for s in (
-        System("cl-no-mse", "CL-SemFace w/o MSE", "joint", "cl", ("--mse-weight", "0")),
-        System("vq-no-div", "VQ-SemFace w/o diversity", "joint", "vq", ("--diversity-weight", "0")),
-        System("vq-no-l2", "VQ-SemFace w/o L2", "joint", "vq", ("--l2-weight", "0")),
-        System("cl-mlm", "CL-SemFace decoder MLM", "joint", "cl", ("--decoder-objective", "mlm")),
-        System("vq-mlm", "VQ-SemFace decoder MLM", "joint", "vq", ("--decoder-objective", "mlm")),
+        System("cl-no-mse", "CL-SemFace w/o MSE", "joint", "cl", {"mse_weight": 0.0}),
+        System("vq-no-div", "VQ-SemFace w/o diversity", "joint", "vq", {"diversity_weight": 0.0}),
+        System("vq-no-l2", "VQ-SemFace w/o L2", "joint", "vq", {"l2_weight": 0.0}),
+        System("cl-mlm", "CL-SemFace decoder MLM", "joint", "cl", {"decoder_objective": "mlm"}),
+        System("vq-mlm", "VQ-SemFace decoder MLM", "joint", "vq", {"decoder_objective": "mlm"}),
         System(
             "vq-eq6",
             "VQ-SemFace, Eq. 6 diversity",
             "joint",
             "vq",
-            ("--model", "vq.diversity_loss=eq6"),
+            model={"vq.diversity_loss": "eq6"},
         ),
-        System(
-            "vq-commit",
-            "VQ-SemFace + commitment",
-            "joint",
-            "vq",
-            ("--commitment-weight", "0.25"),
-        ),
+        System("vq-commit", "VQ-SemFace + commitment", "joint", "vq", {"commitment_weight": 0.25}),
         System(
             "vq-paper-losses",
             "VQ-SemFace, paper's losses",
             "joint",
             "vq",
-            ("--token-entropy-weight", "0", "--diversity-weight", "1"),
+            {"token_entropy_weight": 0.0, "diversity_weight": 1.0},
         ),
         System(
             "vq-extractor-div",
             "VQ-SemFace, extractor diversity",
             "joint",
             "vq",
-            ("--extractor-diversity",),
+            {"extractor_diversity": True},
         ),
-        System("cl-trainable", "CL-SemFace, trained table", "joint", "cl", ("--cl-trainable",)),
+        System("cl-trainable", "CL-SemFace, trained table", "joint", "cl", {"cl_trainable": True}),
     )
 }
 """The paper's Table 5, then what differs from the paper: Eq. 6 as printed (the default

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megasemface.checkpoints.layout import MARKER, checkpoint_tag
+from megasemface.training.options import TrainConfig, train_argv
 
 __all__ = ["LaunchError", "deepspeed_command", "run_logged", "training_complete"]
 
@@ -47,9 +48,10 @@ def default_ds_config() -> Path:
 
 
 def deepspeed_command(
-    args: Sequence[str], *, procs: int, hostfile: Path | None = None
+    config: TrainConfig, *, ds_config: Path, procs: int, hostfile: Path | None = None
 ) -> list[str]:
-    """``deepspeed [--hostfile H | --num_accelerators N] --master_port P train.py ARGS``."""
+    """``deepspeed [--hostfile H | --num_accelerators N] --master_port P train.py
+    --deepspeed_config D ARGS``, ARGS the command line of ``config`` (``train_argv``)."""
     launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
     placement = ["--hostfile", str(hostfile)] if hostfile else ["--num_accelerators", str(procs)]
     return [
@@ -58,7 +60,9 @@ def deepspeed_command(
         "--master_port",
         str(_free_port()),
         str(TRAIN_SCRIPT),
-        *args,
+        "--deepspeed_config",
+        str(ds_config),
+        *train_argv(config),
     ]
 
 

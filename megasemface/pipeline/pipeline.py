@@ -37,6 +37,7 @@ from megasemface.pipeline.launcher import (
 )
 from megasemface.pipeline.report import Report, build_report
 from megasemface.tracking.run_scores import log_scores
+from megasemface.training.options import TrainConfig
 
 __all__ = ["Pipeline"]
 
@@ -119,65 +120,63 @@ class Pipeline:
 
     # Training runs --------------------------------------------------------------------------
 
-    def _train(self, run_dir: Path, steps: int, seed: int, args: list[str]) -> None:
-        if training_complete(run_dir, steps):
-            print(f"reusing {run_dir} (finished, {steps} steps)")
+    def _run_config(
+        self, run_dir: Path, steps: int, seed: int, tags: list[str], **values: Any
+    ) -> TrainConfig:
+        """A training run of the pipeline: its shapes, budget, seed, logging and MLflow
+        store, with ``values`` (the stage, data and what the run changes)."""
+        cfg = self.config
+        return TrainConfig(
+            spm_model=self.spm,
+            output_dir=run_dir,
+            preset=cfg.model_preset,
+            steps=steps,
+            max_tokens=cfg.max_tokens,
+            seed=seed,
+            log_interval=max(1, steps // 10),
+            save_interval=max(1, steps // 4),
+            keep_last=1,
+            tracking_uri=self.tracking_uri,
+            experiment=cfg.experiment_name,
+            run_name=run_dir.name,
+            tags=[f"seed={seed}", *tags],
+            **values,
+        )
+
+    def _train(self, config: TrainConfig) -> None:
+        run_dir = config.output_dir
+        if training_complete(run_dir, config.steps):
+            print(f"reusing {run_dir} (finished, {config.steps} steps)")
             return
         cfg = self.config
-        common = [
-            "--deepspeed_config",
-            str(self.ds_config),
-            "--spm-model",
-            str(self.spm),
-            "--output-dir",
-            str(run_dir),
-            "--preset",
-            cfg.model_preset,
-            *[x for option in cfg.model_options for x in ("--model", option)],
-            "--steps",
-            str(steps),
-            "--max-tokens",
-            str(cfg.max_tokens),
-            "--seed",
-            str(seed),
-            "--log-interval",
-            str(max(1, steps // 10)),
-            "--save-interval",
-            str(max(1, steps // 4)),
-            "--keep-last",
-            "1",
-            "--tracking-uri",
-            self.tracking_uri,
-            "--experiment",
-            cfg.experiment_name,
-            "--run-name",
-            run_dir.name,
-            "--tag",
-            f"seed={seed}",
-        ]
-        cmd = deepspeed_command([*common, *args], procs=cfg.procs, hostfile=cfg.hostfile)
+        cmd = deepspeed_command(
+            config, ds_config=self.ds_config, procs=cfg.procs, hostfile=cfg.hostfile
+        )
         seconds = run_logged(cmd, run_dir / "launcher.log", env=launch_environment(cfg.procs))
         print(f"   finished in {seconds:.0f}s; log: {run_dir / 'launcher.log'}")
 
-    def pretrain(self, system: System, seed: int) -> Path:
+    def pretrain_config(self, system: System, seed: int) -> TrainConfig:
+        """The pre-training run of ``system``: its stage and interface on the monolingual
+        shards with the pre-training learning rate, and its own options."""
+        cfg = self.config
+        assert system.stage is not None, f"{system.key} has no pre-training"
+        values: dict[str, Any] = {
+            "stage": system.stage,
+            "interface": system.interface,
+            "data": self.mono,
+            "lr": cfg.pretrain_lr,
+            "cl_table": self.cl_table if system.interface == "cl" else None,
+            "model_options": [*cfg.model_options, *system.model_options],
+            **system.options,
+        }
         run_dir = self.workdir / "runs" / seeded(f"pretrain-{system.key}", seed)
-        args = [
-            "--stage",
-            str(system.stage),
-            "--interface",
-            system.interface,
-            "--data",
-            str(self.mono),
-            "--tag",
-            f"system={system.display}",
-            "--lr",
-            str(self.config.pretrain_lr),
-            *system.options,
-        ]
-        if system.interface == "cl":
-            args += ["--cl-table", str(self.cl_table)]
-        self._train(run_dir, self.config.pretrain_steps, seed, args)
-        return run_dir
+        tags = [f"system={system.display}"]
+        return self._run_config(run_dir, cfg.pretrain_steps, seed, tags, **values)
+
+    def pretrain(self, system: System, seed: int) -> Path:
+        config = self.pretrain_config(system, seed)
+        self._train(config)
+        return config.output_dir
 
     def diagnose(self, system: System, run_dir: Path) -> dict[str, Any]:
         """The interface diagnostics of a SemFace pre-training on the validation text (code
@@ -223,39 +222,37 @@ class Pipeline:
         print(f"connected {out}: {taken} of {len(connected.parameters)} tensors pre-trained")
         return out
 
-    def finetune(self, system: System, setting: str, init: Path | None, seed: int) -> Path:
+    def finetune_config(
+        self, system: System, setting: str, init: Path | None, seed: int
+    ) -> TrainConfig:
+        """The fine-tuning run of ``system`` in ``setting``, from the connected model
+        ``init`` (None: from scratch)."""
         cfg = self.config
         run_dir = self.workdir / "runs" / seeded(f"{setting}-{system.key}", seed)
-        args = [
-            "--stage",
-            "finetune",
-            "--finetune-mode",
-            setting,
-            "--data",
-            str(self.parallel if setting == "supervised" else self.mono),
-            "--valid-prefix",
-            str(self.valid),
-            "--valid-interval",
-            str(cfg.valid_interval),
-            "--valid-max-sentences",
-            str(cfg.valid_sentences),
-            "--warmup-steps",
-            str(cfg.warmup_steps),
-            "--lr",
-            str(cfg.lr),
-            "--denoise-schedule",
-            cfg.denoise_schedule,
-            "--tag",
-            f"system={system.display}",
-            "--tag",
-            f"system_key={system.key}",
-            "--tag",
-            f"setting={setting}",
-        ]
-        if init is not None:
-            args += ["--init-from", str(init)]
-        self._train(run_dir, cfg.finetune_steps, seed, args)
-        return run_dir
+        tags = [f"system={system.display}", f"system_key={system.key}", f"setting={setting}"]
+        return self._run_config(
+            run_dir,
+            cfg.finetune_steps,
+            seed,
+            tags,
+            stage="finetune",
+            interface="none",
+            finetune_mode=setting,
+            data=self.parallel if setting == "supervised" else self.mono,
+            model_options=list(cfg.model_options),
+            valid_prefix=self.valid,
+            valid_interval=cfg.valid_interval,
+            valid_max_sentences=cfg.valid_sentences,
+            warmup_steps=cfg.warmup_steps,
+            lr=cfg.lr,
+            denoise_schedule=cfg.denoise_schedule,
+            init_from=init,
+        )
+
+    def finetune(self, system: System, setting: str, init: Path | None, seed: int) -> Path:
+        config = self.finetune_config(system, setting, init, seed)
+        self._train(config)
+        return config.output_dir
 
     # Test scores ----------------------------------------------------------------------------
 
