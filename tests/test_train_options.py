@@ -1,5 +1,5 @@
 """train.py's options: one TrainConfig, its command line and back, typed overrides of its
-fields."""
+fields, and docs/options.md made from its parser and field docstrings."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from launch import parse_train_argv
 
+from megasemface.cli.options_doc import COMMAND, DOC, render
 from megasemface.training.options import (
     TrainConfig,
     field_docs,
@@ -120,3 +121,9 @@ def test_options_the_units_read_are_checked_up_front() -> None:
 def test_every_field_has_a_docstring() -> None:
     assert set(field_docs()) == {f.name for f in dataclasses.fields(TrainConfig)}
     assert all(doc and "\n" not in doc for doc in field_docs().values())
+
+
+def test_docs_options_md_is_current() -> None:
+    assert DOC.read_text(encoding="utf-8") == render(), (
+        f"docs/options.md is out of date: run {COMMAND}"
+    )
