@@ -38,6 +38,15 @@ class System:
     """Extra train.py options of the pre-training run (ablations)."""
     connect: str = "semface"
     """semface (encoder and decoder of the run), xlm (encoder into both) or mbart."""
+    bridge: str = "none"
+    """semface: how the encoder reaches the cross-attention (``ModelConfig.bridge``)."""
+    pretraining: str | None = None
+    """The system whose pre-training run this one connects, when it differs only in how it
+    is connected (that run is trained once and shared); None: its own."""
+
+    @property
+    def pretraining_key(self) -> str:
+        return self.pretraining or self.key
 
 
 SYSTEMS: dict[str, System] = {
@@ -89,13 +98,22 @@ ABLATIONS: dict[str, System] = {
             ("--extractor-diversity",),
         ),
         System("cl-trainable", "CL-SemFace, trained table", "joint", "cl", ("--cl-trainable",)),
+        System(
+            "vq-bridge",
+            "VQ-SemFace, codebook bridge",
+            "joint",
+            "vq",
+            bridge="codebook",
+            pretraining="vq",
+        ),
     )
 }
 """The paper's Table 5, then what differs from the paper: Eq. 6 as printed (the default
 diversity loss is wav2vec 2.0's form), the paper's VQ losses alone (the default adds a
 per-token entropy term, with diversity weight 2), and options beyond the paper that are off
 by default: a commitment term tying the encoder's outputs to their codes, diversity terms
-for the decoder stage's extractor, a trained CL table."""
+for the decoder stage's extractor, a trained CL table, and VQ-SemFace's pre-training connected
+through its codebook instead of without the interface."""
 
 SETTINGS = ("supervised", "unsupervised")
 

@@ -160,7 +160,7 @@ class Pipeline:
         print(f"   finished in {seconds:.0f}s; log: {run_dir / 'launcher.log'}")
 
     def pretrain(self, system: System, seed: int) -> Path:
-        run_dir = self.workdir / "runs" / seeded(f"pretrain-{system.key}", seed)
+        run_dir = self.workdir / "runs" / seeded(f"pretrain-{system.pretraining_key}", seed)
         args = [
             "--stage",
             str(system.stage),
@@ -217,7 +217,7 @@ class Pipeline:
         elif system.connect == "xlm":
             connected = connect_runs(run_dir)
         else:  # the joint stage trained both: its encoder and decoder, minus the interface
-            connected = connect_runs(run_dir, run_dir)
+            connected = connect_runs(run_dir, run_dir, bridge=system.bridge)
         write_seq2seq_dir(out, connected, spm_model=self.spm)
         taken = sum(1 for origin in connected.parameters.values() if origin != "random")
         print(f"connected {out}: {taken} of {len(connected.parameters)} tensors pre-trained")
