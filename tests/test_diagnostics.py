@@ -183,11 +183,16 @@ def _direct(models: DiagnosticModels, lang: str, ids: list[list[int]]) -> dict:
     ext_codes: list[torch.Tensor] = []
     cosines: list[torch.Tensor] = []
     nll = {"interface": 0.0, "encoder": 0.0, "zeros": 0.0}
+    if models.interface_kind == "vq":
+        nll["bridge"] = 0.0
     count = 0
 
-    def argmax_codes(h: torch.Tensor) -> torch.Tensor:  # Linear-ReLU-Linear, Eq. 5 without noise
+    def code_logits(h: torch.Tensor) -> torch.Tensor:  # Linear-ReLU-Linear, Eq. 5 without noise
         q = interface.quantizer
-        return F.linear(F.relu(q.hidden(h)), q.logits_weight, q.logits_bias).argmax(-1)
+        return F.linear(F.relu(q.hidden(h)), q.logits_weight, q.logits_bias)
+
+    def argmax_codes(h: torch.Tensor) -> torch.Tensor:
+        return code_logits(h).argmax(-1)
 
     with torch.no_grad():
         for sentence in ids:
@@ -212,6 +217,9 @@ def _direct(models: DiagnosticModels, lang: str, ids: list[list[int]]) -> dict:
                 "encoder": (encoded.hidden_BTD, src_mask),
                 "zeros": (torch.zeros(1, n, models.config.d_model), ones),
             }
+            if models.interface_kind == "vq":  # every position, </s> too, as connected
+                mixture = torch.softmax(code_logits(encoded.hidden_BTD[0]), -1)  # temperature 1
+                memories["bridge"] = ((mixture @ interface.quantizer.codebook)[None], src_mask)
             inputs = torch.tensor([[sp.lang_tags[index], *sentence]])
             targets = torch.tensor([*sentence, sp.eos])
             for name, (memory, mask) in memories.items():
@@ -290,9 +298,17 @@ def test_connected_model_dir_gives_the_encoder_memory(vq_run: Path, data: dict) 
     alone = diagnose_interface(_config(data), load_models(None, model_dir))
     assert alone.measures == ["nll"] and alone.interface is None
     assert [x.nll for x in alone.languages] == [
-        {k: v for k, v in x.nll.items() if k != "interface"} for x in joint.languages
+        {k: v for k, v in x.nll.items() if k not in ("interface", "bridge")}
+        for x in joint.languages
     ]
     assert any("interface memory" in note for note in alone.notes)
+    # Connected through the codebook, the model's memory is the stage's bridged encoder output.
+    bridged_dir = data["dir"] / "vq-bridged"
+    bridged = connect_runs(vq_run, vq_run, bridge="codebook")
+    write_seq2seq_dir(bridged_dir, bridged, spm_model=data["spm"])
+    through = diagnose_interface(_config(data), load_models(None, bridged_dir))
+    for ours, theirs in zip(through.languages, joint.languages, strict=True):
+        assert ours.nll["encoder"] == pytest.approx(theirs.nll["bridge"], rel=1e-6)
 
 
 def test_cli_prints_writes_json_and_logs_to_the_run(

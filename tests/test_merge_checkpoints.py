@@ -45,6 +45,7 @@ from megasemface.data.shard_builder import build_shards
 from megasemface.data.textio import parse_lang_path
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
+from megasemface.models.bridge import BRIDGE_SOURCES
 from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, load_seq2seq
 from megasemface.models.seq2seq_init import ConnectError
@@ -328,3 +329,46 @@ def test_command_line_consolidate_connect_and_clear_errors(
     assert "'seq2seq' model, a 'pretraining' model is needed" in capsys.readouterr().err
     with pytest.raises(CheckpointError, match="not a VQ encoder-stage"):
         codebook_state_for_rank(decoder_run, 0, 1)
+
+
+def test_the_codebook_bridge_keeps_the_encoder_stages_vq_layer(
+    encoder_run: Path, decoder_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bridged"
+    args = ["connect", "--encoder", str(encoder_run), "--decoder", str(decoder_run)]
+    assert merge_main([*args, "--bridge", "codebook", "--out", str(out)]) == 0
+    capsys.readouterr()
+    model, info = load_seq2seq(out)
+    assert info.model.bridge == "codebook" and model.bridge is not None
+    encoder, _ = load_stage(encoder_run)
+    vq = quantizer_state(encoder)
+    provenance = json.loads((out / "provenance.json").read_text())["parameters"]
+    for name, key in BRIDGE_SOURCES.items():
+        assert torch.equal(model.state_dict()[f"bridge.{name}"], encoder[key])
+        assert provenance[f"bridge.{name}"] == f"encoder-stage:{key}"
+    # The memory is the VQ layer's noise-free code distribution over its codebook.
+    src = torch.randint(5, info.model.vocab_size, (2, 6))
+    mask = torch.ones_like(src, dtype=torch.bool)
+    langs = torch.tensor([0, 1])
+    with torch.no_grad():
+        hidden = model.encoder(src, mask, langs).hidden_BTD
+        scores = torch.relu(hidden @ vq["hidden.weight"].t() + vq["hidden.bias"])
+        scores = scores @ vq["logits_weight"].t() + vq["logits_bias"]
+        expected = torch.softmax(scores / info.model.bridge_temperature, -1) @ vq["codebook"]
+        torch.testing.assert_close(model.encode(src, mask, langs).hidden_BTD, expected)
+    # Only a VQ encoder stage joined with its decoder stage has a codebook to bridge through.
+    assert (
+        merge_main(
+            [
+                "connect",
+                "--encoder",
+                str(encoder_run),
+                "--bridge",
+                "codebook",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
+    assert "no decoder stage" in capsys.readouterr().err

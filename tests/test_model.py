@@ -166,3 +166,69 @@ def test_connect_refuses_mismatches() -> None:
     shrunk = {k: v for k, v in dec.items() if "layers.1" not in k}
     with pytest.raises(ConnectError, match="missing"):
         connect_stages(config, enc, _meta(config), shrunk, _meta(config))
+
+
+@pytest.mark.parametrize("layout", ["flat", "product"])
+def test_codebook_bridge_is_the_soft_code_mixture(layout: str) -> None:
+    config = build_model_config(
+        "tiny", ["vocab_size=100", f"vq.layout={layout}", "bridge=codebook", "vq.chunk_tokens=5"]
+    )
+    torch.manual_seed(0)
+    model = Seq2SeqModel(config).eval()
+    bridge = model.bridge
+    assert bridge is not None
+    src = torch.randint(5, 100, (3, 7))
+    mask = torch.ones_like(src, dtype=torch.bool)
+    langs = torch.tensor([0, 1, 0])
+    encoded = model.encoder(src, mask, langs).hidden_BTD
+    bridged = model.encode(src, mask, langs).hidden_BTD
+    # Directly: Linear-ReLU-Linear logits, a softmax per group, the groups' mixtures joined.
+    scores = torch.relu(encoded @ bridge.hidden.weight.t() + bridge.hidden.bias)
+    scores = (scores @ bridge.logits.weight.t() + bridge.logits.bias) / config.bridge_temperature
+    groups = 1 if layout == "flat" else config.vq.groups
+    table = bridge.codebook.reshape(groups, -1, config.d_model // groups)
+    parts = [
+        torch.softmax(chunk, -1) @ table[g] for g, chunk in enumerate(scores.chunk(groups, dim=-1))
+    ]
+    torch.testing.assert_close(bridged, torch.cat(parts, -1), rtol=1e-5, atol=1e-6)
+    # 21 tokens in chunks of 5, recomputed in backward: the same gradients as in one piece.
+    config_whole = build_model_config(
+        "tiny", ["vocab_size=100", f"vq.layout={layout}", "bridge=codebook"]
+    )
+    whole = Seq2SeqModel(config_whole)
+    whole.load_state_dict(model.state_dict())
+    for m in (model, whole):
+        m.eval()
+        m.encode(src, mask, langs).hidden_BTD.pow(2).sum().backward()
+    for name, param in model.named_parameters():
+        other = dict(whole.named_parameters())[name]
+        if param.grad is not None:
+            torch.testing.assert_close(param.grad, other.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_connect_with_the_bridge_takes_the_vq_layer() -> None:
+    config = build_model_config("tiny", ["vocab_size=100", "bridge=codebook"])
+    enc, dec = _stage_states(config)
+    torch.manual_seed(3)
+    vq = {
+        "interface.quantizer.hidden.weight": torch.randn(config.vq.hidden_dim, config.d_model),
+        "interface.quantizer.hidden.bias": torch.randn(config.vq.hidden_dim),
+        "interface.quantizer.logits_weight": torch.randn(config.vq.num_codes, config.vq.hidden_dim),
+        "interface.quantizer.logits_bias": torch.randn(config.vq.num_codes),
+        "interface.quantizer.codebook": torch.randn(config.vq.num_codes, config.d_model),
+    }
+    meta = _meta(config, interface={"kind": "vq"})
+    model, provenance = connect_stages(config, {**enc, **vq}, meta, dec, meta)
+    state = model.state_dict()
+    torch.testing.assert_close(state["bridge.codebook"], vq["interface.quantizer.codebook"])
+    torch.testing.assert_close(
+        state["bridge.logits.weight"], vq["interface.quantizer.logits_weight"]
+    )
+    assert provenance["bridge.hidden.bias"] == "encoder-stage:interface.quantizer.hidden.bias"
+    assert "random" not in provenance.values()
+    with pytest.raises(ConnectError, match="lacks its VQ layer"):
+        connect_stages(config, enc, meta, dec, meta)
+    with pytest.raises(ConnectError, match="'cl' encoder stage"):
+        connect_stages(config, {**enc, **vq}, _meta(config), dec, _meta(config))
+    with pytest.raises(ConnectError, match="no decoder stage"):
+        connect_stages(config, {**enc, **vq}, meta)

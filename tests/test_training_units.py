@@ -148,6 +148,11 @@ def test_options_are_checked_before_distributed_start_up() -> None:
             stage="encoder", interface="cl", model_options=["d_model=65"], **base
         )
         check_before_start(bad_shape, plain)
+    with pytest.raises(ValueError, match="--bridge codebook"):
+        bridged = TrainConfig(
+            stage="finetune", interface="none", model_options=["bridge=codebook"], **base
+        )
+        check_before_start(bridged, plain)
 
 
 def test_the_tokenizer_sets_the_vocabulary_and_refuses_a_contradicting_option(

@@ -63,15 +63,23 @@ def _full_origin(origin: str) -> str:
     ``encoder.`` / ``decoder.`` prefix), so provenance points at the tensor in the source."""
     role, sep, name = origin.partition(":")
     prefix = {"encoder-stage": "encoder.", "decoder-stage": "decoder."}.get(role)
-    if not sep or prefix is None or name == "mlm_bias":
+    if not sep or prefix is None or name == "mlm_bias" or name.startswith("interface."):
         return origin
     return f"{role}:{prefix}{name}"
 
 
 def connect_runs(
-    encoder: str | Path, decoder: str | Path | None = None, *, seed: int = 0
+    encoder: str | Path,
+    decoder: str | Path | None = None,
+    *,
+    seed: int = 0,
+    bridge: str = "none",
 ) -> Connected:
     """Connects an encoder stage with a decoder stage (SemFace), or alone (XLM-style).
+
+    ``bridge="codebook"`` keeps a VQ-SemFace encoder stage's VQ layer between the encoder and
+    the cross-attention (:mod:`megasemface.models.bridge`); ``"none"`` removes the interface,
+    as the paper does.
 
     Each source is a run directory, a checkpoint directory or a ``pretraining`` model
     directory. The model shape is the encoder stage's, with the decoder stage's decoder
@@ -79,7 +87,7 @@ def connect_runs(
     fit together (the message names both sources and what differs).
     """
     enc_state, enc_meta = _stage(encoder, "encoder", ("encoder", "joint"))
-    config = config_from_dict(enc_meta["model"])
+    config = dataclasses.replace(config_from_dict(enc_meta["model"]), bridge=bridge)
     dec_state = dec_meta = None
     enc_check = dict(enc_meta)
     if decoder is not None:

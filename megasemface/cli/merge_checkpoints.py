@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     connect.add_argument("--mbart", type=Path, help="mBART baseline source (instead)")
     connect.add_argument("--seed", type=int, default=0, help="seed of parameters no stage has")
+    connect.add_argument(
+        "--bridge",
+        choices=("none", "codebook"),
+        default="none",
+        help="VQ-SemFace: keep the encoder stage's codebook between the encoder and the "
+        "cross-attention (codebook), or remove the interface as the paper does (default: none)",
+    )
     common(connect)
 
     average = commands.add_parser(
@@ -127,7 +134,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     elif args.encoder is None:
         raise ValueError("connect needs --encoder (and --decoder), or --mbart")
     else:
-        connected = ckpt.connect_runs(args.encoder, args.decoder, seed=args.seed)
+        connected = ckpt.connect_runs(
+            args.encoder, args.decoder, seed=args.seed, bridge=args.bridge
+        )
     out = ckpt.write_seq2seq_dir(
         args.out, connected, spm_model=args.spm_model, overwrite=args.overwrite
     )

@@ -101,8 +101,19 @@ class ModelConfig:
     pad_id: int = 3
     mask_id: int = 4
     vq: VQConfig = dataclasses.field(default_factory=VQConfig)
+    bridge: Literal["none", "codebook"] = "none"
+    """The translation model's path from encoder to cross-attention. none: the encoder's
+    output, as the paper connects the stages; codebook: through the VQ-SemFace encoder
+    stage's code distribution, ``softmax(l(h) / bridge_temperature) @ codebook``, the kind of
+    memory its decoder was pre-trained on (not in the paper; see models/bridge.py)."""
+    bridge_temperature: float = 1.0
+    """Softmax temperature of the codebook bridge."""
 
     def __post_init__(self) -> None:
+        if self.bridge not in ("none", "codebook"):
+            raise ValueError(f"bridge must be 'none' or 'codebook', got {self.bridge!r}")
+        if self.bridge_temperature <= 0:
+            raise ValueError(f"bridge_temperature must be > 0, got {self.bridge_temperature}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by {self.num_heads} heads")
         for name in ("vocab_size", "num_langs", "d_model", "ffn_dim", "max_len"):

@@ -2,7 +2,8 @@
 
 SemFace: the encoder comes from the encoder stage and the decoder, with its pre-trained
 cross-attention, from the decoder stage; the interface (CL table, VQ layer, extractor) and
-the MLM head are dropped. XLM-style baseline: the encoder stage's weights initialise both
+the MLM head are dropped, unless the model has the codebook bridge, which takes the encoder
+stage's VQ layer (models/bridge.py). XLM-style baseline: the encoder stage's weights initialise both
 the encoder and the decoder (embeddings, self-attention, feed-forward, final norm, and the
 MLM bias as the output bias), and the cross-attention starts random. Every parameter of the
 result is accounted for in a provenance report.
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from megasemface.models.bridge import BRIDGE_SOURCES, bridge_state
 from megasemface.models.config import ModelConfig
 from megasemface.models.transformer import Seq2SeqModel
 
@@ -105,6 +107,20 @@ def connect_stages(
     if not encoder:
         raise ConnectError("the encoder-stage state holds no encoder.* parameters")
     take(encoder, "encoder.", "encoder-stage")
+    if config.bridge == "codebook":
+        if encoder_meta.get("interface", {}).get("kind") != "vq" or decoder_state is None:
+            raise ConnectError(
+                "the codebook bridge joins a VQ-SemFace encoder stage with its decoder stage; "
+                f"got a {encoder_meta.get('interface', {}).get('kind')!r} encoder stage"
+                + ("" if decoder_state is not None else " and no decoder stage")
+            )
+        try:
+            bridge = bridge_state(encoder_state)
+        except KeyError as missing:
+            raise ConnectError(f"the encoder-stage state lacks its VQ layer ({missing})") from None
+        take(bridge, "bridge.", "encoder-stage")
+        for name, key in BRIDGE_SOURCES.items():
+            provenance["bridge." + name] = f"encoder-stage:{key}"
     if decoder_state is None:
         take(encoder, "decoder.", "encoder-stage")  # XLM: encoder weights for the decoder
         if "mlm_bias" in encoder_state:
@@ -115,7 +131,7 @@ def connect_stages(
         if not decoder:
             raise ConnectError("the decoder-stage state holds no decoder.* parameters")
         take(decoder, "decoder.", "decoder-stage")
-    required = ("encoder.", "decoder.") if decoder_state is not None else ("encoder.",)
+    required = ("encoder.", "decoder.", "bridge.") if decoder_state is not None else ("encoder.",)
     missing = [
         k for k, origin in provenance.items() if origin == "random" and k.startswith(required)
     ]

@@ -10,6 +10,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from megasemface.models.bridge import CodebookBridge
 from megasemface.models.config import ModelConfig
 from megasemface.models.layers import Embeddings, KVCache, TransformerLayer, attention_mask
 
@@ -135,12 +136,18 @@ class Seq2SeqModel(nn.Module):
         super().__init__()
         self.config = config
         self.encoder = TransformerEncoder(config)
+        self.bridge = CodebookBridge(config) if config.bridge == "codebook" else None
         self.decoder = TransformerDecoder(config)
 
     def encode(
         self, src_BS: torch.Tensor, src_mask_BS: torch.Tensor, src_langs_B: torch.Tensor
     ) -> EncoderOutput:
-        return self.encoder(src_BS, src_mask_BS, src_langs_B)
+        """The memory the decoder cross-attends to: the encoder's output, through the bridge
+        when the model has one (``hidden_BTD``; ``pre_norm_BTD`` stays the encoder's)."""
+        encoded = self.encoder(src_BS, src_mask_BS, src_langs_B)
+        if self.bridge is not None:
+            encoded = dataclasses.replace(encoded, hidden_BTD=self.bridge(encoded.hidden_BTD))
+        return encoded
 
     def decode_step(
         self,
@@ -174,7 +181,7 @@ class Seq2SeqModel(nn.Module):
         tgt_langs_B: torch.Tensor,
     ) -> torch.Tensor:
         """Decoder hidden states [B, T, D] for teacher-forced target inputs."""
-        memory = self.encoder(src_BS, src_mask_BS, src_langs_B)
+        memory = self.encode(src_BS, src_mask_BS, src_langs_B)
         return self.decoder(
             tgt_in_BT, tgt_mask_BT, tgt_langs_B, memory.hidden_BTD, src_mask_BS, causal=True
         )

@@ -76,6 +76,11 @@ class System:
     ``{"vq.diversity_loss": "eq6"}``; after the pipeline's own."""
     connect: str = "semface"
     """semface (encoder and decoder of the run), xlm (encoder into both) or mbart."""
+    bridge: str = "none"
+    """semface: how the encoder reaches the cross-attention (``ModelConfig.bridge``)."""
+    pretraining: str | None = None
+    """The system whose pre-training run this one connects, when it differs only in how it
+    is connected (that run is trained once and shared); None: its own."""
 
     def __post_init__(self) -> None:
         try:
@@ -151,13 +156,22 @@ ABLATIONS: dict[str, System] = {
             {"extractor_diversity": True},
         ),
         System("cl-trainable", "CL-SemFace, trained table", "joint", "cl", {"cl_trainable": True}),
+        System(
+            "vq-bridge",
+            "VQ-SemFace, codebook bridge",
+            "joint",
+            "vq",
+            bridge="codebook",
+            pretraining="vq",
+        ),
     )
 }
 """The paper's Table 5, then what differs from the paper: Eq. 6 as printed (the default
 diversity loss is wav2vec 2.0's form), the paper's VQ losses alone (the default adds a
 per-token entropy term, with diversity weight 2), and options beyond the paper that are off
 by default: a commitment term tying the encoder's outputs to their codes, diversity terms
-for the decoder stage's extractor, a trained CL table."""
+for the decoder stage's extractor, a trained CL table, and VQ-SemFace's pre-training connected
+through its codebook instead of without the interface."""
 
 SETTINGS = ("supervised", "unsupervised")
 

@@ -160,6 +160,8 @@ class Pipeline:
         shards with the pre-training learning rate, and its own options."""
         cfg = self.config
         assert system.stage is not None, f"{system.key} has no pre-training"
+        if system.pretraining is not None:  # trained once for both: the other system's run
+            return self.pretrain_config(cfg.system(system.pretraining), seed)
         values: dict[str, Any] = {
             "stage": system.stage,
             "interface": system.interface,
@@ -216,7 +218,7 @@ class Pipeline:
         elif system.connect == "xlm":
             connected = connect_runs(run_dir)
         else:  # the joint stage trained both: its encoder and decoder, minus the interface
-            connected = connect_runs(run_dir, run_dir)
+            connected = connect_runs(run_dir, run_dir, bridge=system.bridge)
         write_seq2seq_dir(out, connected, spm_model=self.spm)
         taken = sum(1 for origin in connected.parameters.values() if origin != "random")
         print(f"connected {out}: {taken} of {len(connected.parameters)} tensors pre-trained")

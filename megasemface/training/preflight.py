@@ -36,6 +36,12 @@ def check_before_start(config: TrainConfig, ds_config: dict[str, Any]) -> None:
     """Raises ValueError for options that cannot work together."""
     lr_schedule_of(config, ds_config)
     model = user_model_config(config)
+    if model.bridge != "none":
+        raise ValueError(
+            "the codebook bridge belongs to a connected translation model and starts from its "
+            "VQ-SemFace pre-training: connect with tools/merge_checkpoints.py connect --bridge "
+            "codebook, then fine-tune with --init-from that model directory"
+        )
     flat = config.interface == "vq" and model.vq.layout == "flat"
     if flat and model.vq.num_codes % config.mp_size:
         raise ValueError(

@@ -7,8 +7,9 @@ token budget in a fixed order, in eval mode without gradients:
 1. argmax code usage of the encoder's VQ layer (noise-free) and of the decoder stage's
    feature extractor through the same layer;
 2. the mean cosine between the encoder's output and its interface vector;
-3. the teacher-forced NLL of the decoder reconstructing each sentence with three memories:
-   the interface's own, the connected encoder's output, and zeros;
+3. the teacher-forced NLL of the decoder reconstructing each sentence with up to four
+   memories: the interface's own, the connected encoder's output, a VQ encoder's output
+   through its codebook (what ``connect --bridge codebook`` feeds the decoder), and zeros;
 4. with a gold dictionary, how often translated words share codes (:mod:`.figures`).
 
 Token positions: every figure but the NLL is over the sentences' own tokens, not the </s>
@@ -239,9 +240,14 @@ def _nll_side(
         memory = interface.decoder_memory(batch.tokens_BT, mask, batch.langs_B)
         memories["interface"] = (memory.memory_BSD, memory.mask_BS)
     if models.connected_encoder is not None:
-        if models.connected_encoder is not models.encoder or encoded is None:
-            encoded = models.connected_encoder(*src, batch.langs_B)
-        memories["encoder"] = (encoded.hidden_BTD, src[1])
+        connected = encoded
+        if models.connected_encoder is not models.encoder or connected is None:
+            connected = models.connected_encoder(*src, batch.langs_B)
+        memories["encoder"] = (connected.hidden_BTD, src[1])
+    if models.bridge is not None:
+        assert models.encoder is not None  # load_models builds a bridge only with one
+        own = models.encoder(*src, batch.langs_B) if encoded is None else encoded
+        memories["bridge"] = (models.bridge(own.hidden_BTD), src[1])
     # Zero keys and values are the same at every position: the memory's length is moot.
     memories["zeros"] = (torch.zeros(*batch.tokens_BT.shape, models.config.d_model), mask)
     for name, (memory_BSD, mask_BS) in memories.items():

@@ -12,12 +12,13 @@ __all__ = ["METRIC_PREFIX", "Diagnostics", "DictionaryFigures", "LanguageFigures
 
 METRIC_PREFIX = "diag_"
 
-MEMORIES = ("interface", "encoder", "zeros")
+MEMORIES = ("interface", "encoder", "bridge", "zeros")
 """The cross-attention memories of the NLL figures, in the order they are reported."""
 
 _MEMORY_LABELS = {
     "interface": "interface memory",
     "encoder": "encoder memory",
+    "bridge": "encoder through the codebook",
     "zeros": "zero memory",
 }
 

@@ -14,13 +14,18 @@ Which part plays which role:
   trained it (decoder or joint: the decoder pre-trained against the interface), else the
   model directory's;
 - the *connected encoder*, whose output is the memory of "what fine-tuning feeds the
-  pre-trained cross-attention", is the model directory's encoder, else the encoder of a
-  joint stage (the one ``connect`` takes from it).
+  pre-trained cross-attention", is the model directory's encoder (through its codebook
+  bridge when it has one), else the encoder of a joint stage (the one ``connect`` takes
+  from it);
+- the *bridge* of a VQ encoder or joint stage is its VQ layer as the codebook bridge
+  (:mod:`megasemface.models.bridge`): the encoder's output through it is what a model
+  connected with ``--bridge codebook`` feeds the cross-attention.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +35,10 @@ from megasemface.checkpoints import load_stage, resolve_spm_model
 from megasemface.data.tokenizer import Tokenizer
 from megasemface.interfaces.base import SemanticInterface
 from megasemface.interfaces.factory import build_interface
+from megasemface.models.bridge import CodebookBridge, bridge_state
 from megasemface.models.config import ModelConfig, config_from_dict
 from megasemface.models.model_dir import load_seq2seq
-from megasemface.models.transformer import TransformerDecoder, TransformerEncoder
+from megasemface.models.transformer import EncoderOutput, TransformerDecoder, TransformerEncoder
 from megasemface.objectives.sequences import SpecialTokens
 from megasemface.objectives.stages import SemFaceModel
 
@@ -63,7 +69,10 @@ class DiagnosticModels:
     decoder: TransformerDecoder | None
     """The decoder whose cross-attention is measured: ``interface_decoder`` or the model
     directory's."""
-    connected_encoder: TransformerEncoder | None
+    connected_encoder: Callable[..., EncoderOutput] | None
+    """``(tokens, mask, langs) -> EncoderOutput``: the memory of the connected model."""
+    bridge: CodebookBridge | None
+    """A VQ stage's VQ layer as the codebook bridge (None without a VQ encoder)."""
     step: int | None
     """The checkpoint's training step (None when unknown)."""
     mlflow_run_id: str | None
@@ -162,9 +171,19 @@ def load_models(
     if stage_model is not None:
         encoder = stage_model.encoder if stage in ("encoder", "joint") else None
         interface_decoder = stage_model.decoder if stage in ("decoder", "joint") else None
-    connected = seq2seq.encoder if seq2seq is not None else None
-    if connected is None and stage == "joint":
+    connected: Callable[..., EncoderOutput] | None = None
+    if seq2seq is not None:
+        connected = seq2seq.encode
+    elif stage == "joint":
         connected = encoder
+    bridge = None
+    if encoder is not None and meta.get("interface", {}).get("kind") == "vq":
+        assert stage_model is not None
+        bridge_config = dataclasses.replace(stage_model.config, bridge="codebook")
+        with torch.device("meta"):
+            bridge = CodebookBridge(bridge_config)
+        bridge.load_state_dict(bridge_state(state), assign=True)
+        bridge.eval()
     decoder = interface_decoder
     if decoder is None and seq2seq is not None:
         decoder = seq2seq.decoder
@@ -182,6 +201,7 @@ def load_models(
         interface_decoder=interface_decoder,
         decoder=decoder,
         connected_encoder=connected,
+        bridge=bridge,
         step=source.get("step"),
         mlflow_run_id=meta.get("mlflow_run_id") or None,
         sources=sources,

@@ -1,0 +1,95 @@
+"""The codebook bridge: VQ-SemFace's encoder joined to its decoder through the code vectors.
+
+The paper connects the stages by removing the interface, so the connected decoder
+cross-attends to the encoder's raw output. VQ-SemFace's decoder, however, was pre-trained on
+code vectors, and nothing in the encoder stage pulls the encoder's output towards them (the
+MLM head reads the codes): at the demo budget the cosine between an output and its code is
+0.03-0.08, and the pre-trained cross-attention starts fine-tuning on inputs it never saw.
+
+The bridge keeps the encoder stage's VQ layer in the translation model, without noise or
+argmax: each encoder output ``h`` becomes ``softmax(l(h) / tau) @ codebook``, with ``l`` the
+layer's Linear-ReLU-Linear logits. That is a point in the span of the codes the decoder was
+trained on (close to the argmax code when the distribution is confident), continuous and
+differentiable, so fine-tuning trains the encoder, the logits and the codes as one model.
+
+It is an option of the connected model (``ModelConfig.bridge``), off by default: at the demo
+budget it halves validation BLEU after fine-tuning (docs/reproduce.md, system ``vq-bridge``),
+as the confident code distributions keep the encoder behind a K-way bottleneck. It costs a
+K-way softmax per source token (at K = 102,400, about what a 6-layer encoder costs per token
+at d 1024), computed in chunks of ``vq.chunk_tokens`` tokens and recomputed in backward so its
+activation memory stays bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from megasemface.models.config import ModelConfig
+
+__all__ = ["BRIDGE_SOURCES", "CodebookBridge", "bridge_state"]
+
+BRIDGE_SOURCES: dict[str, str] = {
+    "hidden.weight": "interface.quantizer.hidden.weight",
+    "hidden.bias": "interface.quantizer.hidden.bias",
+    "logits.weight": "interface.quantizer.logits_weight",
+    "logits.bias": "interface.quantizer.logits_bias",
+    "codebook": "interface.quantizer.codebook",
+}
+"""Each bridge parameter and the encoder-stage state key it is initialised from."""
+
+
+def bridge_state(stage_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The bridge's state from a VQ-SemFace stage's state (gathered, not a model-parallel
+    shard); KeyError names the first VQ weight missing."""
+    return {name: stage_state[key] for name, key in BRIDGE_SOURCES.items()}
+
+
+class CodebookBridge(nn.Module):
+    """``h -> softmax(logits(h) / temperature) @ codebook`` per token, for either VQ layout.
+
+    Flat: one softmax over K codes of size d. Product: one softmax per group over its
+    ``entries`` codes of size d / groups, the groups' mixtures concatenated (the layout's code
+    vector is the concatenation of its groups' entries).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        vq = config.vq
+        self.groups = 1 if vq.layout == "flat" else vq.groups
+        rows = vq.num_codes if vq.layout == "flat" else vq.groups * vq.entries
+        self.entries = rows // self.groups
+        self.temperature = config.bridge_temperature
+        self.chunk_tokens = vq.chunk_tokens
+        self.hidden = nn.Linear(config.d_model, vq.hidden_dim)
+        self.logits = nn.Linear(vq.hidden_dim, rows)
+        # The quantizer's table shape, so its state loads as it is: [K, d] or [G, V, d / G].
+        width = config.d_model // self.groups
+        shape = (rows, width) if self.groups == 1 else (self.groups, self.entries, width)
+        self.codebook = nn.Parameter(torch.randn(shape))
+
+    def _mix(self, h_ND: Tensor) -> Tensor:
+        scores = self.logits(F.relu(self.hidden(h_ND))).float() / self.temperature
+        probs = torch.softmax(scores.view(h_ND.shape[0], self.groups, self.entries), dim=-1)
+        table = self.codebook.float().view(self.groups, self.entries, -1)
+        mixed = torch.einsum("ngv,gvk->ngk", probs, table)
+        return mixed.reshape(h_ND.shape[0], -1).to(h_ND.dtype)
+
+    def forward(self, hidden_BTD: Tensor) -> Tensor:
+        """The bridged memory [B, T, D]; padding positions are mapped too (they are masked)."""
+        flat_ND = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])
+        if flat_ND.shape[0] <= self.chunk_tokens:
+            return self._mix(flat_ND).view_as(hidden_BTD)
+        chunks = []
+        for start in range(0, flat_ND.shape[0], self.chunk_tokens):
+            part = flat_ND[start : start + self.chunk_tokens]
+            if torch.is_grad_enabled():
+                # Recomputed in backward: the [chunk, K] probabilities are not kept.
+                chunks.append(checkpoint(self._mix, part, use_reentrant=False))
+            else:
+                chunks.append(self._mix(part))
+        return torch.cat(chunks).view_as(hidden_BTD)
