@@ -132,12 +132,14 @@ def test_deepspeeds_zero_to_fp32_script_agrees(
     encoder_run: Path, decoder_run: Path, mbart_run: Path, tmp_path: Path
 ) -> None:
     # DeepSpeed copies zero_to_fp32.py into the save directory (<run>/checkpoints) at every
-    # ZeRO save; it is run here as a user would (its sharding needs huggingface_hub, a dev
-    # dependency of megasemface).
+    # ZeRO save; it is run here as its documentation says, without a tag: it follows the
+    # `latest` file to the newest complete checkpoint (its sharding needs huggingface_hub, a
+    # dev dependency of megasemface).
     jobs = {"zero2": (encoder_run, 3), "zero1": (decoder_run, 2), "zero3": (mbart_run, 2)}
     for name, (run, step) in jobs.items():
         script = run / "checkpoints" / "zero_to_fp32.py"
         assert script.is_file()
+        assert (run / "checkpoints" / "latest").read_text() == f"step-{step:08d}"
         result = subprocess.run(
             [
                 sys.executable,
@@ -145,8 +147,6 @@ def test_deepspeeds_zero_to_fp32_script_agrees(
                 str(run / "checkpoints"),
                 str(tmp_path / name),
                 "--safe_serialization",
-                "--tag",
-                f"step-{step:08d}",
             ],
             capture_output=True,
             text=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import hashlib
 import json
@@ -314,3 +315,29 @@ def test_cli_reports_bad_input_clearly(
         )
         == 2
     )
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz", ".zst"])
+def test_a_truncated_compressed_corpus_is_named_in_one_line(
+    tmp_path: Path,
+    spm_model: Path,
+    demo_corpus: Path,
+    suffix: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    text = (demo_corpus / "mono" / "de.txt").read_bytes()[:200_000]
+    compress = {
+        ".gz": gzip.compress,
+        ".bz2": bz2.compress,
+        ".xz": lzma.compress,
+        ".zst": zstandard.ZstdCompressor().compress,
+    }[suffix]
+    whole = compress(text)
+    cut = tmp_path / f"cut.txt{suffix}"
+    cut.write_bytes(whole[: len(whole) // 2])
+    out = tmp_path / "o"
+    args = ["--spm-model", str(spm_model), "--out", str(out), "--input", f"de:{cut}"]
+    assert build_shards_main(args) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(lines) == 1 and str(cut) in lines[0] and "truncated or damaged" in lines[0]
+    assert not (out / "manifest.json").exists()  # no manifest claims a corpus it did not read

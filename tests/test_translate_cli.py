@@ -219,3 +219,19 @@ def test_translate_errors(
     assert "beam must be >= 1" in capsys.readouterr().err
     assert main([*base, "--model-dir", str(tmp_path)]) == 2
     assert "not a megasemface model directory" in capsys.readouterr().err
+    # A truncated or empty weights file: one line naming it, not safetensors' traceback.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(model_dir, damaged)
+    weights = damaged / "model.safetensors"
+    for content in (weights.read_bytes()[:1000], b""):
+        weights.write_bytes(content)
+        assert main([*base, "--model-dir", str(damaged), "--input", str(data[0])]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"{weights} cannot be read" in error
+    # An empty input translates nothing, and says so.
+    empty = tmp_path / "empty.en"
+    empty.write_text("")
+    output = tmp_path / "empty.de"
+    assert main([*base, "--input", str(empty), "--output", str(output)]) == 0
+    assert f"{empty} has no line to translate" in capsys.readouterr().err
+    assert output.read_text() == ""

@@ -6,9 +6,12 @@ Layout under ``<output>/checkpoints/``::
                               client_state with step counters, run ids and the configuration)
     step-00000100/rank-00001.json   this rank's loader position and RNG states (JSON: no pickle)
     step-00000100/COMPLETE    written by rank 0 after every rank has finished writing
+    latest                    the newest complete checkpoint's tag, written after COMPLETE
 
 A checkpoint without ``COMPLETE`` (the run was killed while writing it) is never resumed from
-and is removed by the next save.
+and is removed by the next save. ``latest`` is DeepSpeed's own pointer file: its tools
+(``zero_to_fp32.py``, copied into this folder) read it when no tag is given; megasemface
+resumes from the newest ``COMPLETE`` checkpoint and does not read it.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ class CheckpointManager:
         barrier()
         if self.rank == 0:
             _write_json(self.root / tag / MARKER, {"step": step})
+            # Only now, so DeepSpeed's tools never follow it to a half-written checkpoint.
+            atomic_write_text(self.root / "latest", tag)
             self._prune()
         barrier()
         return self.root / tag

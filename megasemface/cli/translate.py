@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         translator.language_index(args.src_lang)
         translator.language_index(args.tgt_lang)
         sources = read_lines(args.input)
+        if not sources:
+            where = "standard input" if args.input == "-" else args.input
+            print(f"translate: warning: {where} has no line to translate", file=sys.stderr)
         references = read_lines(args.reference) if args.reference else None
         if references is not None and len(references) != len(sources):
             raise ValueError(

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from megasemface.data.languages import temperature_probs
-from megasemface.data.textio import CorpusSpec, iter_lines
+from megasemface.data.textio import CorpusReadError, CorpusSpec, iter_lines
 
 __all__ = [
     "CorpusReadError",
@@ -43,10 +43,6 @@ def check_int(name: str, value: object, *, minimum: int, maximum: int | None = N
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name} must be {bound}, got {value}")
-
-
-class CorpusReadError(ValueError):
-    """A corpus file could not be read or decompressed (truncated archive, I/O error...)."""
 
 
 @dataclass
@@ -124,16 +120,10 @@ def reservoir_sample(
                     slot = int(rng.random() * usable)
                     if slot < capacity:
                         lines[slot] = line
-        except MemoryError:
-            raise
-        except Exception as exc:
-            # Decompressors raise assorted types (EOFError, zlib.error, LZMAError, ZstdError);
-            # report them all as bad input naming the file, not as a traceback.
+        except CorpusReadError as exc:  # the reader names the file and what to do
             raise CorpusReadError(
-                f"cannot read corpus file {path} (language {corpus.lang!r}) after "
-                f"{read_in_file:,} lines: {type(exc).__name__}: {exc}. The file looks "
-                "truncated or corrupt: re-create it, or leave it out"
-            ) from exc
+                f"language {corpus.lang!r}, after {read_in_file:,} lines: {exc}"
+            ) from None
         sample.lines_read += read_in_file
     sample.lines_usable = usable
     return sample

@@ -14,12 +14,14 @@ import io
 import itertools
 import lzma
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 __all__ = [
     "AlignmentError",
+    "CorpusReadError",
     "CorpusSpec",
     "LineReader",
     "count_lines",
@@ -31,6 +33,67 @@ __all__ = [
 ]
 
 _BUFFER = 1 << 20
+
+
+class CorpusReadError(ValueError):
+    """A corpus file cannot be read to its end: truncated or damaged compressed data, or a
+    read error of the disk. The message names the file and how far reading got."""
+
+
+def _decompression_errors() -> tuple[type[BaseException], ...]:
+    """What the decompressors raise for damaged or truncated input (zstandard's only when it
+    is installed: it is imported for .zst corpora alone)."""
+    errors: list[type[BaseException]] = [EOFError, OSError, lzma.LZMAError, zlib.error]
+    with contextlib.suppress(ImportError):
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    return tuple(errors)
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a file of zstd frames, one after another.
+
+    Read through ``decompressobj`` rather than zstandard's ``stream_reader``, which returns
+    the data of a file cut inside a frame without an error: here the end of the file inside a
+    frame raises ``EOFError``, as gzip, bz2 and xz do.
+    """
+
+    def __init__(self, raw: BinaryIO) -> None:
+        import zstandard  # imported only when a .zst corpus is read
+
+        self._raw = raw
+        self._context = zstandard.ZstdDecompressor()
+        self._frame = self._context.decompressobj()
+        self._in_frame = False
+        self._pending = b""
+        self._offset = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._offset == len(self._pending):
+            data = self._raw.read(_BUFFER)
+            if not data:
+                if self._in_frame:
+                    raise EOFError("the zstd stream ended inside a frame")
+                return 0
+            self._pending, self._offset = self._decompress(data), 0
+        size = min(len(buffer), len(self._pending) - self._offset)
+        buffer[:size] = self._pending[self._offset : self._offset + size]
+        self._offset += size
+        return size
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self._frame.eof:  # the next frame starts in what the last one left
+                self._frame = self._context.decompressobj()
+            out.append(self._frame.decompress(data))
+            self._in_frame = not self._frame.eof
+            data = self._frame.unused_data if self._frame.eof else b""
+        return b"".join(out)
 
 
 class LineReader:
@@ -59,10 +122,7 @@ class LineReader:
         elif suffix == ".xz":
             stream = lzma.LZMAFile(self._raw, mode="rb")  # type: ignore[assignment]  # noqa: SIM115
         elif suffix == ".zst":
-            import zstandard  # imported only when a .zst corpus is read
-
-            reader = zstandard.ZstdDecompressor().stream_reader(self._raw, closefd=False)
-            stream = io.BufferedReader(reader, buffer_size=_BUFFER)  # type: ignore[arg-type]
+            stream = io.BufferedReader(_ZstdFrames(self._raw), buffer_size=_BUFFER)
         else:
             stream = self._raw
         self._stream = stream
@@ -71,13 +131,27 @@ class LineReader:
     def compressed_bytes_read(self) -> int:
         return self._raw.tell()
 
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Turns a decompressor's or the disk's error into a :class:`CorpusReadError`."""
+        try:
+            yield
+        except _decompression_errors() as exc:
+            done = f"after {self._raw.tell():,} of {self.size_on_disk:,} bytes"
+            raise CorpusReadError(
+                f"{self.path}: cannot read the file to its end ({done}): {exc}; the file is "
+                "truncated or damaged: copy or compress it again (gzip, bzip2, xz and zstd "
+                "check a file with -t)"
+            ) from None
+
     def __iter__(self) -> Iterator[bytes]:
-        for line in self._stream:
-            if line.endswith(b"\n"):
-                line = line[:-1]
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            yield line
+        with self._reading():
+            for line in self._stream:
+                if line.endswith(b"\n"):
+                    line = line[:-1]
+                if line.endswith(b"\r"):
+                    line = line[:-1]
+                yield line
 
     def iter_blocks(self, size: int) -> Iterator[bytes]:
         """Yields runs of about ``size`` bytes that end at a line end (but maybe the last).
@@ -86,13 +160,14 @@ class LineReader:
         process cheap when worker processes do the per-line work (see ``split_lines``).
         """
         carry = b""
-        while data := self._stream.read(size):
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:  # no line end in this read: a line longer than size
-                carry += data
-                continue
-            yield carry + data[:cut]
-            carry = data[cut:]
+        with self._reading():
+            while data := self._stream.read(size):
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:  # no line end in this read: a line longer than size
+                    carry += data
+                    continue
+                yield carry + data[:cut]
+                carry = data[cut:]
         if carry:
             yield carry
 
@@ -103,7 +178,8 @@ class LineReader:
         reader in C, one call each, so following another file's blocks line for line stays
         cheap.
         """
-        lines = list(itertools.islice(iter(self._stream.readline, b""), count))
+        with self._reading():
+            lines = list(itertools.islice(iter(self._stream.readline, b""), count))
         return b"".join(lines), len(lines)
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megasemface.files import replace_directory, write_atomically
@@ -167,7 +168,14 @@ def load_model_dir(
 ) -> tuple[dict[str, torch.Tensor], ModelDirInfo]:
     """The weights (safetensors) and the info of a model directory."""
     info = read_model_dir_info(path, kind)
-    return load_file(str(info.path / "model.safetensors")), info
+    weights = info.path / "model.safetensors"
+    try:
+        return load_file(str(weights)), info
+    except (SafetensorError, OSError) as exc:  # truncated, empty, damaged or unreadable
+        raise ModelDirError(
+            f"{weights} cannot be read ({exc}); the file is truncated or damaged: write the "
+            "model directory again (tools/merge_checkpoints.py, or the run's best model)"
+        ) from None
 
 
 def load_seq2seq(path: str | os.PathLike[str]) -> tuple[torch.nn.Module, ModelDirInfo]:
