@@ -411,3 +411,48 @@ def test_bad_inputs(model: Seq2SeqModel) -> None:
         )
     with pytest.raises(ValueError, match="beam"):
         SearchConfig(beam=0)
+
+
+def _ngrams(tokens: list[int], n: int) -> list[tuple[int, ...]]:
+    return [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+
+
+def test_repeated_ngram_blocking_equals_a_direct_scan() -> None:
+    from megasemface.inference.search import _block_repeated_ngrams
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(6, 9, (40, 9), generator=g)  # 3 ids: repeats are frequent
+    logp = torch.randn(40, 12, generator=g)
+    for n in (1, 2, 3):
+        blocked = _block_repeated_ngrams(logp, tokens, n)
+        for row, generated in enumerate(tokens.tolist()):
+            seen = set(_ngrams(generated, n))
+            tail = tuple(generated[len(generated) - (n - 1) :])
+            banned = {v for v in range(12) if (*tail, v) in seen}
+            assert {v for v in range(12) if blocked[row, v] == -math.inf} == banned
+            kept = [v for v in range(12) if v not in banned]
+            assert torch.equal(blocked[row, kept], logp[row, kept])
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_no_repeat_ngram_stops_a_loop(model: Seq2SeqModel, beam: int) -> None:
+    # A decoder that loops: A B A B ... is far likelier than anything, </s> never comes.
+    loop = Table(
+        {(Table.A, Table.B) * i: {Table.A: 0.9, Table.B: 0.05, EOS: 0.05} for i in range(9)}
+    )
+    loop.table.update(
+        {
+            (Table.A, Table.B) * i + (Table.A,): {Table.B: 0.9, Table.A: 0.05, EOS: 0.05}
+            for i in range(9)
+        }
+    )
+    config = SearchConfig(beam=beam, max_len_a=0, max_len_b=12)
+    (free,) = run(loop, one_sentence(), config)
+    assert len(set(_ngrams(free.tokens, 2))) < len(_ngrams(free.tokens, 2)) == 11
+    (blocked,) = run(loop, one_sentence(), dataclasses.replace(config, no_repeat_ngram=2))
+    assert len(set(_ngrams(blocked.tokens, 2))) == len(_ngrams(blocked.tokens, 2))
+    if beam == 1:  # after A B A, B would repeat "A B": the likeliest left is </s>
+        assert blocked.tokens == [Table.A, Table.B, Table.A]
+    # On a real model: no bigram twice in any output.
+    for hyp in run(model, make_batch([9, 3, 12, 7]), SearchConfig(beam=beam, no_repeat_ngram=2)):
+        assert len(set(_ngrams(hyp.tokens, 2))) == len(_ngrams(hyp.tokens, 2))

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-len-b", type=int, default=defaults.max_len_b)
     parser.add_argument("--min-len", type=int, default=defaults.min_len)
     parser.add_argument(
+        "--no-repeat-ngram-size",
+        type=int,
+        default=defaults.no_repeat_ngram,
+        help="no n-gram of this size twice in an output (0: no limit)",
+    )
+    parser.add_argument(
         "--batch-tokens",
         type=int,
         default=4096,
@@ -88,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             max_len_a=args.max_len_a,
             max_len_b=args.max_len_b,
             min_len=args.min_len,
+            no_repeat_ngram=args.no_repeat_ngram_size,
         )
         # Model and languages first: a mistake there shows before a long input is read.
         translator = Translator.from_model_dir(args.model_dir, device)

@@ -83,6 +83,9 @@ class SearchConfig:
     """...capped by the decoder's position embeddings."""
     min_len: int = 0
     """``</s>`` is forbidden before this many tokens (unless the maximum comes first)."""
+    no_repeat_ngram: int = 0
+    """No n-gram of this size is generated twice in one output (fairseq's
+    ``--no-repeat-ngram-size``); 0: no limit. Stops a weak model's loops ("the the the")."""
     incremental: bool = True
     """Keep the decoder's keys and values between steps (a :class:`DecoderCache`), so a step
     runs the new position only; off re-runs the decoder over every prefix."""
@@ -102,6 +105,8 @@ class SearchConfig:
             )
         if self.min_len < 0:
             raise ValueError(f"min_len must be >= 0, got {self.min_len}")
+        if self.no_repeat_ngram < 0:
+            raise ValueError(f"no_repeat_ngram must be >= 0, got {self.no_repeat_ngram}")
         if not math.isfinite(self.lenpen):
             raise ValueError(f"lenpen must be finite, got {self.lenpen}")
 
@@ -215,9 +220,10 @@ def greedy_search(
             scorer.decode_step(prefix_RT, langs_R, memory, cache),
             step,
             limit_R,
-            config.min_len,
+            config,
             eos_id,
             banned_ids,
+            prefix_RT,
         )
         best_R, token_R = logp_RV.max(dim=-1)
         sums_R = sums_R + best_R
@@ -289,9 +295,10 @@ def beam_search(
             scorer.decode_step(prefix_RT, langs_R, memory, cache),
             step,
             limit_B.repeat_interleave(beam),
-            config.min_len,
+            config,
             eos_id,
             banned_ids,
+            prefix_RT,
         )
         vocab = logp_RV.shape[-1]
         candidates_BC = (sums_BK.reshape(-1, 1) + logp_RV).view(count, beam * vocab)
@@ -426,11 +433,13 @@ def _constrain(
     logp_RV: torch.Tensor,
     step: int,
     limit_R: torch.Tensor,
-    min_len: int,
+    config: SearchConfig,
     eos_id: int,
     banned_ids: Sequence[int],
+    prefix_RT: torch.Tensor,
 ) -> torch.Tensor:
-    """Applies the banned ids, the minimum length and the forced end (which wins)."""
+    """Applies the banned ids, repeated n-grams, the minimum length and the forced end (which
+    wins). ``prefix_RT``: each row's language tag and the tokens generated so far."""
     logp_RV = logp_RV.float()
     # The forced </s> keeps its real log-probability (even before the minimum length), so
     # forced endings rank fairly.
@@ -438,7 +447,9 @@ def _constrain(
     if banned_ids:
         banned = torch.tensor(list(banned_ids), dtype=torch.long, device=logp_RV.device)
         logp_RV = logp_RV.index_fill(1, banned, -math.inf)
-    if step < min_len:
+    if config.no_repeat_ngram:
+        logp_RV = _block_repeated_ngrams(logp_RV, prefix_RT[:, 1:], config.no_repeat_ngram)
+    if step < config.min_len:
         logp_RV = logp_RV.index_fill(1, torch.tensor([eos_id], device=logp_RV.device), -math.inf)
     forced_R = limit_R <= step
     if bool(forced_R.any()):
@@ -446,6 +457,22 @@ def _constrain(
         only_eos[:, eos_id] = eos_R
         logp_RV = torch.where(forced_R[:, None], only_eos, logp_RV)
     return logp_RV
+
+
+def _block_repeated_ngrams(logp_RV: torch.Tensor, tokens_RL: torch.Tensor, n: int) -> torch.Tensor:
+    """-inf for each token that would complete an n-gram its row already holds: every earlier
+    n-gram whose first n - 1 tokens equal the row's last n - 1 bans its last token. All rows
+    at once, no Python loop over hypotheses."""
+    length = tokens_RL.shape[1]
+    if length < n:
+        return logp_RV
+    windows_RWN = tokens_RL.unfold(1, n, 1)
+    last_RN = tokens_RL[:, length - (n - 1) :]
+    match_RW = (windows_RWN[:, :, : n - 1] == last_RN[:, None, :]).all(dim=-1)
+    rows, cols = match_RW.nonzero(as_tuple=True)
+    blocked = logp_RV.clone()
+    blocked[rows, windows_RWN[rows, cols, n - 1]] = -math.inf
+    return blocked
 
 
 def _normalize(log_prob: float, length: int, config: SearchConfig) -> float:
