@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.deepspeed_config is None:
             raise ValueError("--deepspeed_config is required (see ds_configs/)")
         ds_config = load_ds_config(args.deepspeed_config)
-        check_before_start(config, ds_config)
+        # The launcher's environment: the process group does not exist yet.
+        check_before_start(config, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
     except (ValueError, FileNotFoundError) as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2

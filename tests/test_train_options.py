@@ -84,10 +84,20 @@ def test_every_option_survives_the_command_line() -> None:
 
 
 def test_the_command_line_holds_what_differs_from_the_defaults() -> None:
-    config = TrainConfig(stage="finetune", interface="vq", **PATHS)
+    config = TrainConfig(stage="finetune", interface="none", **PATHS)
     argv = ["--stage", "finetune", "--interface", "none", "--data", "shards/mono"]
     assert train_argv(config) == [*argv, "--spm-model", "spm/j.model", "--output-dir", "o"]
     assert parse_train_argv(train_argv(config)) == config
+
+
+def test_the_interface_defaults_by_stage_and_finetune_refuses_one_without_a_model() -> None:
+    base = ["--data", "d", "--spm-model", "s", "--output-dir", "o"]
+    assert parse_train_argv(["--stage", "joint", *base]).interface == "vq"
+    assert parse_train_argv(["--stage", "finetune", *base]).interface == "none"
+    init = ["--init-from", "models/vq"]
+    assert parse_train_argv(["--stage", "finetune", "--interface", "vq", *init, *base])
+    with pytest.raises(ValueError, match="--stage finetune --interface vq needs --init-from"):
+        parse_train_argv(["--stage", "finetune", "--interface", "vq", *base])
 
 
 def test_typed_overrides_are_checked_against_the_fields() -> None:

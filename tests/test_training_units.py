@@ -73,10 +73,13 @@ def test_checkpoints_resume_from_newest_complete_and_keep_last(tmp_path: Path) -
     assert manager.newest() == (30, "step-00000030")  # the interrupted one is never used
     assert manager.rank_state("step-00000030") == {"step": 30}
     kept = sorted(p.name for p in manager.root.iterdir())
-    assert kept == ["step-00000020", "step-00000030", "step-00000040"]
+    assert kept == ["latest", "step-00000020", "step-00000030", "step-00000040"]
+    # DeepSpeed's pointer names the newest complete one, never the interrupted 40.
+    assert (manager.root / "latest").read_text() == "step-00000030"
     _save(manager, 50)
     kept = sorted(p.name for p in manager.root.iterdir())
-    assert kept == ["step-00000030", "step-00000050"]  # the partial 40 is gone too
+    assert kept == ["latest", "step-00000030", "step-00000050"]  # the partial 40 is gone too
+    assert (manager.root / "latest").read_text() == "step-00000050"
     other_rank = CheckpointManager(tmp_path, keep_last=2, rank=3)
     with pytest.raises(FileNotFoundError, match="same number of processes"):
         other_rank.rank_state("step-00000050")
@@ -140,9 +143,11 @@ def test_options_are_checked_before_distributed_start_up() -> None:
         lr_schedule_of(finetune, scheduled)
     with pytest.raises(ValueError, match="fight"):
         lr_schedule_of(TrainConfig(stage="encoder", interface="cl", lr=1e-3, **base), scheduled)
-    check_before_start(TrainConfig(stage="joint", interface="vq", mp_size=2, **base), plain)
+    check_before_start(TrainConfig(stage="joint", interface="vq", mp_size=2, **base), plain, 4)
+    with pytest.raises(ValueError, match="--mp-size 2 does not divide the 3 processes"):
+        check_before_start(TrainConfig(stage="joint", interface="vq", mp_size=2, **base), plain, 3)
     with pytest.raises(ValueError, match=r"vq\.num_codes 512 is not divisible by --mp-size 3"):
-        check_before_start(TrainConfig(stage="joint", interface="vq", mp_size=3, **base), plain)
+        check_before_start(TrainConfig(stage="joint", interface="vq", mp_size=3, **base), plain, 3)
     with pytest.raises(ValueError, match="d_model"):
         bad_shape = TrainConfig(
             stage="encoder", interface="cl", model_options=["d_model=65"], **base

@@ -43,8 +43,8 @@ class TrainConfig:
     stage: str
     """encoder, decoder, joint (Algorithm 1), mbart (the denoising baseline) or finetune."""
     interface: str
-    """cl, vq or none (the XLM baseline: encoder stage only); mbart and finetune have
-    none."""
+    """cl, vq or none (the XLM baseline: encoder stage only); default vq, and none for mbart
+    and finetune, which have no interface (finetune with cl or vq needs --init-from)."""
     data: Path
     """Shard directory or its manifest.json."""
     spm_model: Path
@@ -162,6 +162,13 @@ class TrainConfig:
             raise ValueError(f"--stage must be one of {STAGES}, got {self.stage!r}")
         if self.interface not in ("cl", "vq", "none"):
             raise ValueError(f"--interface must be cl, vq or none, got {self.interface!r}")
+        if self.stage == "finetune" and self.interface != "none" and self.init_from is None:
+            raise ValueError(
+                f"--stage finetune --interface {self.interface} needs --init-from, the "
+                f"connected {self.interface.upper()}-SemFace model directory "
+                "(tools/merge_checkpoints.py connect); without it the model starts from random "
+                "weights: that is the Transformer baseline, --interface none"
+            )
         if self.stage in ("mbart", "finetune"):
             self.interface = "none"  # neither has a semantic interface
         if self.interface == "none" and self.stage not in ("encoder", "mbart", "finetune"):
@@ -290,7 +297,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
         help="set by the deepspeed launcher",
     )
     add("--stage", required=True, choices=STAGES)
-    add("--interface", default="vq", choices=("cl", "vq", "none"))
+    add("--interface", default=None, choices=("cl", "vq", "none"))
     add("--data", type=Path, required=True)
     add("--spm-model", type=Path, required=True)
     add("--output-dir", type=Path, required=True)
@@ -344,7 +351,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if values.get("interface") is None:  # not given: the stage's own
+        values["interface"] = "none" if values.get("stage") in ("mbart", "finetune") else "vq"
+    return TrainConfig(**values)
 
 
 def train_argv(config: TrainConfig) -> list[str]:

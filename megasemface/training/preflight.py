@@ -32,8 +32,15 @@ def lr_schedule_of(config: TrainConfig, ds_config: dict[str, Any]) -> str:
     return schedule
 
 
-def check_before_start(config: TrainConfig, ds_config: dict[str, Any]) -> None:
-    """Raises ValueError for options that cannot work together."""
+def check_before_start(config: TrainConfig, ds_config: dict[str, Any], world_size: int = 1) -> None:
+    """Raises ValueError for options that cannot work together, or with the ``world_size``
+    processes the launcher started."""
+    if world_size % config.mp_size:
+        raise ValueError(
+            f"--mp-size {config.mp_size} does not divide the {world_size} processes launched: "
+            "launch a multiple of --mp-size processes (deepspeed --num_gpus N), or change "
+            "--mp-size"
+        )
     lr_schedule_of(config, ds_config)
     model = user_model_config(config)
     if model.bridge != "none":
