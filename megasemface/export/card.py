@@ -36,8 +36,10 @@ def model_card(source: ExportSource, kind: str, usage: str, scores: dict[str, An
     """The card's Markdown. ``kind`` names the format, ``usage`` is a fenced code block."""
     c, info = source.config, source.info
     params = sum(t.numel() for k, t in source.state.items() if not k.startswith("bridge."))
+    # A fine-tuning run's best model is <run>/best: the run names it.
+    name = info.path.parent.name if info.path.name == "best" else info.path.name
     lines = [
-        f"# {info.path.name}: {source.src_lang} → {source.tgt_lang} ({kind})",
+        f"# {name}: {source.src_lang} → {source.tgt_lang} ({kind})",
         "",
         f"A megasemface translation model from `{source.src_lang}` to `{source.tgt_lang}`, "
         f"exported for {kind} from the model directory `{info.path}`.",
@@ -103,8 +105,13 @@ def _sources(provenance: dict[str, Any]) -> list[str]:
     """The stages a connected model was made of (``sources`` of its provenance)."""
     lines = []
     for role, where in sorted((provenance.get("sources") or {}).items()):
-        shown = where.get("path", where) if isinstance(where, dict) else where
-        lines.append(f"  - {role}: `{shown}`")
+        if isinstance(where, dict):
+            place = where.get("checkpoint") or where.get("path") or where.get("run")
+            run_id = where.get("mlflow_run_id")
+            stage = f"{where['stage']} stage, " if where.get("stage") else ""
+            lines.append(f"  - {role}: `{place}` ({stage}MLflow run `{run_id}`)")
+        else:
+            lines.append(f"  - {role}: `{where}`")
     return lines
 
 
@@ -115,7 +122,8 @@ def _scores(source: ExportSource, scores: dict[str, Any]) -> list[str]:
         value = scores.get(f"test_{metric}_{direction}")
         if value is not None:
             signature = (scores.get("signatures") or {}).get(metric, "not recorded")
-            lines.append(f"- test {metric.upper()}: {value:.2f} (sacreBLEU `{signature}`)")
+            shown = {"bleu": "BLEU", "chrf": "chrF"}[metric]
+            lines.append(f"- test {shown}: {value:.2f} (sacreBLEU `{signature}`)")
     for key in sorted(k for k in meta if k.startswith("valid_")):
         if key in ("valid_bleu", "valid_chrf", f"valid_bleu_{direction}"):
             lines.append(f"- validation {key.removeprefix('valid_')}: {meta[key]:.2f}")
