@@ -4,7 +4,10 @@ transformers and CTranslate2: they translate as megasemface does, and bad input 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -72,6 +75,17 @@ def trained(data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:  # no
     }
 
 
+def _doc_example(marker: str, placeholder: str, exported: Path) -> str:
+    """Runs the Python example of docs/export.md that contains ``marker`` on ``exported``;
+    returns what it printed."""
+    text = (ROOT / "docs" / "export.md").read_text(encoding="utf-8")
+    (code,) = [c for c in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S) if marker in c]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code.replace(placeholder, str(exported)), "docs/export.md", "exec"), {})
+    return printed.getvalue()
+
+
 def _export(*args: str) -> None:
     assert export_main([*args, "--src-lang", "en", "--tgt-lang", "de"]) == 0
 
@@ -130,6 +144,7 @@ def test_transformers_generate_reproduces_megasemface(trained: dict, tmp_path: P
     print(f"transformers: {same}/{SENTENCES} greedy translations equal, max logit diff {worst:.2e}")
     assert worst < 1e-4
 
+    assert _doc_example("AutoTokenizer", "exports/cl-en-de-hf", out).startswith("['")
     card = (out / "README.md").read_text()
     run_id = json.loads((trained["model"] / "config.json").read_text())["meta"]["parent_runs"]
     assert run_id["finetune"] in card and trained["signature"] in card
@@ -167,6 +182,7 @@ def test_ctranslate2_translates_as_megasemface(trained: dict, tmp_path: Path) ->
             for r, limit in zip(translated, trained["limits"], strict=True)
         ]
         assert "CTranslate2" in (out / "README.md").read_text()
+    assert _doc_example("ctranslate2", "exports/cl-en-de-ct2-int8", out).startswith("['")
     same = sum(a == b for a, b in zip(results["float32"], trained["tokens"], strict=True))
     close = sum(a == b for a, b in zip(results["int8"], trained["tokens"], strict=True))
     print(f"ctranslate2: float32 {same}/{SENTENCES} equal, int8 {close}/{SENTENCES}")
