@@ -25,6 +25,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 import argparse
 import logging
+import textwrap
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,8 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     from megasemface.training.options import add_train_arguments
 
+    examples = (__doc__ or "").split("::\n\n", 1)[1].split("\n\nStarted", 1)[0]
     parser = argparse.ArgumentParser(
-        description="megasemface pre-training (SemFace encoder/decoder stages and baselines)"
+        description="megasemface pre-training (SemFace encoder/decoder stages and baselines)",
+        # megasemface-train (python -m megasemface.train) is one process; the launcher starts
+        # one per accelerator.
+        epilog="examples:\n"
+        + textwrap.indent(textwrap.dedent(examples), "  ")
+        + "\n\nwithout the launcher (megasemface-train) it runs one process.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_arguments(parser)
     return deepspeed.add_config_arguments(parser)

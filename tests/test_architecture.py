@@ -15,7 +15,7 @@ LAYERS: list[set[str]] = [
     {"models"},
     {"interfaces"},
     {"objectives"},
-    {"checkpoints", "embeddings", "inference", "tracking"},
+    {"checkpoints", "embeddings", "export", "inference", "tracking"},
     {"evaluation"},
     {"training"},
     {"pipeline"},

@@ -1,18 +1,19 @@
 """Every command in the documentation is one the project accepts.
 
 The shell commands of the ```bash blocks of README.md and docs/*.md are checked without
-running them: for ``python tools/X.py``, ``python -m megasemface...`` and ``deepspeed ...
-megasemface/train.py`` the script exists and its own argument parser (and the option
-validation behind it) accepts the documented arguments; ``make`` targets and variables exist
-in the Makefile; ``mlflow`` commands parse with MLflow's own command line; every
-``ds_configs/*.json`` named exists. Programs this test cannot check are listed in UNCHECKED.
-Inline code that starts a command (``python tools/...``, ``make ...``) must name an existing
-script or target, relative links must resolve, and the parameter counts and memory figures of
-docs/memory.md must follow from the model classes.
+running them: for ``python tools/X.py``, ``python -m megasemface...``, the ``megasemface-*``
+commands of setup.cfg and ``deepspeed ... megasemface/train.py`` the script exists and its
+own argument parser (and the option validation behind it) accepts the documented arguments;
+``make`` targets and variables exist in the Makefile; ``mlflow`` commands parse with MLflow's
+own command line; every ``ds_configs/*.json`` named exists. Programs this test cannot check
+are listed in UNCHECKED. Inline code that starts a command (``python tools/...``, ``make
+...``) must name an existing script or target, relative links must resolve, and the parameter
+counts and memory figures of docs/memory.md must follow from the model classes.
 """
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import dataclasses
 import importlib
@@ -189,6 +190,23 @@ def _check_python(argv: list[str], command: Command) -> None:
         pytest.fail(f"{command}\nno parser known for {argv[0]}")
 
 
+def _console_scripts() -> dict[str, str]:
+    """The ``megasemface-*`` commands setup.cfg installs: name -> module."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg", encoding="utf-8")
+    entries = config["options.entry_points"]["console_scripts"].strip().splitlines()
+    return {
+        name.strip(): target.strip().partition(":")[0]
+        for name, _, target in (line.partition("=") for line in entries)
+    }
+
+
+def _check_console_script(program: str, argv: list[str], command: Command) -> None:
+    scripts = _console_scripts()
+    _require(program in scripts, command, f"setup.cfg installs no command {program}")
+    _check_module(scripts[program], argv, command)
+
+
 def _check_deepspeed(argv: list[str], command: Command) -> None:
     from deepspeed.launcher.runner import parse_args
 
@@ -247,6 +265,8 @@ def check(command: Command) -> None:
         _check_make(argv, command)
     elif program == "mlflow":
         _check_mlflow(argv, command)
+    elif program.startswith("megasemface-"):
+        _check_console_script(program, argv, command)
     else:
         pytest.fail(f"{command}\nunknown program: make it checkable here or list it in UNCHECKED")
 
@@ -289,6 +309,8 @@ def test_the_checks_refuse_what_they_should() -> None:
     )
     refused("python tools/evaluate.py --hypotheses <hyp> --references ref")
     refused("make no-such-target")
+    refused("megasemface-no-such-command --help")
+    refused("megasemface-export huggingface --model-dir m --out o")
     refused("mlflow ui --no-such-option")
     refused("rsync -a runs/ elsewhere/")
     refused("make demo NO_SUCH_VARIABLE=1")

@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from megasemface.cli.parsing import command_parser
 from megasemface.embeddings.build import (
     INITS,
     CLEmbeddingConfig,
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line; defaults come from SkipGramConfig and CLEmbeddingConfig."""
     sg = SkipGramConfig()
     cl = CLEmbeddingConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = command_parser(__doc__)
     parser.add_argument("--shards", type=Path, required=True, help="shard directory (manifest)")
     parser.add_argument("--spm-model", type=Path, required=True, help="SentencePiece .model")
     parser.add_argument("--out", type=Path, required=True, help="output prefix")

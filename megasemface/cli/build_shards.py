@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megasemface.cli.parsing import command_parser
 from megasemface.data.shard_build_config import ShardBuildConfig, ShardBuildError
 from megasemface.data.shard_builder import build_shards
 from megasemface.data.textio import parse_lang_path, parse_parallel
@@ -24,7 +25,7 @@ from megasemface.data.textio import parse_lang_path, parse_parallel
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = ShardBuildConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = command_parser(__doc__)
     parser.add_argument(
         "--input",
         action="append",

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from megasemface.cli.parsing import command_parser
 from megasemface.tracking.compare import (
     DEFAULT_COLUMNS,
     Column,
@@ -45,11 +46,8 @@ _ALWAYS_SHOWN = {"name", "status", "duration"}
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser."""
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=(__doc__ or "").split("\n\n")[0],
-        epilog="Exit status: 0 ok, 1 no run matched, 2 bad input.",
-    )
+    parser = command_parser(__doc__, prog=PROG)
+    parser.epilog = f"{parser.epilog}\n\nexit status: 0 ok, 1 no run matched, 2 bad input."
     store = parser.add_argument_group("selection")
     store.add_argument(
         "--tracking-uri",

@@ -16,6 +16,7 @@ import sys
 
 from megasemface.cli.parsing import (
     add_score_logging_arguments,
+    command_parser,
     parse_or_status,
     score_logging_error,
 )
@@ -24,7 +25,7 @@ from megasemface.evaluation.metrics import evaluate, log_to_mlflow
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser = command_parser(__doc__)
     parser.add_argument("--hypotheses", required=True, help="translations, one per line")
     parser.add_argument("--references", required=True, help="references, line-aligned")
     parser.add_argument("--lowercase", action="store_true", help="case-insensitive metrics")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megasemface.cli.parsing import parse_or_status
+from megasemface.cli.parsing import command_parser, parse_or_status
 from megasemface.data import demo_corpus as dc
 from megasemface.data.message_cleaning import DEFAULT_MAX_CHARS
 
@@ -29,7 +29,7 @@ def _langs(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; defaults come from the demo corpus and message cleaning modules."""
-    parser = argparse.ArgumentParser(prog=_PROG, description=(__doc__ or "").split("\n\n")[0])
+    parser = command_parser(__doc__, prog=_PROG)
     parser.add_argument(
         "--langs",
         type=_langs,

@@ -3,10 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import textwrap
 from typing import Any
 
-__all__ = ["add_score_logging_arguments", "parse_or_status", "score_logging_error"]
+__all__ = [
+    "add_score_logging_arguments",
+    "command_parser",
+    "parse_or_status",
+    "score_logging_error",
+]
+
+_EXAMPLES = re.compile(r"^Examples?::\n\n((?:[ \t]+.*\n?|\n)+)", re.M)
+
+
+def command_parser(doc: str | None, **kwargs: Any) -> argparse.ArgumentParser:
+    """A command's parser from its module docstring: the first paragraph describes it, the
+    ``Example::`` block ends its ``--help``, as written (layout kept)."""
+    text = doc or ""
+    match = _EXAMPLES.search(text)
+    if match:
+        kwargs.setdefault(
+            "epilog",
+            "examples:\n" + textwrap.indent(textwrap.dedent(match.group(1)).strip("\n"), "  "),
+        )
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(description=text.split("\n\n")[0], **kwargs)
 
 
 def parse_or_status(parser: argparse.ArgumentParser, argv: list[str] | None) -> Any:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megasemface.cli.parsing import parse_or_status
+from megasemface.cli.parsing import command_parser, parse_or_status
 from megasemface.data.spm_training import MODEL_TYPES, SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path
 
@@ -25,7 +25,7 @@ from megasemface.data.textio import parse_lang_path
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; defaults come from :class:`SpmTrainConfig`."""
     defaults = SpmTrainConfig()
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser = command_parser(__doc__)
     parser.add_argument(
         "--input",
         action="append",

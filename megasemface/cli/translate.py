@@ -23,6 +23,7 @@ import torch
 
 from megasemface.cli.parsing import (
     add_score_logging_arguments,
+    command_parser,
     parse_or_status,
     score_logging_error,
 )
@@ -36,7 +37,7 @@ from megasemface.models.model_dir import ModelDirError
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; search defaults come from :class:`SearchConfig`."""
     defaults = SearchConfig()
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser = command_parser(__doc__)
     parser.add_argument("--model-dir", required=True, help="a seq2seq model directory")
     parser.add_argument("--src-lang", required=True, help="source language code, e.g. en")
     parser.add_argument("--tgt-lang", required=True, help="target language code, e.g. de")

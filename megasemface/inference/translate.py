@@ -21,7 +21,7 @@ from megasemface.models.model_dir import ModelDirError, load_seq2seq
 from megasemface.models.transformer import Seq2SeqModel
 from megasemface.objectives.sequences import SpecialTokens
 
-__all__ = ["Translator", "token_batches"]
+__all__ = ["Translator", "banned_ids", "token_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,17 @@ def token_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def banned_ids(tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """Ids that never belong in a translation: pad, bos, ``<mask>`` and the language tags,
+    and pieces past the tokenizer's vocabulary (a padded output layer), which could not even
+    be decoded. Exported models suppress the same ids."""
+    special = SpecialTokens.from_tokenizer(tokenizer)
+    return sorted(
+        {special.pad, special.bos, special.mask, *special.lang_tags}
+        | set(range(tokenizer.vocab_size, vocab_size))
+    )
+
+
 class Translator:
     """Translates sentences between the languages of a model and its tokenizer."""
 
@@ -76,13 +87,7 @@ class Translator:
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_positions = config.max_len
-        special = SpecialTokens.from_tokenizer(tokenizer)
-        # Ids that never belong in a translation; pieces past the tokenizer's vocabulary (a
-        # padded output layer) could not even be decoded.
-        self.banned_ids = sorted(
-            {special.pad, special.bos, special.mask, *special.lang_tags}
-            | set(range(tokenizer.vocab_size, config.vocab_size))
-        )
+        self.banned_ids = banned_ids(tokenizer, config.vocab_size)
 
     @classmethod
     def from_model_dir(

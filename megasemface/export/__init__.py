@@ -1,0 +1,1 @@
+"""Exports of translation model directories: Hugging Face transformers and CTranslate2."""
