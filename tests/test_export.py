@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import ROOT, check_finished, launch
-from test_finetune_launcher import _finetune, data  # noqa: F401  (data: the fixture)
+from test_finetune_launcher import _finetune
 
 from megasemface.cli.export import main as export_main
 from megasemface.data.tokenizer import Tokenizer
@@ -36,7 +36,8 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def trained(data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
+def trained(launch_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    data = launch_data
     """A supervised fine-tuning run of a few steps, its best model, the pipeline's test scores
     beside it, and megasemface's own greedy translations of the first test sentences."""
     out = tmp_path_factory.mktemp("export") / "ft"
@@ -211,7 +212,8 @@ def _model_dir(path: Path, state: dict, kind: str, config: ModelConfig, spm: Pat
     )
 
 
-def test_bad_input_is_one_line(trained: dict, data: dict, tmp_path: Path) -> None:  # noqa: F811
+def test_bad_input_is_one_line(trained: dict, launch_data: dict, tmp_path: Path) -> None:
+    data = launch_data
     tokenizer = Tokenizer.load(data["spm"])
     config = build_model_config(
         "tiny", [f"vocab_size={tokenizer.vocab_size}", f"num_langs={len(tokenizer.languages)}"]
