@@ -383,8 +383,8 @@ def test_cli_table_and_plots(store: Store, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     assert list(rows[0]) == ["run", "system", "stage", "interface", "direction", "train.preset",
-                             "loss", "valid_bleu", "test_bleu", "test_chrf", "status",
-                             "duration", "lineage"]  # fmt: skip
+                             "loss", "valid_bleu", "test_bleu", "test_chrf", "registered",
+                             "status", "duration", "lineage"]  # fmt: skip
     assert [row["run"] for row in rows] == [name for name, *_ in _RUNS[6:]]
     assert float(rows[4]["test_bleu"]) == 27.25
     assert "1 run(s) without metric 'test_bleu' left out of the plot: ft-orphan" in result.stderr

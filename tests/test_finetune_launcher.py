@@ -91,12 +91,18 @@ def test_supervised_finetune_zero2_validates_keeps_best_and_translates(
         "3",
         "--tag",
         "system=Transformer",
+        "--register-model",
+        "megasemface-en-de-transformer",
         zero=2,
     )
     result = launch(cmd)
     check_finished(result, out, 6)
     assert "validation" in result.stdout and "valid_bleu" in result.stdout
     client, run = _mlflow_run(out)
+    # The best model, registered after the last step as a version of the run.
+    (version,) = client.search_model_versions("name = 'megasemface-en-de-transformer'")
+    assert version.run_id == run.info.run_id and version.tags["system"] == "Transformer"
+    assert "registered" in result.stdout and version.source.startswith(f"runs:/{run.info.run_id}/")
     assert run.info.status == "FINISHED"
     assert run.data.tags["system"] == "Transformer" and run.data.tags["stage"] == "finetune"
     bleu = client.get_metric_history(run.info.run_id, "valid_bleu")
@@ -109,6 +115,7 @@ def test_supervised_finetune_zero2_validates_keeps_best_and_translates(
     best = json.loads((out / "best" / "config.json").read_text())
     assert best["meta"]["valid_bleu"] == pytest.approx(run.data.metrics["best_valid_bleu"])
     assert best["meta"]["parent_runs"]["finetune"] == run.info.run_id
+    assert float(version.tags["valid_bleu"]) == pytest.approx(best["meta"]["valid_bleu"], abs=1e-4)
     _, info = load_seq2seq(out / "best")
     assert info.languages == Tokenizer.load(launch_data["spm"]).languages
     # The best model directory is what the translate command reads.

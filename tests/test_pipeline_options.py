@@ -236,8 +236,8 @@ def test_a_system_s_options_are_read_only() -> None:
 
 def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
     """The orchestration: per seed, pre-training, connect and the interface's diagnostics,
-    then each setting's fine-tuning and test translation, each step on that seed's
-    directories; the diagnostics are kept per system and seed for the report."""
+    then each setting's fine-tuning, test translation and registration, each step on that
+    seed's directories; the diagnostics are kept per system and seed for the report."""
     calls: list[tuple[str, ...]] = []
 
     class Recording(Pipeline):
@@ -259,7 +259,11 @@ def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
 
         def test_scores(self, run_dir: Path) -> dict:
             calls.append(("test", run_dir.name))
-            return {}
+            return {"test_bleu": 1.0}
+
+        def register(self, system: System, setting: str, run_dir: Path, scores: dict) -> None:
+            assert scores == {"test_bleu": 1.0}  # after the test, with its scores
+            calls.append(("register", system.key, setting, run_dir.name))
 
     config = PipelineConfig(workdir=tmp_path, systems=("transformer", "vq"), seeds=(0, 3))
     pipeline = Recording(config)
@@ -271,15 +275,19 @@ def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
         ("diagnose", "vq", "pretrain-vq"),
         ("finetune", "transformer", "-", "0"),
         ("test", "supervised-transformer"),
+        ("register", "transformer", "supervised", "supervised-transformer"),
         ("finetune", "vq", "vq", "0"),
         ("test", "supervised-vq"),
+        ("register", "vq", "supervised", "supervised-vq"),
         ("pretrain", "vq", "3"),
         ("connect", "vq", "pretrain-vq-s3"),
         ("diagnose", "vq", "pretrain-vq-s3"),
         ("finetune", "transformer", "-", "3"),
         ("test", "supervised-transformer-s3"),
+        ("register", "transformer", "supervised", "supervised-transformer-s3"),
         ("finetune", "vq", "vq-s3", "3"),
         ("test", "supervised-vq-s3"),
+        ("register", "vq", "supervised", "supervised-vq-s3"),
     ]
     assert pipeline.diagnostics == [
         ("VQ-SemFace", 0, {"run": "pretrain-vq"}),

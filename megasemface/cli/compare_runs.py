@@ -7,9 +7,11 @@ Examples::
     python tools/compare_runs.py --tracking-uri runs/demo --experiment pretrain \\
         --param preset --metric loss --metric enc_mlm --plot-loss loss.png
     python tools/compare_runs.py --filter "metrics.test_bleu > 20" --format csv
+    python tools/compare_runs.py --tracking-uri runs/demo --registered megasemface-en-de-cl:1 \\
+        --registered megasemface-en-de-vq@best
 
 Exit status: 0 on success, 1 when no run matched, 2 for bad input (store, experiment, run id,
-filter, column).
+registered version, filter, column).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ __all__ = ["build_parser", "main"]
 PROG = "compare_runs"
 _IDENTITY = DEFAULT_COLUMNS[:5]  # name, system, stage, interface, direction
 _DEFAULT_METRICS = [c.removeprefix("metrics.") for c in DEFAULT_COLUMNS if c.startswith("metrics.")]
-_TRAILING = ("status", "duration", "lineage")
+_TRAILING = ("registered", "status", "duration", "lineage")
 _ALWAYS_SHOWN = {"name", "status", "duration"}
 
 
@@ -70,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--run-id", action="append", default=[], help="only this run (repeat; keeps the order)"
     )
+    store.add_argument(
+        "--registered",
+        action="append",
+        default=[],
+        metavar="NAME[:VERSION]",
+        help="the runs of a registered model's versions: NAME (all), NAME:VERSION or "
+        "NAME@ALIAS, e.g. megasemface-en-de-cl@best (repeat; with --run-id: either)",
+    )
     store.add_argument("--max-runs", type=int, default=1000, help="at most this many runs")
 
     table = parser.add_argument_group("table")
@@ -88,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument(
         "--columns",
         help="the exact columns, comma-separated: name, run_id, experiment, status, start, "
-        "duration, lineage, tags.KEY, params.KEY, metrics.KEY (replaces every default)",
+        "duration, lineage, registered, tags.KEY, params.KEY, metrics.KEY (replaces every "
+        "default)",
     )
     table.add_argument(
         "--metric-agg",
@@ -146,6 +157,8 @@ def _any_value(records: list[RunRecord], column: Column) -> bool:
         return any(column.key in r.metrics for r in records)
     if column.key == "lineage":
         return any(r.lineage for r in records)
+    if column.key == "registered":
+        return any(r.registered for r in records)
     return True
 
 
@@ -187,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             run_ids=args.run_id,
             max_results=args.max_runs,
             lineage=not args.no_lineage,
+            registered=args.registered,
         )
         if not records:
             print(_no_match_message(args, uri, tags), file=sys.stderr)

@@ -4,7 +4,8 @@ Every step writes under ``config.workdir`` and is skipped when its output is com
 second run reuses the corpus, tokenizer, shards, tables, finished runs and scores (and says
 so); an interrupted training run resumes from its newest checkpoint. Every training run and
 every test score goes to one MLflow store, ``<workdir>/mlflow.db``, where the comparison
-reads them back.
+reads them back; each fine-tuned model is registered in its model registry, with its test
+scores, as a version of ``megasemface-<pair>-<system>`` (``-<setting>`` when unsupervised).
 
 The data is built once; the training runs, connected models and test translations are made
 once per seed of ``config.run_seeds``, in ``<name>`` for seed 0 (a single-seed pipeline's
@@ -36,6 +37,7 @@ from megasemface.pipeline.launcher import (
     training_complete,
 )
 from megasemface.pipeline.report import Report, build_report
+from megasemface.tracking.model_registry import default_model_name, register_best_model
 from megasemface.tracking.run_scores import log_scores
 from megasemface.training.options import TrainConfig
 
@@ -116,7 +118,7 @@ class Pipeline:
                 self._step(f"fine-tuning {system.display}, {setting}{of_seed}")
                 run_dir = self.finetune(system, setting, inits[system.key], seed)
                 self._step(f"translating the test set with {system.display}, {setting}{of_seed}")
-                self.test_scores(run_dir)
+                self.register(system, setting, run_dir, self.test_scores(run_dir))
 
     # Training runs --------------------------------------------------------------------------
 
@@ -293,3 +295,15 @@ class Pipeline:
         )
         path.write_text(json.dumps(scores, indent=1))
         return scores
+
+    def register(self, system: System, setting: str, run_dir: Path, scores: dict[str, Any]) -> None:
+        """Registers the run's best model with its lineage and test scores (a second time,
+        the version registered before is reused)."""
+        version = register_best_model(
+            self.tracking_uri,
+            run_dir / "best",
+            name=default_model_name(self.config.langs, system.key, setting),
+            tags={"interface": system.interface, "system_key": system.key},
+            scores=scores,
+        )
+        print(f"   {'registered as' if version.created else 'reusing'} {version.uri}")

@@ -42,6 +42,9 @@ class Tracker:
     called from the training loop.
     """
 
+    tracking_uri: str | None = None
+    """The store the run is in (None: no store)."""
+
     @property
     def run_id(self) -> str | None:
         """Identifier of the tracked run (store it in checkpoints to reattach), if any."""

@@ -156,6 +156,11 @@ class TrainConfig:
     max_len_b: int = 10
     """Generation (validation, back-translation) stops after a x source length + b tokens;
     this is b."""
+    register_model: str | None = None
+    """After the last step, register the best model (<output-dir>/best) in the MLflow model
+    registry as a version of this registered model, with its lineage and validation scores
+    as tags (needs --valid-prefix and tracking; launching the finished run again adds no
+    second version)."""
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -184,6 +189,13 @@ class TrainConfig:
             raise ValueError(f"--finetune-mode must be one of {FINETUNE_MODES}")
         if self.stage == "finetune" and self.mp_size != 1:
             raise ValueError("--stage finetune has no codebook to split: use --mp-size 1")
+        if self.register_model is not None and (
+            self.stage != "finetune" or self.valid_prefix is None or self.no_tracking
+        ):
+            raise ValueError(
+                "--register-model registers the best model of fine-tuning: use it with "
+                "--stage finetune and --valid-prefix, without --no-tracking"
+            )
         if not 0 <= self.label_smoothing < 1:
             raise ValueError("--label-smoothing must be in [0, 1)")
         if self.extractor_diversity and (
@@ -344,6 +356,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--valid-beam", type=int, default=d.valid_beam)
     add("--max-len-a", type=float, default=d.max_len_a)
     add("--max-len-b", type=int, default=d.max_len_b)
+    add("--register-model", metavar="NAME")
     add = _adder(parser, actions, docs)
     add("--inject-nan-at", type=int, action="append", default=[], metavar="STEP")
     return actions

@@ -223,6 +223,8 @@ class Trainer:
         status = "FAILED"
         try:
             status = self._loop(tracker, stop)
+            if status == "FINISHED":
+                self.unit.after_training(self.engine, tracker)
         finally:
             tracker.end(status)
         return 0

@@ -16,7 +16,8 @@ metrics per step (``loss``, ``lr``, ``valid_bleu``, ``test_bleu``, ...).
 
 Columns are named as in MLflow's own search results: ``tags.<key>``, ``params.<key>``,
 ``metrics.<key>``, or one of the run attributes ``name``, ``run_id``, ``experiment``,
-``status``, ``start``, ``duration`` and ``lineage``.
+``status``, ``start``, ``duration``, ``lineage`` and ``registered`` (the run's versions in
+the model registry, ``NAME/VERSION``).
 
 Plots are drawn with matplotlib's object-oriented API on its Agg canvas (no pyplot, no
 display, no global backend switch), so they work on headless machines and from threads.
@@ -27,6 +28,8 @@ The submodules, whose public names are all re-exported here:
   :class:`CompareError`; the store and selection (:func:`resolve_tracking_uri`,
   :func:`build_filter`, :func:`select_runs`), lineage (:func:`format_lineage`) and metric
   values (:func:`metric_history`, :func:`metric_value`, :func:`resolve_param_key`).
+- :mod:`~megasemface.tracking.compare.registered`: the runs of registered model versions
+  (:func:`registered_run_ids`) and the versions of runs (:func:`registered_versions`).
 - :mod:`~megasemface.tracking.compare.table`: columns (:data:`DEFAULT_COLUMNS`,
   :class:`Column`, :func:`parse_column`) and :func:`format_table`.
 - :mod:`~megasemface.tracking.compare.plots`: :func:`plot_curves`, :func:`plot_bars` and
@@ -34,6 +37,7 @@ The submodules, whose public names are all re-exported here:
 """
 
 from megasemface.tracking.compare.plots import SYSTEM_ORDER, plot_bars, plot_curves
+from megasemface.tracking.compare.registered import registered_run_ids, registered_versions
 from megasemface.tracking.compare.runs import (
     CompareError,
     MetricAgg,
@@ -72,6 +76,8 @@ __all__ = [
     "parse_column",
     "plot_bars",
     "plot_curves",
+    "registered_run_ids",
+    "registered_versions",
     "resolve_param_key",
     "resolve_tracking_uri",
     "select_runs",

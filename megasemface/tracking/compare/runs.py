@@ -81,6 +81,8 @@ class RunRecord:
     metrics: Mapping[str, float]
     tracking_uri: str
     lineage: tuple[ParentLink, ...] = field(default=())
+    registered: tuple[str, ...] = field(default=())
+    """The run's registered model versions, ``NAME/VERSION``."""
 
     @property
     def duration_s(self) -> float | None:
@@ -208,6 +210,7 @@ def select_runs(
     run_ids: Sequence[str] = (),
     max_results: int = 1000,
     lineage: bool = True,
+    registered: Sequence[str] = (),
 ) -> list[RunRecord]:
     """The runs matching every criterion given, oldest first (or in ``run_ids`` order).
 
@@ -219,20 +222,25 @@ def select_runs(
         run_ids: only these runs (each must exist; deleted ones included).
         max_results: at most this many runs.
         lineage: resolve each run's parent chain (one lookup per distinct parent).
+        registered: also the runs of these registered model versions (``NAME``,
+            ``NAME:VERSION`` or ``NAME@ALIAS``), after ``run_ids``.
 
     Returns:
         The matching runs; empty when none matched.
 
     Raises:
-        CompareError: unknown store, experiment or run id, or a filter MLflow rejects.
+        CompareError: unknown store, experiment, run id or registered version, or a filter
+            MLflow rejects.
     """
     from mlflow.entities import ViewType
     from mlflow.exceptions import MlflowException
 
+    from megasemface.tracking.compare.registered import registered_run_ids, registered_versions
+
     uri = resolve_tracking_uri(tracking_uri)
     client = _client(uri)
     cache: dict[str, Run | None] = {}
-    run_ids = list(dict.fromkeys(run_ids))
+    run_ids = list(dict.fromkeys([*run_ids, *registered_run_ids(client, registered, uri)]))
     explicit = [_fetch(client, run_id, cache) for run_id in run_ids]
     for run_id, run in zip(run_ids, explicit, strict=True):
         if run is None:
@@ -272,17 +280,25 @@ def select_runs(
         runs.sort(key=lambda run: position[run.info.run_id])
     cache.update({run.info.run_id: run for run in runs})
     experiment_names: dict[str, str] = {}
+    versions = registered_versions(client, [run.info.run_id for run in runs])
     records = []
     for run in runs:
         exp_id = run.info.experiment_id
         if exp_id not in experiment_names:
             experiment_names[exp_id] = client.get_experiment(exp_id).name
         links = _lineage(client, run, cache, (run.info.run_id,), 0) if lineage else ()
-        records.append(_record(run, experiment_names[exp_id], uri, links))
+        registered_as = versions.get(run.info.run_id, ())
+        records.append(_record(run, experiment_names[exp_id], uri, links, registered_as))
     return records
 
 
-def _record(run: Run, experiment: str, uri: str, links: tuple[ParentLink, ...]) -> RunRecord:
+def _record(
+    run: Run,
+    experiment: str,
+    uri: str,
+    links: tuple[ParentLink, ...],
+    registered: tuple[str, ...],
+) -> RunRecord:
     info, data = run.info, run.data
     return RunRecord(
         run_id=info.run_id,
@@ -296,6 +312,7 @@ def _record(run: Run, experiment: str, uri: str, links: tuple[ParentLink, ...]) 
         metrics=dict(data.metrics),
         tracking_uri=uri,
         lineage=links,
+        registered=registered,
     )
 
 

@@ -41,6 +41,7 @@ DEFAULT_COLUMNS: tuple[str, ...] = (
     "metrics.valid_bleu",
     "metrics.test_bleu",
     "metrics.test_chrf",
+    "registered",
     "status",
     "duration",
     "lineage",
@@ -54,6 +55,7 @@ _ATTRIBUTES: dict[str, str] = {
     "start": "start",
     "duration": "duration",
     "lineage": "lineage",
+    "registered": "registered",
 }
 _PREFIXES: dict[str, Literal["tag", "param", "metric"]] = {
     "tags.": "tag",
@@ -120,6 +122,8 @@ def _cell(record: RunRecord, column: Column, agg: MetricAgg) -> str | float | No
         return record.duration_s
     if column.key == "start":
         return None if record.start_time_ms is None else _iso(record.start_time_ms)
+    if column.key == "registered":
+        return ", ".join(record.registered) or None
     return format_lineage(record.lineage) or None
 
 

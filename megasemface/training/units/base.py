@@ -102,6 +102,11 @@ class TrainUnit(abc.ABC):
     ) -> None:
         """Runs on every rank after each step, before any checkpoint (validation)."""
 
+    def after_training(  # noqa: B027 (an optional hook)
+        self, engine: DeepSpeedEngine, tracker: Tracker
+    ) -> None:
+        """Runs on every rank once the last step is done and saved (registering a model)."""
+
     def meta(self, engine: DeepSpeedEngine) -> dict[str, Any]:
         """What the stage adds to a checkpoint's metadata; at least ``interface``, the
         fingerprint of its semantic interface (a collective under ZeRO-3)."""

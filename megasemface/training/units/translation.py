@@ -35,7 +35,7 @@ from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.schedules import parse_schedule, schedule_value
 from megasemface.training.units.base import TrainUnit, model_config_from
-from megasemface.training.units.validation import Validation
+from megasemface.training.units.validation import Validation, register_best
 
 __all__ = ["SupervisedUnit", "TranslationUnit", "UnsupervisedUnit"]
 
@@ -170,6 +170,9 @@ class TranslationUnit(TrainUnit):
         )
         engine.train()
         self.validation.record(engine, self.model_config, step, scores, tracker, self.parent_runs)
+
+    def after_training(self, engine: DeepSpeedEngine, tracker: Tracker) -> None:
+        register_best(self.config, tracker)
 
     def meta(self, engine: DeepSpeedEngine) -> dict[str, Any]:
         return {**super().meta(engine), "directions": ["-".join(d) for d in self.directions]}

@@ -3,11 +3,13 @@
 Every ``valid_interval`` steps each direction's validation text is translated, its
 sentences spread over the data-parallel ranks and the translations gathered, then scored
 with sacreBLEU. The model with the best mean BLEU over the directions is written to
-``<output>/best/`` as a self-contained model directory, ready for ``tools/translate.py``.
+``<output>/best/`` as a self-contained model directory, ready for ``tools/translate.py``;
+with ``--register-model`` it is registered in MLflow's model registry after the last step.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,18 @@ from megasemface.evaluation.metrics import evaluate
 from megasemface.models.config import ModelConfig
 from megasemface.models.model_dir import save_model_dir
 from megasemface.objectives.sequences import SequenceBatch
+from megasemface.tracking.mlflow_names import describe_error
+from megasemface.tracking.model_registry import register_best_model
 from megasemface.tracking.tracker import Tracker
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 
-__all__ = ["Validation"]
+__all__ = ["Validation", "register_best"]
+
+logger = logging.getLogger(__name__)
+
+REGISTER_FLUSH_S = 30.0
+"""At most this long registering waits for the run's pending records to reach the store."""
 
 Direction = tuple[str, str]
 Generate = Callable[[SequenceBatch, str], list[list[int]]]
@@ -180,3 +189,27 @@ class Validation:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_bleu = float(state.get("best_bleu", -1.0))
         self.best_step = int(state.get("best_step", 0))
+
+
+def register_best(config: TrainConfig, tracker: Tracker) -> None:
+    """Registers ``<output>/best`` as ``--register-model`` asks, on the rank that tracks.
+
+    A failure is reported, not raised: the run and its best model are complete without it,
+    and running the command again registers it (without a duplicate version).
+    """
+    best = config.output_dir / "best"
+    name = config.register_model
+    if name is None or tracker.run_id is None or tracker.tracking_uri is None:
+        return
+    if not (best / "config.json").is_file():
+        print(f"no best model in {best} to register as {name!r}", flush=True)
+        return
+    tracker.flush(timeout=REGISTER_FLUSH_S)
+    try:
+        version = register_best_model(tracker.tracking_uri, best, name=name)
+    except Exception as exc:
+        logger.warning("registering %s as %r failed", best, name, exc_info=True)
+        print(f"could not register {best} as {name!r}: {describe_error(exc)}", flush=True)
+        return
+    done = "registered" if version.created else "already registered"
+    print(f"{done} {best} as {version.uri} (source {version.source})", flush=True)
