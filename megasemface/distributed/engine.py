@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import json
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,15 @@ from torch import nn
 
 from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups, build_parallel_groups
 
-__all__ = ["DeepSpeedEngine", "consolidated_state", "init_distributed", "load_ds_config"]
+__all__ = [
+    "DeepSpeedEngine",
+    "consolidated_state",
+    "init_distributed",
+    "load_ds_config",
+    "remove_stale_shm_buffers",
+]
+
+_SHM_BUFFER = "deepspeed_allreduce_buffer_"
 
 
 def init_distributed(mp_size: int) -> ParallelGroups:
@@ -30,9 +39,44 @@ def init_distributed(mp_size: int) -> ParallelGroups:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    remove_stale_shm_buffers()  # before this run makes its own
     deepspeed.init_distributed(dist_backend=backend)
     atexit.register(_remove_shm_buffers)
     return build_parallel_groups(mp_size)
+
+
+def remove_stale_shm_buffers(shm: Path = Path("/dev/shm"), min_age_s: float = 60.0) -> list[Path]:
+    """Removes the DeepSpeed all-reduce buffers of this user that no live process maps: what
+    killed runs left behind (their exit handlers never ran). Returns the removed paths.
+
+    A buffer younger than ``min_age_s`` is kept, so that a rank starting beside this one,
+    which may have created its buffer and not mapped it yet, keeps it. Only this user's
+    processes are looked at: their maps are readable, and only this user's files can go.
+    """
+    uid = os.getuid()
+    now = time.time()
+    candidates = []
+    for path in sorted(shm.glob(f"{_SHM_BUFFER}*")):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            info = path.stat()
+            if info.st_uid == uid and now - info.st_mtime > min_age_s:
+                candidates.append(path)
+    if not candidates:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):  # ended meanwhile, or another user's
+            if maps.parent.stat().st_uid != uid:
+                continue
+            mapped.update(
+                line.split(maxsplit=5)[-1].removesuffix(" (deleted)")
+                for line in maps.read_text().splitlines()
+                if _SHM_BUFFER in line
+            )
+    removed = [path for path in candidates if str(path) not in mapped]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
 
 
 def _remove_shm_buffers() -> None:
