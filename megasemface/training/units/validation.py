@@ -208,7 +208,8 @@ def register_best(config: TrainConfig, tracker: Tracker) -> None:
     try:
         version = register_best_model(tracker.tracking_uri, best, name=name)
     except Exception as exc:
-        logger.warning("registering %s as %r failed", best, name, exc_info=True)
+        # The traceback only at debug level: the line below says what failed.
+        logger.debug("registering %s as %r failed", best, name, exc_info=True)
         print(f"could not register {best} as {name!r}: {describe_error(exc)}", flush=True)
         return
     done = "registered" if version.created else "already registered"
