@@ -1,4 +1,6 @@
-"""Atomic file writes: a reader (or a restarted job) sees the old file or the new one, never half.
+"""Atomic file writes, and file digests read in blocks.
+
+Atomic writes: a reader (or a restarted job) sees the old file or the new one, never half.
 
 A file is written to a temporary file next to it, flushed to disk, then renamed into place; on
 any failure the temporary file is removed and the target is left as it was. The new file gets
@@ -9,6 +11,7 @@ hides a model or a corpus from the other users of a shared machine.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import shutil
@@ -18,6 +21,7 @@ from pathlib import Path
 __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
+    "file_sha256",
     "fsync_directory",
     "replace_directory",
     "write_atomically",
@@ -78,3 +82,12 @@ def replace_directory(built: str | os.PathLike[str], path: str | os.PathLike[str
     if path.exists():
         shutil.rmtree(path)
     os.replace(built, path)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The file's sha256 hex digest, read in 1 MiB blocks (memory stays flat for any size)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -34,21 +33,13 @@ from megasemface.data.textio import (
     iter_aligned_blocks,
     split_lines,
 )
-from megasemface.files import fsync_directory
+from megasemface.files import file_sha256, fsync_directory
 
 __all__ = ["PARTIAL", "LanguageShardBuild"]
 
 PARTIAL = ".partial"
 """The directory, in the output directory, of the shards being written."""
 _N_REASONS = len(DropReason)
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class LanguageShardBuild:
@@ -129,7 +120,7 @@ class LanguageShardBuild:
             sentences=self.shard_sentences,
             tokens=self.shard_tokens,
             bytes=partial.stat().st_size,
-            sha256=_sha256_file(partial),
+            sha256=file_sha256(partial),
         )
         with open(partial, "rb+") as handle:
             os.fsync(handle.fileno())

@@ -20,7 +20,6 @@ register again once the test scores are known, or on every re-run, without new v
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -28,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from megasemface.files import file_sha256
 from megasemface.models.model_dir import ModelDirInfo, read_model_dir_info
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def register_best_model(
     if scores is None:
         path = info.path.parent / "test-scores.json"
         scores = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    sha256 = hashlib.sha256((info.path / "model.safetensors").read_bytes()).hexdigest()
+    sha256 = file_sha256(info.path / "model.safetensors")
     version_tags = {
         **_lineage_tags(client, info, run, parents),
         **_score_tags(info.meta, scores),
