@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -129,6 +130,41 @@ def test_run_receives_params_metrics_tags_and_artifacts(tmp_path: Path, template
     assert list((out / "mlartifacts").rglob("notes.txt"))
     config = client.download_artifacts(run_id, "config.json", str(tmp_path))
     assert '"d_model": 512' in Path(config).read_text()
+
+
+def test_dataset_lineage_and_experiment_kind(tmp_path: Path, template_db: Path) -> None:
+    out = _output_dir(tmp_path, template_db)
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    # An experiment made without the kind tag (older versions) gets it at the next run.
+    old = client.create_experiment("nmt", artifact_location=(out / "mlartifacts").as_uri())
+    parent = MLflowTracker(None, out, "nmt", "pretrain-vq", system_metrics=False)
+    parent.end("FINISHED")
+    assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+
+    tags = {"parent_encoder_run": parent.run_id, "parent_decoder_run": parent.run_id}
+    child = MLflowTracker(None, out, "nmt", "supervised-vq", tags=tags, system_metrics=False)
+    profile = {"sentences": 3, "languages": {"en": {"sentences": 3}}}
+    child.log_dataset("shards/mono", "ab" * 40, "/data/shards/mono", profile, "training")
+    child.end("FINISHED")
+
+    run = client.get_run(child.run_id)
+    assert run.data.tags["parent_encoder_run_name"] == "pretrain-vq"
+    link = f"[pretrain-vq](#/experiments/{old}/runs/{parent.run_id})"
+    assert run.data.tags["mlflow.note.content"] == f"Made from: {link} (decoder, encoder)."
+    (dataset_input,) = run.inputs.dataset_inputs
+    dataset = dataset_input.dataset
+    assert (dataset.name, dataset.digest) == ("shards/mono", ("ab" * 40)[:36])
+    assert json.loads(dataset.source) == {"uri": "/data/shards/mono"}
+    assert json.loads(dataset.profile) == profile
+    assert [(t.key, t.value) for t in dataset_input.tags] == [("mlflow.data.context", "training")]
+    # A parent in another store is kept as its id, without a name or a link.
+    lone = MLflowTracker(
+        None, out, "nmt", "x", tags={"parent_init_run": "f" * 32}, system_metrics=False
+    )
+    lone.end("FINISHED")
+    tags = client.get_run(lone.run_id).data.tags
+    assert tags["parent_init_run"] == "f" * 32
+    assert "parent_init_run_name" not in tags and "mlflow.note.content" not in tags
 
 
 @pytest.mark.parametrize(

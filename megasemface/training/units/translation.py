@@ -77,9 +77,22 @@ class TranslationUnit(TrainUnit):
             model.model.load_state_dict(state)
             sources = info.meta.get("parent_runs") or {}
             self.parent_runs.update({k: v for k, v in sources.items() if isinstance(v, str)})
+        self.init = init
         self.model = model
         self.directions = self._directions()
         self.validation = Validation(config, data, self.directions, self.model_config.max_len - 1)
+
+    def run_tags(self) -> dict[str, str]:
+        """The interface of the pre-training the model starts from (``none`` for XLM, mBART
+        and a random start), so filtering runs on ``interface`` finds fine-tuned SemFace
+        models too, and ``pretraining``: how it was made (semface, xlm, mbart or none)."""
+        if self.init is None:
+            return {"interface": "none", "pretraining": "none"}
+        kind = self.init.interface.get("kind")
+        return {
+            "interface": kind if kind in ("cl", "vq") else "none",
+            "pretraining": str(self.init.meta.get("mode", "unknown")),
+        }
 
     def _check_data(self) -> None:
         """Refuses shards of the wrong kind for the mode (a subclass hook)."""
