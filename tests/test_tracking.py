@@ -244,12 +244,16 @@ def test_system_metrics_follow_the_training_step(tmp_path: Path, template_db: Pa
     tracker.log_metrics({"loss": 1.0}, step=7)
     client = MlflowClient(tracker.tracking_uri)
     key = "system/cpu_utilization_percentage"
-    assert _wait_for(lambda: tracker.flush(5) and client.get_metric_history(run_id, key), 5)
+
+    def sampled_steps() -> set[int]:
+        return {m.step for m in client.get_metric_history(run_id, key)}
+
+    # Waits for a sample taken after step 7 was logged (the first ones may come earlier:
+    # the run's start-up can outlast the interval on a busy machine).
+    assert _wait_for(lambda: tracker.flush(5) and 7 in sampled_steps(), 20)
     tracker.end()
-    # Samples carry the latest logged step: 7 once it is logged; a sample the worker took
-    # before (the run's start-up can outlast the interval on a busy machine) carries 0.
-    steps = {m.step for m in client.get_metric_history(run_id, key)}
-    assert 7 in steps and steps <= {0, 7}
+    # Samples carry the latest logged step: 7 once it is logged, 0 before.
+    assert sampled_steps() <= {0, 7}
 
 
 def test_unreachable_server_never_blocks_and_warns_once(
