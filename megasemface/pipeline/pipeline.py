@@ -256,6 +256,7 @@ class Pipeline:
             warmup_steps=cfg.warmup_steps,
             lr=cfg.lr,
             denoise_schedule=cfg.denoise_schedule,
+            no_repeat_ngram_size=cfg.no_repeat_ngram_size,
             init_from=init,
         )
 
@@ -273,7 +274,9 @@ class Pipeline:
             print(f"reusing {path}: BLEU {scores['test_bleu']:.2f}")
             return scores
         translator = Translator.from_model_dir(run_dir / "best")
-        search = SearchConfig(beam=self.config.beam)
+        search = SearchConfig(
+            beam=self.config.beam, no_repeat_ngram=self.config.no_repeat_ngram_size
+        )
         src, tgt = self.config.langs
         scores: dict[str, Any] = {"signatures": {}}
         for a, b in ((src, tgt), (tgt, src)):

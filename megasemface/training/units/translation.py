@@ -153,8 +153,12 @@ class TranslationUnit(TrainUnit):
         """Translations of ``src`` (token ids, no specials), in lockstep with every rank."""
         sp, tokenizer, languages = self.data.special, self.data.tokenizer, self.data.languages
         source, lengths = append_token(src.tokens_BT, src.lengths_B, sp.eos, sp.pad)
+        cfg = self.config
         config = SearchConfig(
-            beam=beam, max_len_a=self.config.max_len_a, max_len_b=self.config.max_len_b
+            beam=beam,
+            max_len_a=cfg.max_len_a,
+            max_len_b=cfg.max_len_b,
+            no_repeat_ngram=cfg.no_repeat_ngram_size,
         )
         hypotheses = search(
             _EngineScorer(engine),
