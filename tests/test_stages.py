@@ -111,6 +111,37 @@ def test_clm_decoder_loss_is_eq_3_and_causal() -> None:
     torch.testing.assert_close(out.loss, total / count)
 
 
+def test_the_decoder_stage_can_read_a_substituted_copy() -> None:
+    """With random aligned substitution the interface reads C(x') of the substituted x'
+    (same noise draws), and the decoder still predicts x itself."""
+    config = tiny()
+    model = model_for("cl", config, decoder_objective="clm").eval()
+    batch = random_batch(config, batch=3)
+    substituted = random_batch(config, seed=1, batch=3)
+    substituted.langs_B = batch.langs_B
+    out = model.decoder_loss(batch, torch.Generator().manual_seed(9), substituted)
+    noisy, noisy_lengths = drop_and_shuffle(
+        substituted.tokens_BT,
+        substituted.lengths_B,
+        pad_id=SPECIAL.pad,
+        generator=torch.Generator().manual_seed(9),
+    )
+    memory = model.interface.table[noisy]
+    memory_mask = torch.arange(noisy.shape[1])[None] < noisy_lengths[:, None]
+    tags = torch.tensor(SPECIAL.lang_tags)[batch.langs_B]
+    inputs = torch.cat([tags[:, None], batch.tokens_BT], 1)
+    targets, _ = append_token(batch.tokens_BT, batch.lengths_B, SPECIAL.eos, SPECIAL.pad)
+    mask = torch.arange(inputs.shape[1])[None] < (batch.lengths_B + 1)[:, None]
+    hidden = model.decoder(inputs, mask, batch.langs_B, memory, memory_mask, causal=True)
+    expected = torch.nn.functional.cross_entropy(model.decoder.logits(hidden[mask]), targets[mask])
+    torch.testing.assert_close(out.loss, expected)
+    plain = model.decoder_loss(batch, torch.Generator().manual_seed(9))
+    assert not torch.allclose(plain.loss, out.loss)
+    torch.testing.assert_close(
+        model.decoder_loss(batch, torch.Generator().manual_seed(9), batch).loss, plain.loss
+    )
+
+
 def _grads(params: list[torch.nn.Parameter]) -> list[bool]:
     return [p.grad is not None and bool(p.grad.abs().sum() > 0) for p in params]
 

@@ -5,7 +5,8 @@
   :func:`megasemface.models.seq2seq_init.connect_stages`, which drops the interface and refuses
   stages pre-trained against different interfaces, tokenizers or shapes.
 - XLM-style: an encoder stage alone initialises encoder and decoder (cross-attention random).
-- mBART baseline: the run's model already is a ``Seq2SeqModel`` (under ``model.``).
+- mBART baseline and mRASP: the run's model already is a ``Seq2SeqModel`` (under
+  ``model.``).
 
 Interfaces are compared by the fingerprints :func:`~.consolidate.load_stage` computes from
 the gathered weights, so an encoder stage trained with its codebook split over model-parallel
@@ -40,12 +41,12 @@ class Connected:
     """``Seq2SeqModel`` state dict."""
     config: ModelConfig
     mode: str
-    """semface, xlm or mbart."""
+    """semface, xlm, mbart or mrasp."""
     sources: dict[str, dict[str, Any]]
-    """Per role (encoder, decoder, mbart): the stage's meta (with ``source``)."""
+    """Per role (encoder, decoder, mbart, mrasp): the stage's meta (with ``source``)."""
     parameters: dict[str, str]
-    """Per parameter: ``encoder-stage:KEY``, ``decoder-stage:KEY`` or ``mbart:KEY`` (KEY the
-    tensor's key in that stage's state), or ``random``."""
+    """Per parameter: ``encoder-stage:KEY``, ``decoder-stage:KEY``, ``mbart:KEY`` or
+    ``mrasp:KEY`` (KEY the tensor's key in that stage's state), or ``random``."""
 
 
 def _stage(path: str | Path, role: str, stages: tuple[str, ...]) -> tuple[dict, dict]:
@@ -112,9 +113,15 @@ def connect_runs(
     return Connected(model.state_dict(), config, mode, sources, parameters)
 
 
+SEQ2SEQ_STAGES = ("mbart", "mrasp")
+"""Pre-training stages that train the whole ``Seq2SeqModel``, connected as it is."""
+
+
 def connect_mbart(source: str | Path) -> Connected:
-    """The mBART baseline's ``Seq2SeqModel`` from its run, checkpoint or model directory."""
-    state, meta = _stage(source, "mBART model", ("mbart",))
+    """The ``Seq2SeqModel`` of an mBART or mRASP pre-training, from its run, checkpoint or
+    model directory; the mode and the parameters' origin name the stage."""
+    state, meta = _stage(source, "sequence-to-sequence model", SEQ2SEQ_STAGES)
+    stage = str(meta["stage"])
     config = config_from_dict(meta["model"])
     prefix = "model."
     seq2seq = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
@@ -123,8 +130,8 @@ def connect_mbart(source: str | Path) -> Connected:
     missing, unexpected = model.load_state_dict(seq2seq, strict=False)
     if missing or unexpected:
         raise CheckpointError(
-            f"{source}: the mBART state does not fit its model config (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
+            f"{source}: the {stage} state does not fit its model config (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]})"
         )
-    parameters = {k: f"mbart:{prefix}{k}" for k in model.state_dict()}
-    return Connected(model.state_dict(), config, "mbart", {"mbart": meta}, parameters)
+    parameters = {k: f"{stage}:{prefix}{k}" for k in model.state_dict()}
+    return Connected(model.state_dict(), config, stage, {stage: meta}, parameters)

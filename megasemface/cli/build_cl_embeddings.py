@@ -7,7 +7,10 @@ Example::
 
 Writes ``<out>.safetensors`` (tensor ``embeddings``, [vocab, dim]) and ``<out>.json`` (the
 report: sizes, iterations, ids never seen, time and memory per phase, BLI before and after
-mapping). Exit status 2 with a one-line message on bad input.
+mapping). With ``--dictionary-out DIR/en-de.tsv`` it also writes a word dictionary induced
+from the mapped spaces (CSLS nearest neighbours above ``--dictionary-min-score``), which
+mRASP's random aligned substitution reads (``train.py --ras-dictionary``). Exit status 2
+with a one-line message on bad input.
 """
 
 from __future__ import annotations
@@ -77,6 +80,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-per-lang", type=int, default=None)
     parser.add_argument("--gold-dict", type=Path, default=None, help="src<TAB>tgt word pairs")
     parser.add_argument("--bli-min-count", type=int, default=cl.bli_min_count)
+    ras = parser.add_argument_group("RAS dictionary")
+    ras.add_argument(
+        "--dictionary-out",
+        type=Path,
+        default=None,
+        help="write the induced word dictionary here, named <src>-<tgt>.tsv",
+    )
+    ras.add_argument(
+        "--dictionary-words",
+        type=int,
+        default=cl.dictionary_words,
+        help="most frequent words of each language translated (default: %(default)s)",
+    )
+    ras.add_argument(
+        "--dictionary-min-score",
+        type=float,
+        default=cl.dictionary_min_score,
+        help="lowest CSLS score of a pair kept (default: %(default)s)",
+    )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads for the mapping (default: all)"
     )
@@ -116,15 +138,22 @@ def main(argv: list[str] | None = None) -> int:
             bli_min_count=args.bli_min_count,
             max_tokens_per_lang=args.max_tokens_per_lang,
             threads=args.threads,
+            dictionary_words=args.dictionary_words,
+            dictionary_min_score=args.dictionary_min_score,
         )
         report = build_cl_embeddings(
-            args.shards, args.spm_model, args.out, config, gold_dict=args.gold_dict
+            args.shards,
+            args.spm_model,
+            args.out,
+            config,
+            gold_dict=args.gold_dict,
+            dictionary_out=args.dictionary_out,
         )
     except (CLEmbeddingError, ValueError, FileNotFoundError, OSError) as exc:
         print(f"build_cl_embeddings: error: {exc}", file=sys.stderr)
         return 2
     summary = {k: report[k] for k in ("table", "vocab_size", "dim", "ids", "mapping", "seconds")}
-    for key in ("gold", "bli_before", "bli_after"):
+    for key in ("gold", "bli_before", "bli_after", "dictionary"):
         if key in report:
             summary[key] = report[key]
     print(json.dumps(summary, indent=2))

@@ -8,6 +8,7 @@ Examples::
         --decoder runs/vq-decoder --out models/vq-semface
     python tools/merge_checkpoints.py connect --encoder runs/xlm --out models/xlm
     python tools/merge_checkpoints.py connect --mbart runs/mbart --out models/mbart
+    python tools/merge_checkpoints.py connect --mbart runs/mrasp --out models/mrasp
     python tools/merge_checkpoints.py average runs/vq-encoder --last 5 --out models/enc-avg5
 
 A source is a run directory (its newest complete checkpoint), a checkpoint directory
@@ -67,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     connect.add_argument(
         "--decoder", type=Path, help="decoder-stage source (none: XLM-style, from the encoder)"
     )
-    connect.add_argument("--mbart", type=Path, help="mBART baseline source (instead)")
+    connect.add_argument(
+        "--mbart",
+        type=Path,
+        help="source of a whole sequence-to-sequence pre-training, mBART or mRASP (instead)",
+    )
     connect.add_argument("--seed", type=int, default=0, help="seed of parameters no stage has")
     connect.add_argument(
         "--bridge",

@@ -53,9 +53,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from megasemface.data.ras import RasDictionaryError, dictionary_languages
 from megasemface.data.shard_format import Manifest, iter_shard_chunks, write_json_atomic
 from megasemface.data.tokenizer import Tokenizer
 from megasemface.embeddings.config import INITS, CLEmbeddingConfig, CLEmbeddingError
+from megasemface.embeddings.dictionary import (
+    gold_precision,
+    induce_dictionary_pairs,
+    whole_word_counts,
+    write_dictionary,
+)
 from megasemface.embeddings.gold import (
     GoldDictionaryError,
     GoldEntry,
@@ -167,6 +174,7 @@ def build_cl_embeddings(
     *,
     gold_dict: str | Path | None = None,
     gold_langs: tuple[str, str] | None = None,
+    dictionary_out: str | Path | None = None,
 ) -> dict[str, Any]:
     """Builds and writes the [V, dim] table; returns the report also written as JSON.
 
@@ -174,7 +182,10 @@ def build_cl_embeddings(
     ``.safetensors`` suffix on ``out_path`` is accepted and stripped). ``gold_dict`` holds
     ``source word<TAB>target word`` lines for the languages ``gold_langs`` (default: read from
     a file name like ``en-de.tsv``, else the pivot and the first other language); BLI is
-    measured before and after mapping.
+    measured before and after mapping. ``dictionary_out`` (named ``<src>-<tgt>.tsv``, the
+    languages it holds) receives a word
+    dictionary induced from the mapped spaces (:mod:`megasemface.embeddings.dictionary`), with
+    its precision on the gold dictionary in the report when there is one.
     """
     config = config or CLEmbeddingConfig()
     previous_threads = torch.get_num_threads()
@@ -182,7 +193,13 @@ def build_cl_embeddings(
         torch.set_num_threads(config.threads)
     try:
         return _build(
-            Path(shard_dir), Path(spm_model), Path(out_path), config, gold_dict, gold_langs
+            Path(shard_dir),
+            Path(spm_model),
+            Path(out_path),
+            config,
+            gold_dict,
+            gold_langs,
+            None if dictionary_out is None else Path(dictionary_out),
         )
     finally:
         # The thread count is process-wide: give the caller back what it had.
@@ -196,6 +213,7 @@ def _build(
     config: CLEmbeddingConfig,
     gold_dict: str | Path | None,
     gold_langs: tuple[str, str] | None,
+    dictionary_out: Path | None,
 ) -> dict[str, Any]:
     """The body of :func:`build_cl_embeddings`, run under its thread setting."""
     from safetensors.torch import save_file
@@ -242,10 +260,19 @@ def _build(
                     f"gold dictionary language {lang!r} is not among {languages}"
                 )
 
+    dictionary_langs = None
+    if dictionary_out is not None:
+        try:  # the name RAS reads the languages from, checked before the training
+            dictionary_langs = dictionary_languages(dictionary_out, languages)
+        except RasDictionaryError as exc:
+            raise CLEmbeddingError(str(exc)) from None
+
     spaces: dict[str, torch.Tensor] = {}
     trained: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
+    word_counts: dict[str, np.ndarray] = {}
     sizes: dict[str, Any] = {}
+    pieces = [tokenizer.processor.IdToPiece(i) for i in range(vocab_size)]
     for i, lang in enumerate(languages):
         with _phase(report, f"read_{lang}"):
             tokens, offsets = read_language(manifest, lang, config.max_tokens_per_lang)
@@ -263,6 +290,8 @@ def _build(
         spaces[lang] = normalize(result.vectors)
         trained[lang] = result.trained
         counts[lang] = result.counts
+        if dictionary_out is not None:
+            word_counts[lang] = whole_word_counts(tokens, offsets, pieces)
         sizes[lang] = {
             "sentences": len(offsets) - 1,
             "tokens": len(tokens),
@@ -327,6 +356,21 @@ def _build(
                     config,
                 )
 
+    if dictionary_out is not None and dictionary_langs is not None:
+        with _phase(report, "dictionary"):
+            langs = dictionary_langs
+            pairs = _write_dictionary(dictionary_out, langs, spaces, word_counts, pieces, config)
+            report["dictionary"] = {
+                "file": str(dictionary_out),
+                "languages": list(langs),
+                "pairs": len(pairs),
+                "words": config.dictionary_words,
+                "min_score": config.dictionary_min_score,
+            }
+            if entries and langs == (gold_src, gold_tgt):
+                # How many pairs the gold dictionary can judge, and how many it confirms.
+                report["dictionary"]["gold"] = gold_precision(pairs, entries)
+
     with _phase(report, "merge"):
         table, report["ids"] = merge_table(languages, spaces, counts, trained, config)
 
@@ -349,3 +393,32 @@ def _build(
     report["threads"] = torch.get_num_threads()
     write_json_atomic(out_path.with_name(out_path.name + ".json"), report)
     return report
+
+
+def _write_dictionary(
+    path: Path,
+    langs: tuple[str, str],
+    spaces: dict[str, torch.Tensor],
+    word_counts: dict[str, np.ndarray],
+    pieces: list[str],
+    config: CLEmbeddingConfig,
+) -> list[tuple[int, int, float]]:
+    """Induces and writes the RAS dictionary; returns its (source, target, score) pairs."""
+    pairs = induce_dictionary_pairs(
+        spaces,
+        word_counts,
+        pieces,
+        langs,
+        words=config.dictionary_words,
+        min_count=config.dict_min_count,
+        min_score=config.dictionary_min_score,
+        csls_k=config.csls_k,
+        block_size=config.block_size,
+    )
+    if not pairs:
+        raise CLEmbeddingError(
+            f"no word pair of {'-'.join(langs)} reaches the CSLS threshold "
+            f"{config.dictionary_min_score}; lower it or use more data"
+        )
+    write_dictionary(path, pairs, pieces)
+    return pairs

@@ -53,6 +53,11 @@ class CLEmbeddingConfig:
     row_rms: float = 1.0
     """Per-dimension RMS of every output row (row norm ``sqrt(dim) * row_rms``)."""
     threads: int | None = None
+    dictionary_words: int = 1000
+    """RAS dictionary (``dictionary_out``): the most frequent single-piece words of each
+    language that are translated (mRASP: the 1,000 most frequent words)."""
+    dictionary_min_score: float = 0.0
+    """RAS dictionary: the confidence threshold, the lowest CSLS score of a pair kept."""
 
     def __post_init__(self) -> None:
         if self.seed_min_count < 1 or self.max_iterations < 0 or self.csls_k < 1:
@@ -65,6 +70,8 @@ class CLEmbeddingConfig:
             raise CLEmbeddingError(
                 f"direction must be one of {DIRECTIONS} and retrieval one of {METHODS}"
             )
+        if self.dictionary_words < 1:
+            raise CLEmbeddingError(f"dictionary_words must be >= 1, got {self.dictionary_words}")
         if self.init_vocab < 2 or (self.induction_vocab is not None and self.induction_vocab < 2):
             raise CLEmbeddingError("init_vocab and induction_vocab must be >= 2")
         if self.stochastic is not None and not (

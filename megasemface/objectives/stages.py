@@ -160,13 +160,20 @@ class SemFaceModel(nn.Module):
         self.stage: Literal["encoder", "decoder", "joint"] = "joint"
         """Which loss ``forward`` computes (the trainer sets it)."""
 
-    def forward(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
-        """The loss of ``self.stage``; a module call, so ZeRO-3 gathers what it needs."""
+    def forward(
+        self,
+        batch: SequenceBatch,
+        generator: torch.Generator,
+        substituted: SequenceBatch | None = None,
+    ) -> StageOutput:
+        """The loss of ``self.stage``; a module call, so ZeRO-3 gathers what it needs.
+        ``substituted``: the decoder stage's source before noise, when it is not ``batch``
+        (``batch`` with random aligned substitution)."""
         if self.stage == "encoder":
             return self.encoder_loss(batch, generator)
         if self.stage == "decoder":
-            return self.decoder_loss(batch, generator)
-        return self.joint_loss(batch, generator)
+            return self.decoder_loss(batch, generator, substituted)
+        return self.joint_loss(batch, generator, substituted)
 
     def external_parameters(self) -> list[nn.Parameter]:
         """Parameters read outside the forward of the module that owns them: the tied
@@ -217,12 +224,20 @@ class SemFaceModel(nn.Module):
 
     # Decoder stage ------------------------------------------------------------------------
 
-    def decoder_loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
-        """Generate the sentence from the interface's memory of a noised copy (Eq. 2 or 3)."""
+    def decoder_loss(
+        self,
+        batch: SequenceBatch,
+        generator: torch.Generator,
+        substituted: SequenceBatch | None = None,
+    ) -> StageOutput:
+        """Generate the sentence from the interface's memory of a noised copy (Eq. 2 or 3);
+        the copy is made from ``substituted`` when given (the sentence with some words in
+        another language), else from the sentence."""
         if self.decoder is None:
             raise ValueError(f"interface {self.interface.kind!r} has no decoder stage")
         obj, sp = self.objective, self.special
-        source, source_lengths = batch.tokens_BT, batch.lengths_B
+        copy = batch if substituted is None else substituted
+        source, source_lengths = copy.tokens_BT, copy.lengths_B
         if obj.decoder_noise:
             source, source_lengths = drop_and_shuffle(
                 source,
@@ -266,9 +281,15 @@ class SemFaceModel(nn.Module):
         metrics = {**memory.metrics, "dec_accuracy": accuracy}
         return StageOutput(loss, components, metrics, int(wanted.numel()))
 
-    def joint_loss(self, batch: SequenceBatch, generator: torch.Generator) -> StageOutput:
+    def joint_loss(
+        self,
+        batch: SequenceBatch,
+        generator: torch.Generator,
+        substituted: SequenceBatch | None = None,
+    ) -> StageOutput:
         """Algorithm 1: the same batch through both stages; their parameters are disjoint."""
-        return self.encoder_loss(batch, generator) + self.decoder_loss(batch, generator)
+        encoder = self.encoder_loss(batch, generator)
+        return encoder + self.decoder_loss(batch, generator, substituted)
 
     # Parameter groups ---------------------------------------------------------------------
 

@@ -31,7 +31,9 @@ __all__ = [
     "user_model_keys",
 ]
 
-STAGES = ("encoder", "decoder", "joint", "mbart", "finetune")
+STAGES = ("encoder", "decoder", "joint", "mbart", "mrasp", "finetune")
+NO_INTERFACE = ("mbart", "mrasp", "finetune")
+"""Stages whose model has no semantic interface (``--interface`` is none)."""
 LR_SCHEDULES = ("deepspeed", "inverse_sqrt")
 FINETUNE_MODES = ("supervised", "unsupervised")
 
@@ -41,10 +43,13 @@ class TrainConfig:
     """Everything a run needs besides the DeepSpeed config."""
 
     stage: str
-    """encoder, decoder, joint (Algorithm 1), mbart (the denoising baseline) or finetune."""
+    """encoder, decoder, joint (Algorithm 1), mbart (the denoising baseline), mrasp
+    (translation pre-training on parallel shards with random aligned substitution) or
+    finetune."""
     interface: str
-    """cl, vq or none (the XLM baseline: encoder stage only); default vq, and none for mbart
-    and finetune, which have no interface (finetune with cl or vq needs --init-from)."""
+    """cl, vq or none (the XLM baseline: encoder stage only); default vq, and none for
+    mbart, mrasp and finetune, which have no interface (finetune with cl or vq needs
+    --init-from)."""
     data: Path
     """Shard directory or its manifest.json."""
     spm_model: Path
@@ -160,6 +165,22 @@ class TrainConfig:
     """Generation (validation, back-translation): no n-gram of this size twice in one output
     (0: no limit). Keeps a weak model's loops ("the the the") out of the back-translations
     it then learns from."""
+    # Random aligned substitution (mRASP) -------------------------------------------------
+    ras_dictionary: list[Path] = dataclasses.field(default_factory=list)
+    """Random aligned substitution: word dictionaries, files named <src>-<tgt>.tsv of
+    source<TAB>target[<TAB>score] lines, each pair used both ways (tools/build_cl_embeddings.py
+    --dictionary-out induces one); read by --stage mrasp, --finetune-ras and
+    --decoder-noise-ras."""
+    ras_prob: float = 0.3
+    """Random aligned substitution: the probability that a dictionary word is replaced by one
+    of its translations (mRASP: 0.3)."""
+    finetune_ras: bool = False
+    """Supervised fine-tuning: random aligned substitution on the source side of every pair
+    (needs --ras-dictionary; not in SemFace)."""
+    decoder_noise_ras: bool = False
+    """SemFace decoder stage (decoder or joint): random aligned substitution on the noised
+    copy C(x) the interface reads, before word drop and shuffle (needs --ras-dictionary; not
+    in SemFace)."""
     register_model: str | None = None
     """After the last step, register the best model (<output-dir>/best) in the MLflow model
     registry as a version of this registered model, with its lineage and validation scores
@@ -178,9 +199,9 @@ class TrainConfig:
                 "(tools/merge_checkpoints.py connect); without it the model starts from random "
                 "weights: that is the Transformer baseline, --interface none"
             )
-        if self.stage in ("mbart", "finetune"):
-            self.interface = "none"  # neither has a semantic interface
-        if self.interface == "none" and self.stage not in ("encoder", "mbart", "finetune"):
+        if self.stage in NO_INTERFACE:
+            self.interface = "none"  # none of them has a semantic interface
+        if self.interface == "none" and self.stage not in ("encoder", *NO_INTERFACE):
             raise ValueError("--interface none (XLM) has only an encoder stage")
         if self.stage == "decoder" and self.interface == "vq" and self.init_from is None:
             raise ValueError(
@@ -191,8 +212,9 @@ class TrainConfig:
             raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}")
         if self.finetune_mode not in FINETUNE_MODES:
             raise ValueError(f"--finetune-mode must be one of {FINETUNE_MODES}")
-        if self.stage == "finetune" and self.mp_size != 1:
-            raise ValueError("--stage finetune has no codebook to split: use --mp-size 1")
+        if self.stage in ("mrasp", "finetune") and self.mp_size != 1:
+            raise ValueError(f"--stage {self.stage} has no codebook to split: use --mp-size 1")
+        self._check_ras()
         if self.register_model is not None and (
             self.stage != "finetune" or self.valid_prefix is None or self.no_tracking
         ):
@@ -245,6 +267,39 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+    def _check_ras(self) -> None:
+        """Random aligned substitution: where it runs, and that it has a dictionary."""
+        if not 0 <= self.ras_prob <= 1:
+            raise ValueError("--ras-prob must be in [0, 1]")
+        if self.finetune_ras and (self.stage != "finetune" or self.finetune_mode != "supervised"):
+            raise ValueError(
+                "--finetune-ras substitutes the source side of parallel pairs: use it with "
+                "--stage finetune --finetune-mode supervised"
+            )
+        if self.decoder_noise_ras and not (
+            self.stage in ("decoder", "joint") and self.interface in ("cl", "vq")
+        ):
+            raise ValueError(
+                "--decoder-noise-ras substitutes the SemFace decoder stage's noised copy: use it "
+                "with --stage decoder or joint and --interface cl or vq"
+            )
+        uses = self.stage == "mrasp" or self.finetune_ras or self.decoder_noise_ras
+        if uses and not self.ras_dictionary and (self.stage != "mrasp" or self.ras_prob > 0):
+            raise ValueError(
+                "random aligned substitution needs --ras-dictionary <src>-<tgt>.tsv (a user's "
+                "word list, or one tools/build_cl_embeddings.py --dictionary-out induces)"
+            )
+        if self.ras_dictionary and not uses:
+            raise ValueError(
+                "--ras-dictionary is read by --stage mrasp, --finetune-ras or "
+                "--decoder-noise-ras; add one of them or leave it out"
+            )
+        if self.stage == "mrasp" and self.valid_prefix is not None:
+            raise ValueError(
+                "--stage mrasp pre-trains; validation belongs to its fine-tuning: connect the run "
+                "(tools/merge_checkpoints.py connect --mbart RUN) and fine-tune with --valid-prefix"
+            )
 
     def tag_dict(self) -> dict[str, str]:
         tags = {}
@@ -364,6 +419,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--max-len-b", type=int, default=d.max_len_b)
     add("--no-repeat-ngram-size", type=int, default=d.no_repeat_ngram_size)
     add("--register-model", metavar="NAME")
+    add = _adder(parser.add_argument_group("random aligned substitution (mRASP)"), actions, docs)
+    add("--ras-dictionary", type=Path, action="append", default=[], metavar="SRC-TGT.tsv")
+    add("--ras-prob", type=float, default=d.ras_prob)
+    add("--finetune-ras", action="store_true")
+    add("--decoder-noise-ras", action="store_true")
     add = _adder(parser, actions, docs)
     add("--inject-nan-at", type=int, action="append", default=[], metavar="STEP")
     return actions
@@ -373,7 +433,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     if values.get("interface") is None:  # not given: the stage's own
-        values["interface"] = "none" if values.get("stage") in ("mbart", "finetune") else "vq"
+        values["interface"] = "none" if values.get("stage") in NO_INTERFACE else "vq"
     return TrainConfig(**values)
 
 

@@ -12,6 +12,7 @@ from megasemface.distributed.groups import ParallelGroups
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.units.base import TrainUnit
+from megasemface.training.units.mrasp import MraspUnit
 from megasemface.training.units.pretraining import DenoisingUnit, SemFaceUnit
 from megasemface.training.units.translation import SupervisedUnit, UnsupervisedUnit
 
@@ -24,6 +25,7 @@ UNITS: dict[str, UnitFactory] = {
     "decoder": SemFaceUnit,
     "joint": SemFaceUnit,
     "mbart": DenoisingUnit,
+    "mrasp": MraspUnit,
     "finetune-supervised": SupervisedUnit,
     "finetune-unsupervised": UnsupervisedUnit,
 }

@@ -17,15 +17,17 @@ import torch
 from torch import nn
 
 from megasemface.data.loader import TokenBatch
+from megasemface.data.ras import RandomAlignedSubstitution, RasDictionary
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.models.config import ModelConfig, apply_overrides
+from megasemface.objectives.sequences import SequenceBatch
 from megasemface.objectives.stages import ObjectiveConfig, StageOutput
 from megasemface.tracking.tracker import Tracker
 from megasemface.training.options import TrainConfig, user_model_config, user_model_keys
 from megasemface.training.run_data import RunData
 
-__all__ = ["TrainUnit", "model_config_from", "objective_config_from"]
+__all__ = ["TrainUnit", "model_config_from", "objective_config_from", "ras_from", "substitute"]
 
 
 def model_config_from(config: TrainConfig, data: RunData) -> ModelConfig:
@@ -60,6 +62,47 @@ def objective_config_from(config: TrainConfig) -> ObjectiveConfig:
         token_entropy_weight=config.token_entropy_weight,
         extractor_diversity=config.extractor_diversity,
     )
+
+
+def ras_from(
+    config: TrainConfig, data: RunData, langs: set[str]
+) -> RandomAlignedSubstitution | None:
+    """The run's random aligned substitution, from ``--ras-dictionary``, for sentences in
+    ``langs``; None without a dictionary or at probability 0.
+
+    Raises:
+        ValueError: a dictionary cannot be read, or has no word of one of ``langs``.
+    """
+    if not config.ras_dictionary or config.ras_prob == 0:
+        return None
+    dictionary = RasDictionary.load(config.ras_dictionary, data.tokenizer)
+    missing = sorted(lang for lang in langs if dictionary.size(lang) == 0)
+    if missing:
+        files = ", ".join(map(str, config.ras_dictionary))
+        raise ValueError(
+            f"--ras-dictionary {files}: no word of {missing} has a translation the tokenizer "
+            "can encode; pass a dictionary of the data's languages"
+        )
+    return RandomAlignedSubstitution(dictionary, data.tokenizer, config.ras_prob)
+
+
+def substitute(
+    ras: RandomAlignedSubstitution,
+    batch: SequenceBatch,
+    lang: str,
+    generator: torch.Generator,
+    max_length: int,
+) -> tuple[SequenceBatch, dict[str, float]]:
+    """``batch`` (in ``lang``) with random aligned substitution, and its figures: the share
+    of words with a translation (``ras_dictionary_words``) and of words replaced
+    (``ras_replaced``)."""
+    result = ras(batch.tokens_BT, batch.lengths_B, lang, generator, max_length)
+    words = max(result.words, 1)
+    figures = {
+        "ras_dictionary_words": result.candidates / words,
+        "ras_replaced": result.replaced / words,
+    }
+    return SequenceBatch(result.tokens_BT, result.lengths_B, batch.langs_B), figures
 
 
 class TrainUnit(abc.ABC):

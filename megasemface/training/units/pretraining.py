@@ -23,6 +23,8 @@ from megasemface.training.units.base import (
     TrainUnit,
     model_config_from,
     objective_config_from,
+    ras_from,
+    substitute,
 )
 
 __all__ = ["DenoisingUnit", "SemFaceUnit"]
@@ -78,6 +80,9 @@ class SemFaceUnit(_MonolingualUnit):
                 param.requires_grad_(False)
         self.model = model
         self._trainable = [p for p in keep if p.requires_grad]
+        self.ras = None
+        if config.decoder_noise_ras:
+            self.ras = ras_from(config, data, set(data.manifest.languages))
 
     def _load_codebook(self, model: SemFaceModel) -> None:
         """The frozen VQ layer of an encoder-stage run, cut for this model-parallel rank."""
@@ -100,7 +105,17 @@ class SemFaceUnit(_MonolingualUnit):
         interface = engine.module.interface
         if hasattr(interface, "set_step"):
             interface.set_step(step)  # the Gumbel temperature schedule
-        return engine.forward(self.sequence_batch(batch), generator)
+        sentences = self.sequence_batch(batch)
+        if self.ras is None:
+            return engine.forward(sentences, generator)
+        # The decoder stage's copy C(x) is noised from the substituted sentences; the
+        # encoder stage and the decoder's targets keep the sentences as they are.
+        substituted, figures = substitute(
+            self.ras, sentences, batch.lang, generator, self.loader_max_len()
+        )
+        out = engine.forward(sentences, generator, substituted)
+        out.metrics.update(figures)
+        return out
 
     def health(self, engine: DeepSpeedEngine, step: int) -> dict[str, float]:
         """The interface's health over the logging window, with a warning on rank 0 when a

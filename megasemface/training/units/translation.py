@@ -34,7 +34,7 @@ from megasemface.tracking.tracker import Tracker
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.schedules import parse_schedule, schedule_value
-from megasemface.training.units.base import TrainUnit, model_config_from
+from megasemface.training.units.base import TrainUnit, model_config_from, ras_from, substitute
 from megasemface.training.units.validation import Validation, register_best
 
 __all__ = ["SupervisedUnit", "TranslationUnit", "UnsupervisedUnit"]
@@ -202,7 +202,17 @@ class TranslationUnit(TrainUnit):
 
 
 class SupervisedUnit(TranslationUnit):
-    """``--finetune-mode supervised``: translation cross-entropy on parallel shards."""
+    """``--finetune-mode supervised``: translation cross-entropy on parallel shards; with
+    ``--finetune-ras``, random aligned substitution on the source side."""
+
+    def __init__(self, config: TrainConfig, data: RunData, groups: ParallelGroups) -> None:
+        super().__init__(config, data, groups)
+        sources = {src for src, _ in self.directions}
+        self.ras = ras_from(config, data, sources) if self.substitutes() else None
+
+    def substitutes(self) -> bool:
+        """Whether the source side gets random aligned substitution."""
+        return self.config.finetune_ras
 
     def _check_data(self) -> None:
         if not self.data.pairs:
@@ -236,7 +246,14 @@ class SupervisedUnit(TranslationUnit):
         direction = options[int(torch.randint(len(options), (1,), generator=generator))]
         if direction != pair:
             src, tgt = tgt, src
-        return engine.forward("supervised", src, tgt)
+        figures: dict[str, float] = {}
+        if self.ras is not None:
+            # The source side alone, split from its target: nothing crosses the separator.
+            limit = self.model_config.max_len - 1
+            src, figures = substitute(self.ras, src, direction[0], generator, limit)
+        out = engine.forward("supervised", src, tgt)
+        out.metrics.update(figures)
+        return out
 
 
 class UnsupervisedUnit(TranslationUnit):
