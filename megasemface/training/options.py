@@ -311,9 +311,14 @@ class TrainConfig:
         return tags
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()
-        }
+        """JSON values: paths as strings, in lists too."""
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, list):
+                return [plain(item) for item in value]
+            return str(value) if isinstance(value, Path) else value
+
+        return {k: plain(v) for k, v in dataclasses.asdict(self).items()}
 
 
 def field_docs() -> dict[str, str]:
