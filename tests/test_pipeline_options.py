@@ -15,6 +15,7 @@ from megasemface.pipeline import pipeline as pipeline_module
 from megasemface.pipeline.config import (
     ABLATIONS,
     BUDGETS,
+    RELATED,
     SETTINGS,
     SYSTEMS,
     PipelineConfig,
@@ -128,6 +129,7 @@ def _pipeline(tmp_path: Path, seeds: tuple[int, ...]) -> Pipeline:
     pipeline.spm, pipeline.mono, pipeline.parallel = (tmp_path / n for n in ("spm", "mono", "par"))
     pipeline.valid = tmp_path / "valid"
     pipeline.cl_table = tmp_path / "cl.safetensors"
+    pipeline.ras_dictionary = tmp_path / "ras" / "en-de.tsv"
     return pipeline
 
 
@@ -162,11 +164,12 @@ def test_every_run_of_the_pipeline_survives_its_command_line(
     pipeline = _pipeline(tmp_path, (0, 2))
     pipeline.config.model_options = ("dropout=0.2",)
     configs = []
-    for system in [*SYSTEMS.values(), *ABLATIONS.values()]:
+    for system in [*SYSTEMS.values(), *ABLATIONS.values(), *RELATED.values()]:
         if system.stage is not None:
             configs.append(pipeline.pretrain_config(system, 2))
         init = None if system.stage is None else tmp_path / "models" / system.key
-        configs += [pipeline.finetune_config(system, s, init, 0) for s in SETTINGS]
+        settings = [s for s in SETTINGS if system.runs_in(s)]
+        configs += [pipeline.finetune_config(system, s, init, 0) for s in settings]
     for config in configs:
         assert parse_train_argv(train_argv(config)) == config, config.run_name
     pipeline.pretrain(ABLATIONS["vq-eq6"], 0)
@@ -195,7 +198,7 @@ def test_an_ablation_changes_only_its_options(tmp_path: Path) -> None:
         }
         assert changed == {"output_dir", "run_name", "tags", *system.options} | (
             {"model_options"} if system.model else set()
-        ), key
+        ) | ({"ras_dictionary"} if system.pretraining_ras else set()), key
         assert config.output_dir.name == f"pretrain-{key}"
         assert config.tag_dict()["system"] == system.display
         assert {k: getattr(config, k) for k in system.options} == dict(system.options)
@@ -203,6 +206,59 @@ def test_an_ablation_changes_only_its_options(tmp_path: Path) -> None:
     assert eq6.model_options == ["dropout=0.2", "vq.diversity_loss=eq6"]
     paper = pipeline.pretrain_config(ABLATIONS["vq-paper-losses"], 0)
     assert (paper.token_entropy_weight, paper.diversity_weight) == (0.0, 1.0)
+
+
+def test_mrasp_pretrains_on_the_parallel_pairs_with_the_pipeline_s_dictionary(
+    tmp_path: Path,
+) -> None:
+    """mRASP is not among the paper's systems; its pre-training reads the parallel shards
+    and the dictionary, its fine-tuning is everyone's; RAS fine-tuning has no unsupervised
+    run."""
+    assert _config("--systems", "paper").systems == tuple(SYSTEMS) and "mrasp" not in SYSTEMS
+    assert _config("--systems", "related,transformer").systems == ("mrasp", "transformer")
+    pipeline = _pipeline(tmp_path, (0,))
+    mrasp = RELATED["mrasp"]
+    assert mrasp.display == "mRASP" and mrasp.pretraining_ras
+    config = pipeline.pretrain_config(mrasp, 0)
+    assert (config.stage, config.interface, config.data) == ("mrasp", "none", pipeline.parallel)
+    assert config.ras_dictionary == [pipeline.ras_dictionary]
+    assert config.lr == pipeline.config.pretrain_lr and config.ras_prob == 0.3
+    assert config.tag_dict()["system"] == "mRASP"
+    init = tmp_path / "models" / "mrasp"
+    finetune = pipeline.finetune_config(mrasp, "supervised", init, 0)
+    plain = pipeline.finetune_config(SYSTEMS["mbart"], "supervised", init, 0)
+    assert finetune.ras_dictionary == [] and not finetune.finetune_ras
+    assert dataclasses.replace(finetune, tags=plain.tags, run_name=plain.run_name,
+                               output_dir=plain.output_dir) == plain  # fmt: skip
+    assert not mrasp.runs_in("unsupervised") and SYSTEMS["mbart"].runs_in("unsupervised")
+    ras_ft = pipeline.finetune_config(ABLATIONS["vq-ras-ft"], "supervised", init, 0)
+    assert ras_ft.finetune_ras and ras_ft.ras_dictionary == [pipeline.ras_dictionary]
+    assert not ABLATIONS["vq-ras-ft"].runs_in("unsupervised")
+    assert pipeline.pretrain_config(ABLATIONS["vq-ras-ft"], 0) == pipeline.pretrain_config(
+        SYSTEMS["vq"], 0
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"finetune": {"finetune_ras": 1}}, "finetune_ras takes bool, got 1"),
+        ({"finetune": {"lr": 1.0}}, "the pipeline sets lr for every fine-tuning"),
+        ({"finetune": {"ras_dictionary": []}}, "sets ras_dictionary for every fine-tuning"),
+        ({"options": {"ras_dictionary": []}}, "the pipeline sets ras_dictionary for every run"),
+        ({"options": {"finetune_ras": True}}, "--finetune-ras"),
+        ({"stage": None, "finetune": {"directions": ["en-xx"]}}, None),
+    ],
+)
+def test_a_system_s_fine_tuning_options_are_checked_when_it_is_made(
+    values: dict, message: str | None
+) -> None:
+    values = {"stage": "joint", "interface": "vq", **values}
+    if message is None:  # a system without pre-training may still fine-tune differently
+        assert System("t-new", "Transformer, new", **values).finetune == values["finetune"]
+        return
+    with pytest.raises(ValueError, match=message):
+        System("vq-new", "VQ-SemFace, new", **values)
 
 
 @pytest.mark.parametrize(

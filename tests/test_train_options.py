@@ -73,6 +73,9 @@ def test_every_option_survives_the_command_line() -> None:
         max_len_a=1.5,
         max_len_b=3,
         no_repeat_ngram_size=3,
+        ras_dictionary=[Path("dict/en-de.tsv"), Path("dict/de-fr.tsv")],
+        ras_prob=0.5,
+        decoder_noise_ras=True,
     )
     defaults = TrainConfig(stage="encoder", interface="cl", **PATHS)
     same = [
@@ -80,14 +83,17 @@ def test_every_option_survives_the_command_line() -> None:
         for f in dataclasses.fields(TrainConfig)
         if getattr(config, f.name) == getattr(defaults, f.name)
     ]
-    # --register-model needs a tracked fine-tuning run, which this config is not: below.
-    assert same == ["register_model"], "set these fields away from their defaults here"
+    # --register-model needs a tracked fine-tuning run and --finetune-ras supervised
+    # fine-tuning, which this config is not: below.
+    assert same == ["finetune_ras", "register_model"], "set these fields away from their defaults"
     assert parse_train_argv(train_argv(config)) == config
     registering = TrainConfig(
         stage="finetune",
         interface="none",
         valid_prefix=Path("corpus/valid"),
         register_model="megasemface-en-de-cl",
+        finetune_ras=True,
+        ras_dictionary=[Path("dict/en-de.tsv")],
         **PATHS,
     )
     assert parse_train_argv(train_argv(registering)) == registering

@@ -10,6 +10,7 @@ Examples::
     python tools/reproduce.py                      # demo budget, CPU, the demo corpus
     python tools/reproduce.py --systems vq,vq-no-div,vq-no-l2,vq-mlm --settings supervised
     python tools/reproduce.py --settings supervised --seeds 0,1,2  # mean ± std, p-values
+    python tools/reproduce.py --systems transformer,mbart,cl,vq,mrasp --settings supervised
     python tools/reproduce.py --budget paper --corpus data/en-ro --pair en-ro \\
         --hostfile hostfile --deepspeed-config ds_configs/zero2_bf16.json
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 from megasemface.pipeline.config import (
     ABLATIONS,
     BUDGETS,
+    RELATED,
     SETTINGS,
     SYSTEMS,
     PipelineConfig,
@@ -54,8 +56,9 @@ def build_parser(
     add("--corpus", type=Path, help="a corpus in the demo corpus layout instead of the demo")
     add(
         "--systems",
-        help=f"comma-separated, or 'paper' ({','.join(SYSTEMS)}) or 'ablations' "
-        f"({','.join(ABLATIONS)}); default: the budget's, else {systems}",
+        help=f"comma-separated, or 'paper' ({','.join(SYSTEMS)}), 'ablations' "
+        f"({','.join(ABLATIONS)}) or 'related' ({','.join(RELATED)}); default: the "
+        f"budget's, else {systems}",
     )
     add(
         "--settings",
@@ -93,6 +96,14 @@ def build_parser(
     add("--deepspeed-config", type=Path)
     add("--hostfile", type=Path, help="DeepSpeed hostfile for multi-node runs")
     add("--experiment", help="MLflow experiment (default: megasemface-<pair>)")
+    add(
+        "--ras-dictionary",
+        type=Path,
+        help="word dictionary <src>-<tgt>.tsv of random aligned substitution (mRASP, the RAS "
+        "ablations); default: induced from the cross-lingual embeddings",
+    )
+    add("--ras-min-score", type=float, help="the induced dictionary's CSLS threshold")
+    add("--ras-words", type=int, help="most frequent words of each language it translates")
     return parser
 
 
@@ -100,7 +111,8 @@ def _systems(text: str) -> tuple[str, ...]:
     keys: list[str] = []
     for item in text.split(","):
         item = item.strip()
-        keys += list(SYSTEMS if item == "paper" else ABLATIONS if item == "ablations" else [item])
+        groups = {"paper": SYSTEMS, "ablations": ABLATIONS, "related": RELATED}
+        keys += list(groups.get(item, [item]))
     return tuple(dict.fromkeys(k for k in keys if k))
 
 

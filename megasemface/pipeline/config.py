@@ -20,6 +20,7 @@ from megasemface.training.options import TrainConfig, typed_overrides
 __all__ = [
     "ABLATIONS",
     "BUDGETS",
+    "RELATED",
     "RUN_FIELDS",
     "SETTINGS",
     "SYSTEMS",
@@ -45,10 +46,15 @@ RUN_FIELDS = frozenset(
         "run_name",
         "tracking_uri",
         "tags",
+        "ras_dictionary",
     }
 )
 """TrainConfig fields the pipeline sets for every run from its own configuration, so not a
-system's ``options`` (a system has its own ``stage``, ``interface`` and ``model``)."""
+system's ``options`` (a system has its own ``stage``, ``interface`` and ``model``; the
+pipeline gives its RAS dictionary to the runs that substitute)."""
+
+_RAS_FILE = [Path("en-de.tsv")]
+"""A dictionary in the configs that check a system's options (no file is read there)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,21 +81,41 @@ class System:
     """Model options of the pre-training run, dotted as ``--model`` names them, e.g.
     ``{"vq.diversity_loss": "eq6"}``; after the pipeline's own."""
     connect: str = "semface"
-    """semface (encoder and decoder of the run), xlm (encoder into both) or mbart."""
+    """semface (encoder and decoder of the run), xlm (encoder into both), mbart or mrasp
+    (the run's sequence-to-sequence model as it is)."""
     bridge: str = "none"
     """semface: how the encoder reaches the cross-attention (``ModelConfig.bridge``)."""
     pretraining: str | None = None
     """The system whose pre-training run this one connects, when it differs only in how it
     is connected (that run is trained once and shared); None: its own."""
+    finetune: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
+    """TrainConfig fields of its fine-tuning runs by name, e.g. ``{"finetune_ras": True}``."""
 
     def __post_init__(self) -> None:
         try:
             options = self._checked_options()
+            finetune = self._checked_finetune()
         except ValueError as exc:
             raise ValueError(f"system {self.key!r}: {exc}") from None
         # Read-only, as the rest of a frozen System.
         object.__setattr__(self, "options", types.MappingProxyType(options))
         object.__setattr__(self, "model", types.MappingProxyType(dict(self.model)))
+        object.__setattr__(self, "finetune", types.MappingProxyType(finetune))
+
+    @property
+    def pretraining_ras(self) -> bool:
+        """Its pre-training substitutes words (mRASP, or RAS in the decoder noise)."""
+        return self.stage == "mrasp" or bool(self.options.get("decoder_noise_ras"))
+
+    @property
+    def finetuning_ras(self) -> bool:
+        """Its supervised fine-tuning substitutes source words."""
+        return bool(self.finetune.get("finetune_ras"))
+
+    def runs_in(self, setting: str) -> bool:
+        """Whether it has a run in ``setting``: one that trains on parallel pairs (mRASP's
+        pre-training, RAS in fine-tuning) has no unsupervised setting."""
+        return setting == "supervised" or not (self.stage == "mrasp" or self.finetuning_ras)
 
     def _checked_options(self) -> dict[str, Any]:
         if self.stage is None:
@@ -103,15 +129,43 @@ class System:
         for key, value in self.model.items():
             model_option(key, value)  # a known option, a value of its type
         # What TrainConfig refuses together (e.g. extractor_diversity with a CL interface).
-        paths = {"data": Path(), "spm_model": Path(), "output_dir": Path()}
+        paths: dict[str, Any] = {"data": Path(), "spm_model": Path(), "output_dir": Path()}
+        ras = self.stage == "mrasp" or options.get("decoder_noise_ras")
+        paths |= {"ras_dictionary": _RAS_FILE} if ras else {}
         TrainConfig(stage=self.stage, interface=self.interface, **paths, **options)
         return options
+
+    def _checked_finetune(self) -> dict[str, Any]:
+        reserved = sorted((RUN_FIELDS | FINETUNE_FIELDS) & set(self.finetune))
+        if reserved:
+            raise ValueError(f"the pipeline sets {', '.join(reserved)} for every fine-tuning")
+        finetune = typed_overrides(self.finetune)
+        paths: dict[str, Any] = {"data": Path(), "spm_model": Path(), "output_dir": Path()}
+        paths |= {"ras_dictionary": _RAS_FILE} if finetune.get("finetune_ras") else {}
+        TrainConfig(stage="finetune", interface="none", **paths, **finetune)
+        return finetune
 
     @property
     def model_options(self) -> list[str]:
         """``model`` as train.py's ``--model`` KEY=VALUE options."""
         return [model_option(key, value) for key, value in self.model.items()]
 
+
+FINETUNE_FIELDS = frozenset(
+    {
+        "finetune_mode",
+        "init_from",
+        "valid_prefix",
+        "valid_interval",
+        "valid_max_sentences",
+        "warmup_steps",
+        "lr",
+        "denoise_schedule",
+        "no_repeat_ngram_size",
+    }
+)
+"""TrainConfig fields the pipeline sets for every fine-tuning run, so not a system's
+``finetune`` options."""
 
 SYSTEMS: dict[str, System] = {
     s.key: s
@@ -164,14 +218,34 @@ ABLATIONS: dict[str, System] = {
             bridge="codebook",
             pretraining="vq",
         ),
+        System("vq-ras", "VQ-SemFace, RAS noise", "joint", "vq", {"decoder_noise_ras": True}),
+        System(
+            "vq-ras-ft",
+            "VQ-SemFace, RAS fine-tuning",
+            "joint",
+            "vq",
+            finetune={"finetune_ras": True},
+            pretraining="vq",
+        ),
     )
 }
 """The paper's Table 5, then what differs from the paper: Eq. 6 as printed (the default
 diversity loss is wav2vec 2.0's form), the paper's VQ losses alone (the default adds a
 per-token entropy term, with diversity weight 2), and options beyond the paper that are off
 by default: a commitment term tying the encoder's outputs to their codes, diversity terms
-for the decoder stage's extractor, a trained CL table, and VQ-SemFace's pre-training connected
-through its codebook instead of without the interface."""
+for the decoder stage's extractor, a trained CL table, VQ-SemFace's pre-training connected
+through its codebook instead of without the interface, and mRASP's random aligned
+substitution in the decoder stage's noise (the interface reads a copy with some words in the
+other language) or on the source side of supervised fine-tuning (VQ-SemFace's pre-training
+run, fine-tuned with RAS; it has no unsupervised setting)."""
+
+RELATED: dict[str, System] = {
+    s.key: s for s in (System("mrasp", "mRASP", "mrasp", "none", connect="mrasp"),)
+}
+"""Related work beside the paper's systems (``--systems related``), not in ``--systems
+paper``: mRASP pre-trains the whole sequence-to-sequence model on the parallel pairs with
+random aligned substitution, then is fine-tuned as the others (docs/pretraining.md says how
+it differs from the paper's mRASP). It has no unsupervised setting."""
 
 SETTINGS = ("supervised", "unsupervised")
 
@@ -215,6 +289,17 @@ class PipelineConfig:
     generate no n-gram of this size twice in one output (0: no limit)."""
     cl_dim_from_model: bool = True
     cl_epochs: int = 3
+    ras_dictionary: Path | None = None
+    """The word dictionary of the systems with random aligned substitution (mRASP, the RAS
+    ablations), a file named ``<src>-<tgt>.tsv``; None: induced from the cross-lingual
+    embeddings, ``<workdir>/ras/<pair>.tsv``. Not the demo corpus' ``dict/<pair>.tsv``: that
+    is the evaluation's gold dictionary, made from one-word messages of every split, test
+    included."""
+    ras_min_score: float = 0.25
+    """The induced dictionary's confidence threshold: the lowest CSLS score of a pair kept."""
+    ras_words: int = 1000
+    """The induced dictionary translates this many of each language's most frequent words
+    (mRASP: the 1,000 most frequent)."""
     small_shards: bool = True
     """Shards of 8 samples of 8k tokens, so a small corpus still gives every rank shards;
     off: the shard builder's defaults, for large corpora."""
@@ -241,13 +326,14 @@ class PipelineConfig:
                 f"--pair must be en-xx (the demo catalogs translate English): {self.pair}"
             )
         for key in self.systems:
-            if key not in SYSTEMS and key not in ABLATIONS:
-                known = ", ".join([*SYSTEMS, *ABLATIONS])
+            if key not in SYSTEMS and key not in ABLATIONS and key not in RELATED:
+                known = ", ".join([*SYSTEMS, *ABLATIONS, *RELATED])
                 raise ValueError(f"unknown system {key!r}; known: {known}")
         for setting in self.settings:
             if setting not in SETTINGS:
                 raise ValueError(f"unknown setting {setting!r}; known: {', '.join(SETTINGS)}")
-        for name in ("pretrain_steps", "finetune_steps", "valid_interval", "procs", "train_pairs"):
+        names = ("pretrain_steps", "finetune_steps", "valid_interval", "procs", "train_pairs")
+        for name in (*names, "ras_words"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("lr", "pretrain_lr"):
@@ -277,7 +363,7 @@ class PipelineConfig:
         return self.experiment or f"megasemface-{self.pair}"
 
     def system(self, key: str) -> System:
-        return SYSTEMS.get(key) or ABLATIONS[key]
+        return SYSTEMS.get(key) or ABLATIONS.get(key) or RELATED[key]
 
 
 def seeded(name: str, seed: int) -> str:

@@ -26,6 +26,7 @@ __all__ = [
     "build_corpus",
     "build_mono_shards",
     "build_parallel_shards",
+    "build_ras_dictionary",
     "build_tokenizer",
     "slice_parallel",
 ]
@@ -158,3 +159,68 @@ def build_cl_table(config: PipelineConfig, shards: Path, spm: Path, dim: int, co
     seconds = run_logged(cmd, config.workdir / "cl" / "build.log", show=("p@", "BLI", "error"))
     print(f"built {table} in {seconds:.0f}s")
     return table
+
+
+def build_ras_dictionary(
+    config: PipelineConfig, shards: Path, spm: Path, dim: int, corpus: Path
+) -> Path:
+    """The word dictionary of random aligned substitution: the user's file, or one induced
+    from the cross-lingual embeddings through tools/build_cl_embeddings.py --dictionary-out.
+
+    The embeddings are built as the CL table's (same options and seed, so the same
+    vectors), in their own directory, ``<workdir>/ras/``, so that a work directory whose
+    table was built before keeps it. The corpus' gold dictionary is passed for the report
+    only (the induced dictionary's precision on it), never as the dictionary.
+    """
+    gold = corpus / "dict" / f"{config.pair}.tsv"
+    if config.ras_dictionary is not None:
+        path = config.ras_dictionary
+        if not path.is_file():
+            raise FileNotFoundError(f"--ras-dictionary {path}: no such file")
+        if gold.is_file() and path.resolve() == gold.resolve():
+            print(
+                f"warning: {path} is the corpus' gold dictionary; the demo's holds one-word "
+                "messages of the test split, so substituting from it trains on test pairs",
+                flush=True,
+            )
+        print(f"using the RAS dictionary {path}")
+        return path
+    out = config.workdir / "ras"
+    dictionary = out / f"{config.pair}.tsv"
+    report = out / "embeddings.json"
+    wanted = {"min_score": config.ras_min_score, "words": config.ras_words}
+    if dictionary.is_file() and report.is_file():
+        built = json.loads(report.read_text()).get("dictionary", {})
+        if {key: built.get(key) for key in wanted} == wanted:
+            print(f"reusing {dictionary} ({built.get('pairs')} pairs)")
+            return dictionary
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "build_cl_embeddings.py"),
+        "--shards",
+        str(shards),
+        "--spm-model",
+        str(spm),
+        "--out",
+        str(out / "embeddings"),
+        "--dim",
+        str(dim),
+        "--epochs",
+        str(config.cl_epochs),
+        "--dictionary-out",
+        str(dictionary),
+        "--dictionary-words",
+        str(config.ras_words),
+        "--dictionary-min-score",
+        str(config.ras_min_score),
+    ]
+    if gold.is_file():
+        cmd += ["--gold-dict", str(gold)]
+    seconds = run_logged(cmd, out / "build.log", show=("error",))
+    built = json.loads(report.read_text())["dictionary"]
+    checked = built.get("gold")
+    judged = ""
+    if checked and checked.get("precision") is not None:
+        judged = f"; {checked['precision']:.0%} right of the {checked['checked']} the gold one has"
+    print(f"induced {dictionary}: {built['pairs']} pairs in {seconds:.0f}s{judged}")
+    return dictionary

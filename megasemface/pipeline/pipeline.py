@@ -56,6 +56,8 @@ class Pipeline:
         self.model_config = build_model_config(config.model_preset, list(config.model_options))
         self.started = time.perf_counter()
         self.count = 0
+        self.ras_dictionary: Path | None = None
+        """The word dictionary of the runs that substitute (random aligned substitution)."""
         self.diagnostics: list[tuple[str, int, dict[str, Any]]] = []
         """(system, seed, figures) of every SemFace pre-training, for the report."""
 
@@ -78,11 +80,22 @@ class Pipeline:
         if "supervised" in cfg.settings:
             self._step(f"parallel shards of the first {cfg.train_pairs:,} training pairs")
             self.parallel = data_steps.build_parallel_shards(cfg, self.corpus, self.spm)
-        systems = [cfg.system(key) for key in cfg.systems]
+        systems = []
+        for system in map(cfg.system, cfg.systems):
+            if any(system.runs_in(setting) for setting in cfg.settings):
+                systems.append(system)
+            else:  # mRASP's pre-training, or its fine-tuning, reads parallel pairs
+                print(f"{system.display} trains on parallel pairs: it has no unsupervised run")
         self.cl_table: Path | None = None
         if any(s.interface == "cl" for s in systems):
             self._step("cross-lingual embeddings (CL-SemFace's interface)")
             self.cl_table = data_steps.build_cl_table(
+                cfg, self.mono, self.spm, self.model_config.d_model, self.corpus
+            )
+        self.ras_dictionary = None
+        if any(s.pretraining_ras or s.finetuning_ras for s in systems):
+            self._step("word dictionary of random aligned substitution (mRASP)")
+            self.ras_dictionary = data_steps.build_ras_dictionary(
                 cfg, self.mono, self.spm, self.model_config.d_model, self.corpus
             )
         self.valid = data_steps.slice_parallel(cfg, self.corpus, "valid", cfg.valid_sentences)
@@ -120,7 +133,7 @@ class Pipeline:
                 self._step(f"interface diagnostics of {system.display}{of_seed}")
                 self.diagnostics.append((system.display, seed, self.diagnose(system, run)))
         for setting in cfg.settings:
-            for system in systems:
+            for system in [s for s in systems if s.runs_in(setting)]:
                 self._step(f"fine-tuning {system.display}, {setting}{of_seed}")
                 run_dir = self.finetune(system, setting, inits[system.key], seed)
                 self._step(f"translating the test set with {system.display}, {setting}{of_seed}")
@@ -163,9 +176,17 @@ class Pipeline:
         seconds = run_logged(cmd, run_dir / "launcher.log", env=launch_environment(cfg.procs))
         print(f"   finished in {seconds:.0f}s; log: {run_dir / 'launcher.log'}")
 
+    def _ras(self, wanted: bool) -> list[Path]:
+        """``ras_dictionary`` of a run: the pipeline's dictionary when the run substitutes."""
+        if not wanted:
+            return []
+        assert self.ras_dictionary is not None, "a system substitutes: the dictionary is built"
+        return [self.ras_dictionary]
+
     def pretrain_config(self, system: System, seed: int) -> TrainConfig:
         """The pre-training run of ``system``: its stage and interface on the monolingual
-        shards with the pre-training learning rate, and its own options."""
+        shards (mRASP: the parallel ones) with the pre-training learning rate, and its own
+        options."""
         cfg = self.config
         assert system.stage is not None, f"{system.key} has no pre-training"
         if system.pretraining is not None:  # trained once for both: the other system's run
@@ -173,8 +194,9 @@ class Pipeline:
         values: dict[str, Any] = {
             "stage": system.stage,
             "interface": system.interface,
-            "data": self.mono,
+            "data": self.parallel if system.stage == "mrasp" else self.mono,
             "lr": cfg.pretrain_lr,
+            "ras_dictionary": self._ras(system.pretraining_ras),
             "cl_table": self.cl_table if system.interface == "cl" else None,
             "model_options": [*cfg.model_options, *system.model_options],
             **system.options,
@@ -221,7 +243,7 @@ class Pipeline:
         if (out / "config.json").is_file():
             print(f"reusing {out}")
             return out
-        if system.connect == "mbart":
+        if system.connect in ("mbart", "mrasp"):  # the run's model as it is
             connected = connect_mbart(run_dir)
         elif system.connect == "xlm":
             connected = connect_runs(run_dir)
@@ -236,7 +258,7 @@ class Pipeline:
         self, system: System, setting: str, init: Path | None, seed: int
     ) -> TrainConfig:
         """The fine-tuning run of ``system`` in ``setting``, from the connected model
-        ``init`` (None: from scratch)."""
+        ``init`` (None: from scratch), with the system's fine-tuning options."""
         cfg = self.config
         run_dir = self.workdir / "runs" / seeded(f"{setting}-{system.key}", seed)
         tags = [f"system={system.display}", f"system_key={system.key}", f"setting={setting}"]
@@ -258,6 +280,8 @@ class Pipeline:
             denoise_schedule=cfg.denoise_schedule,
             no_repeat_ngram_size=cfg.no_repeat_ngram_size,
             init_from=init,
+            ras_dictionary=self._ras(system.finetuning_ras),
+            **system.finetune,
         )
 
     def finetune(self, system: System, setting: str, init: Path | None, seed: int) -> Path:
