@@ -221,6 +221,7 @@ def build_ras_dictionary(
     checked = built.get("gold")
     judged = ""
     if checked and checked.get("precision") is not None:
-        judged = f"; {checked['precision']:.0%} right of the {checked['checked']} the gold one has"
+        confirmed = round(checked["precision"] * checked["checked"])
+        judged = f"; the gold dictionary judges {checked['checked']}, confirms {confirmed}"
     print(f"induced {dictionary}: {built['pairs']} pairs in {seconds:.0f}s{judged}")
     return dictionary

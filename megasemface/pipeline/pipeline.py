@@ -85,7 +85,7 @@ class Pipeline:
             if any(system.runs_in(setting) for setting in cfg.settings):
                 systems.append(system)
             else:  # mRASP's pre-training, or its fine-tuning, reads parallel pairs
-                print(f"{system.display} trains on parallel pairs: it has no unsupervised run")
+                print(f"left out {system.display}: it trains on parallel pairs, so it has no run")
         self.cl_table: Path | None = None
         if any(s.interface == "cl" for s in systems):
             self._step("cross-lingual embeddings (CL-SemFace's interface)")
@@ -133,6 +133,9 @@ class Pipeline:
                 self._step(f"interface diagnostics of {system.display}{of_seed}")
                 self.diagnostics.append((system.display, seed, self.diagnose(system, run)))
         for setting in cfg.settings:
+            left_out = [s.display for s in systems if not s.runs_in(setting)]
+            if left_out:  # their pre-training or fine-tuning reads parallel pairs
+                print(f"\nno {setting} run of {', '.join(left_out)}: it trains on parallel pairs")
             for system in [s for s in systems if s.runs_in(setting)]:
                 self._step(f"fine-tuning {system.display}, {setting}{of_seed}")
                 run_dir = self.finetune(system, setting, inits[system.key], seed)
