@@ -322,7 +322,11 @@ class Trainer:
             self.unit.after_step(self.engine, step, tracker)
             stopping = stop.agreed()
             if stopping or step % cfg.save_interval == 0 or step == cfg.steps:
-                blocked = self._flush_tracker(tracker) + self.save()
+                blocked = self._flush_tracker(tracker)
+                # A store slow to start (a fresh SQLite database on a busy machine) creates
+                # the run after training began: checkpoints name it once it exists.
+                self.run_id = self.run_id or tracker.run_id
+                blocked += self.save()
                 if metrics_log is not None:
                     metrics_log.write({"step": step, "checkpoint_seconds": blocked})
             if stopping:
