@@ -136,3 +136,55 @@ def test_mapping_retrieves_translations_far_better_than_unmapped(
     # seed; p@5 >= 0.12 is still 6x the unmapped bound above.
     assert after["p@1"] >= 0.04, report
     assert after["p@5"] >= 0.12, report
+
+
+def test_the_build_induces_the_ras_dictionary(
+    demo_shards: Path, demo_corpus: Path, tmp_path: Path
+) -> None:
+    """--dictionary-out: CSLS pairs of single-piece words above the threshold, best first,
+    each side a word of its language, read back as mRASP's dictionary; a name that does not
+    say the languages is refused before any training."""
+    from megasemface.data.ras import RasDictionary
+    from megasemface.data.tokenizer import Tokenizer
+
+    base = [
+        sys.executable,
+        str(ROOT / "tools" / "build_cl_embeddings.py"),
+        "--shards",
+        str(demo_shards / "shards"),
+        "--spm-model",
+        str(demo_shards / "joint.model"),
+        "--out",
+        str(tmp_path / "emb"),
+        "--dim",
+        "32",
+        "--epochs",
+        "1",
+        "--gold-dict",
+        str(demo_corpus / "dict" / "en-de.tsv"),
+    ]
+    bad = subprocess.run(
+        [*base, "--dictionary-out", str(tmp_path / "words.tsv")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert bad.returncode == 2 and "<src>-<tgt>.tsv" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "phases" not in bad.stdout
+    assert not (tmp_path / "emb.json").exists()
+
+    path = tmp_path / "ras" / "en-de.tsv"
+    args = ["--dictionary-out", str(path), "--dictionary-min-score", "0.1"]
+    result = subprocess.run([*base, *args], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "emb.json").read_text(encoding="utf-8"))["dictionary"]
+    assert report["languages"] == ["en", "de"] and report["min_score"] == 0.1
+    lines = [line.split("\t") for line in path.read_text(encoding="utf-8").splitlines()]
+    assert len(lines) == report["pairs"] > 0
+    scores = [float(score) for *_, score in lines]
+    assert scores == sorted(scores, reverse=True) and min(scores) >= 0.1
+    assert all(s.lower() != t.lower() and " " not in s + t for s, t, _ in lines)
+    assert 0 < report["gold"]["checked"] <= len(lines)
+    tokenizer = Tokenizer.load(demo_shards / "joint.model")
+    dictionary = RasDictionary.load([path], tokenizer)
+    assert dictionary.size("en") > 0 and dictionary.size("de") > 0

@@ -5,7 +5,8 @@ induces one from the project's own cross-lingual embeddings instead, so that no
 dictionary is needed (the demo corpus' dictionary is the evaluation's gold standard, kept
 out of training). A word has a vector only when SentencePiece encodes it as one piece
 (``▁word``), so the candidates of each language are its single-piece words: pieces that
-start a word, hold a letter, and occur at least ``dict_min_count`` times in that language as
+start a word, have two characters or more, one a letter (single letters such as "I" or "C"
+pair by chance), and occur at least ``dict_min_count`` times in that language as
 a whole word, not followed by a piece that continues the word (``▁entfer`` of ``▁entfer
 nen`` is a word's beginning, not a word; :func:`whole_word_counts`). Candidates are ranked
 by those counts.
@@ -61,10 +62,11 @@ def whole_word_counts(tokens: np.ndarray, offsets: np.ndarray, pieces: Sequence[
 
 
 def word_candidates(pieces: Sequence[str], counts: np.ndarray, min_count: int) -> np.ndarray:
-    """Ids of single-piece words counted ``min_count`` times, most frequent first (ties by
-    id)."""
+    """Ids of single-piece words (two characters or more, a letter among them) counted
+    ``min_count`` times, most frequent first (ties by id)."""
     is_word = np.array(
-        [p.startswith(WORD_START) and any(c.isalpha() for c in p) for p in pieces], dtype=bool
+        [p.startswith(WORD_START) and len(p) > 2 and any(c.isalpha() for c in p) for p in pieces],
+        dtype=bool,
     )
     ids = np.flatnonzero(is_word & (counts >= min_count))
     return ids[np.argsort(-counts[ids], kind="stable")]
