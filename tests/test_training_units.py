@@ -160,6 +160,27 @@ def test_options_are_checked_before_distributed_start_up() -> None:
         check_before_start(bridged, plain)
 
 
+def test_a_resume_with_another_model_parallel_size_is_refused_before_start_up(
+    tmp_path: Path,
+) -> None:
+    """Only the number of data-parallel ranks may change on resume: one line names the
+    checkpoint and the --mp-size to resume with, before any process group exists."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000003"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "meta.json").write_text(json.dumps({"train_config": {"mp_size": 2}}))
+    for name in ("COMPLETE", "rank-00000.json", "rank-00001.json"):
+        (checkpoint / name).write_text("{}")
+    base = {"data": Path("d"), "spm_model": Path("m"), "output_dir": tmp_path / "run"}
+    plain: dict = {"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}
+    check_before_start(TrainConfig(stage="encoder", interface="cl", mp_size=2, **base), plain, 4)
+    with pytest.raises(ValueError) as refused:
+        check_before_start(TrainConfig(stage="encoder", interface="cl", **base), plain, 2)
+    message = str(refused.value)
+    assert "\n" not in message and str(checkpoint) in message
+    assert "--mp-size 2, this run has --mp-size 1" in message
+    assert "resume with --mp-size 2" in message
+
+
 def test_the_tokenizer_sets_the_vocabulary_and_refuses_a_contradicting_option(
     spm_model: Path,
 ) -> None:

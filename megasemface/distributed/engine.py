@@ -5,8 +5,10 @@ Model code never imports DeepSpeed; the trainer talks to this facade.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
+import io
 import json
 import os
 import time
@@ -22,8 +24,10 @@ from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups, build_p
 __all__ = [
     "DeepSpeedEngine",
     "consolidated_state",
+    "convert_to_universal",
     "init_distributed",
     "load_ds_config",
+    "loading_universal",
     "remove_stale_shm_buffers",
 ]
 
@@ -246,3 +250,32 @@ def consolidated_state(root: Path, tag: str) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+
+
+def convert_to_universal(source: Path, target: Path) -> None:
+    """DeepSpeed's universal checkpoint (``ds_to_universal``) of the checkpoint folder
+    ``source`` (``.../<tag>`` of one model-parallel rank) in the folder ``target``
+    (``.../<tag>``): per parameter, the fp32 master weights and Adam's moments reassembled
+    from every data-parallel rank's ZeRO partition, which any number of ranks can load (see
+    :func:`loading_universal`). DeepSpeed reads its files with ``torch.load(weights_only=False)``,
+    as its own resume does. Serial: no worker processes."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=str(source),
+        output_folder=str(target),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # what megasemface's models do not declare: nothing to merge
+    )
+    sink = io.StringIO()  # progress lines and bars
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        ds_to_universal.main(args)
+
+
+def loading_universal(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a DeepSpeed config whose engine loads universal checkpoints."""
+    checkpoint = {**(config.get("checkpoint") or {}), "load_universal": True}
+    return {**config, "checkpoint": checkpoint}
