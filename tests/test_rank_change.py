@@ -19,6 +19,7 @@ import pytest
 import torch
 from launch import check_finished, ds_config, kill_after_checkpoint, launch, train_command
 
+from megasemface.checkpoints import consolidate_checkpoint, find_checkpoint
 from megasemface.distributed.engine import convert_to_universal
 
 pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
@@ -26,16 +27,19 @@ pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
 CHECKPOINT = 3
 
 
-def command(data: dict, out: Path, zero: int, procs: int, steps: int, *extra: str) -> list[str]:
+def command(
+    data: dict, out: Path, zero: int, procs: int, steps: int, *extra: str, interface: str = "cl"
+) -> list[str]:
+    stage = "encoder" if interface == "cl" else "joint"
     return train_command(
         {"shards": data["mono"], "spm": data["spm"]},
         out,
         "--cl-table",
         str(data["cl"]),
         "--stage",
-        "encoder",
+        stage,
         "--interface",
-        "cl",
+        interface,
         "--seed",
         "3",
         "--steps",
@@ -90,8 +94,10 @@ def check_first_update(before: Path, after: Path, step: int, zero: int, tmp: Pat
     config = json.loads(ds_config(zero, tmp).read_text())["optimizer"]["params"]
     b1, b2 = config["betas"]
     lr, eps = config["lr"], config["eps"]
-    convert_to_universal(after, tmp / "after" / after.name)
-    old, new = universal_state(before), universal_state(tmp / "after" / after.name)
+    info = find_checkpoint(after)
+    universal = tmp / "after" / after.name
+    convert_to_universal(info.model_files[0], info.optim_files[0], 0, 1, universal)
+    old, new = universal_state(before), universal_state(universal)
     assert old.keys() == new.keys() and old
     for name, s0 in old.items():
         s1 = new[name]
@@ -159,3 +165,30 @@ def test_resume_on_another_number_of_ranks(
     check_first_update(
         universal / f"step-{CHECKPOINT:08d}", checkpoints / f"step-{step:08d}", step, zero, tmp_path
     )
+
+
+def test_model_parallel_ranks_are_converted_each_on_its_own(
+    launch_data: dict, tmp_path: Path
+) -> None:
+    """With --mp-size 2, from 2 data-parallel ranks to 1: each model-parallel rank goes on
+    with its own shard of the flat codebook (DeepSpeed's converter, shown all files, would
+    take the shards for tensor-parallel slices of one tensor and merge them)."""
+    out = tmp_path / "run"
+    vq = ("--mp-size", "2")
+    kill_after_checkpoint(command(launch_data, out, 2, 4, 5, *vq, interface="vq"), out, CHECKPOINT)
+    resumed = command(launch_data, out, 2, 2, CHECKPOINT + 1, *vq, interface="vq")
+    result = launch(resumed)
+    check_finished(result, out, CHECKPOINT + 1)
+    assert "written by 2 data-parallel ranks, continued on 1" in result.stdout
+    universal = out / "checkpoints" / f"step-{CHECKPOINT:08d}" / "universal"
+    assert sorted(p.name for p in universal.iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    before = consolidate_checkpoint(find_checkpoint(out / "checkpoints" / f"step-{CHECKPOINT:08d}"))
+    after = consolidate_checkpoint(find_checkpoint(out))
+    assert before.gathered and before.gathered == after.gathered
+    for key, old in before.state.items():
+        # One Adam step of lr 1e-4 moves each weight by about 1e-4; the two shards of the
+        # codebook differ by far more than that.
+        assert (after.state[key] - old).abs().max() < 1e-3, key
+    codebook = before.state["interface.quantizer.codebook"]
+    half = len(codebook) // 2
+    assert (codebook[:half] - codebook[half:]).abs().max() > 1e-2

@@ -13,9 +13,11 @@ and the loader continues the run's global batch order (:mod:`megasemface.data.lo
 Model-parallel ranks write separate ZeRO groups side by side
 (:mod:`megasemface.checkpoints.layout`), which DeepSpeed's converter would take for tensor
 parallelism and merge. Each model-parallel rank is therefore converted on its own, shown its
-files only (renamed as model-parallel rank 0), into ``<checkpoint>/universal/mp_rank_RR/``,
-by its data-parallel rank 0, once: a resume that is interrupted again reuses it, and pruning
-removes it with the checkpoint. The model-parallel size itself cannot change on resume.
+files only as a checkpoint without model parallelism
+(:func:`~megasemface.distributed.engine.convert_to_universal`), into
+``<checkpoint>/universal/mp_rank_RR/`` by its data-parallel rank 0, once: a resume that is
+interrupted again reuses it, and pruning removes it with the checkpoint. The model-parallel
+size itself cannot change on resume.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,20 +98,20 @@ def resume_point(
     if dp_rank == 0 and not target.is_dir():
         partial = target.with_name(f".{target.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)  # what an interrupted conversion left
-        with tempfile.TemporaryDirectory(prefix="megasemface-universal-") as tmp:
-            view = Path(tmp) / info.tag
-            view.mkdir()
-            own = f"mp_rank_{mp_rank:02d}_"
-            for file in [*info.model_files[mp_rank], *info.optim_files[mp_rank]]:
-                (view / file.name.replace(own, "mp_rank_00_")).symlink_to(file.resolve())
-            try:
-                convert_to_universal(view, partial / info.tag)
-            except (AssertionError, RuntimeError, ValueError, KeyError, OSError) as exc:
-                raise CheckpointError(
-                    f"DeepSpeed could not convert {checkpoint} (model-parallel rank {mp_rank}) "
-                    f"for {dp_size} data-parallel ranks: {exc!r}; resume on the "
-                    f"{written} data-parallel ranks that wrote it"
-                ) from exc
+        try:
+            convert_to_universal(
+                info.model_files[mp_rank],
+                info.optim_files[mp_rank],
+                mp_rank,
+                mp_size,
+                partial / info.tag,
+            )
+        except (AssertionError, RuntimeError, ValueError, KeyError, OSError) as exc:
+            raise CheckpointError(
+                f"DeepSpeed could not convert {checkpoint} (model-parallel rank {mp_rank}) "
+                f"for {dp_size} data-parallel ranks: {exc!r}; resume on the {written} "
+                "data-parallel ranks that wrote it"
+            ) from exc
         partial.rename(target)
     barrier()
     return ResumePoint(step, info.tag, target, written, universal=True)

@@ -9,7 +9,9 @@ its unit (:mod:`megasemface.training.units`).
 
 Exact resume: every random draw of a step is seeded from (seed, step, rank) and the loader
 position is restored from the checkpoint, so a run resumed from checkpoint k repeats the
-uninterrupted run's steps k+1... exactly in fp32.
+uninterrupted run's steps k+1... exactly in fp32. Resumed on another number of data-parallel
+ranks, it goes on from the checkpoint's weights, optimizer state and place in the data order
+(:mod:`megasemface.checkpoints.universal`).
 """
 
 from __future__ import annotations
