@@ -71,7 +71,7 @@ def test_checkpoints_resume_from_newest_complete_and_keep_last(tmp_path: Path) -
         _save(manager, step)
     _save(manager, 40, complete=False)
     assert manager.newest() == (30, "step-00000030")  # the interrupted one is never used
-    assert manager.rank_state("step-00000030") == {"step": 30}
+    assert manager.rank_states("step-00000030") == [{"step": 30}]
     kept = sorted(p.name for p in manager.root.iterdir())
     assert kept == ["latest", "step-00000020", "step-00000030", "step-00000040"]
     # DeepSpeed's pointer names the newest complete one, never the interrupted 40.
@@ -80,9 +80,12 @@ def test_checkpoints_resume_from_newest_complete_and_keep_last(tmp_path: Path) -
     kept = sorted(p.name for p in manager.root.iterdir())
     assert kept == ["latest", "step-00000030", "step-00000050"]  # the partial 40 is gone too
     assert (manager.root / "latest").read_text() == "step-00000050"
+    # A rank of a run with more ranks than wrote the checkpoint reads every writer's state.
     other_rank = CheckpointManager(tmp_path, keep_last=2, rank=3)
-    with pytest.raises(FileNotFoundError, match="same number of processes"):
-        other_rank.rank_state("step-00000050")
+    assert other_rank.rank_states("step-00000050") == [{"step": 50}]
+    (manager.root / "step-00000050" / "rank-00000.json").unlink()
+    with pytest.raises(FileNotFoundError, match="holds no rank-"):
+        other_rank.rank_states("step-00000050")
 
 
 def test_train_options_refuse_impossible_combinations() -> None:
