@@ -67,11 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if unknown:
         print(f"train: ignoring unknown arguments {unknown}", file=sys.stderr)
+    from megasemface.checkpoints.manager import DiskFullError
+
     groups = init_distributed(config.mp_size)
     try:
         return Trainer(config, ds_config, groups).run()
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"train: error (rank {os.environ.get('RANK', '0')}): {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, DiskFullError) as exc:
+        # An error every rank raises together is printed by one rank (``quiet`` elsewhere).
+        if not getattr(exc, "quiet", False):
+            print(f"train: error (rank {os.environ.get('RANK', '0')}): {exc}", file=sys.stderr)
         return 2
 
 

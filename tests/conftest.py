@@ -4,7 +4,8 @@ the shards and models that tests launching training runs train on."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,32 @@ def no_leftover_shared_memory() -> Iterator[None]:
     yield
     for path in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
         path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """Mounts a tmpfs of the given size in bytes (a disk that fills up) and returns its path;
+    unmounted at teardown. Skips the test where mounting is not permitted (not root, or a
+    container without the capability)."""
+    mounts: list[Path] = []
+
+    def mount(size: int) -> Path:
+        path = tmp_path / f"tmpfs-{len(mounts)}"
+        path.mkdir()
+        options = f"size={size}"
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or 'mount failed'}")
+        mounts.append(path)
+        return path
+
+    try:
+        yield mount
+    finally:
+        for path in mounts:
+            if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(path)], capture_output=True)

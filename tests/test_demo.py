@@ -53,6 +53,7 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
         assert "diag_en_cosine" in pretrain.metrics, sorted(pretrain.metrics)
     results = (workdir / "results.md").read_text()
     assert "| VQ-SemFace | 0 | en |" in results and "| CL-SemFace | 0 | de |" in results
+    _assert_mlflow_shows_the_runs(workdir)
 
     assert main(args) == 0
     second = capsys.readouterr().out
@@ -84,6 +85,9 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     parent = seeds[("vq", "1")].tags["parent_encoder_run"]
     (pretrain,) = select_runs(f"sqlite:///{workdir / 'mlflow.db'}", run_ids=[parent])
     assert (pretrain.name, pretrain.tags["seed"]) == ("pretrain-vq-s1", "1")
+    # The comparison's run was updated, not added again.
+    (report,) = select_runs(f"sqlite:///{workdir / 'mlflow.db'}", tags={"stage": "report"})
+    assert "mean ± std over 2 seeds" in report.tags["mlflow.note.content"]
 
 
 def test_pipeline_without_catalogs_says_what_to_do(
@@ -94,3 +98,66 @@ def test_pipeline_without_catalogs_says_what_to_do(
     args = ["--budget", "smoke", "--workdir", str(tmp_path / "out"), "--locale-dir", str(empty)]
     assert main(args) == 2
     assert "--locale-dir" in capsys.readouterr().err
+
+
+def _assert_mlflow_shows_the_runs(workdir: Path) -> None:
+    """What a user looks for in the MLflow UI, read back through its own API."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("megasemface-en-de")
+    # A training experiment: MLflow 3's UI opens it on its runs, not its GenAI overview.
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    mlflow.set_tracking_uri(uri)
+    frame = mlflow.search_runs(experiment_names=["megasemface-en-de"])
+    by_name = {row["tags.mlflow.runName"]: row for _, row in frame.iterrows()}
+    # The pre-training's interface is carried onto its fine-tuning runs.
+    interfaces = {name: by_name[name]["tags.interface"] for name in by_name}
+    assert interfaces["supervised-vq"] == "vq" and interfaces["supervised-cl"] == "cl"
+    assert interfaces["supervised-transformer"] == "none"
+    assert by_name["supervised-vq"]["tags.pretraining"] == "semface"
+    # Lineage: the parent run is named and linked from the description.
+    vq = client.get_run(by_name["supervised-vq"]["run_id"])
+    parent_id = vq.data.tags["parent_encoder_run"]
+    assert vq.data.tags["parent_encoder_run_name"] == "pretrain-vq"
+    link = f"[pretrain-vq](#/experiments/{experiment.experiment_id}/runs/{parent_id})"
+    assert link in vq.data.tags["mlflow.note.content"]
+    # The shards a run read, as its dataset input, with their digest and counts.
+    for name, shards in (("supervised-vq", "parallel-"), ("pretrain-vq", "mono")):
+        run = client.get_run(by_name[name]["run_id"])
+        (dataset_input,) = run.inputs.dataset_inputs
+        dataset = dataset_input.dataset
+        assert dataset.name.startswith(f"shards/{shards}"), dataset.name
+        manifest = json.loads(
+            (Path(json.loads(dataset.source)["uri"]) / "manifest.json").read_text()
+        )
+        assert dataset.digest == manifest["build_fingerprint"][:36]
+        profile = json.loads(dataset.profile)
+        assert profile["sentences"] == sum(s["sentences"] for s in manifest["shards"]) > 0
+        assert [(t.key, t.value) for t in dataset_input.tags] == [
+            ("mlflow.data.context", "training")
+        ]
+    # Artifacts: the test translations and scores with signatures, the best model, the
+    # diagnostics of a pre-training.
+    artifacts = {a.path for a in client.list_artifacts(vq.info.run_id, "test")}
+    assert artifacts == {"test/test.en-de.de", "test/test.de-en.en", "test/test-scores.json"}
+    local = client.download_artifacts(vq.info.run_id, "test/test-scores.json")
+    scores = json.loads(Path(local).read_text())
+    assert scores["signatures"]["bleu"].startswith("nrefs:1|")
+    assert scores["test_bleu"] == vq.data.metrics["test_bleu"]
+    (model,) = client.list_artifacts(vq.info.run_id, "model")
+    assert {
+        a.path.rsplit("/", 1)[1] for a in client.list_artifacts(vq.info.run_id, model.path)
+    } >= {
+        "model.safetensors",
+        "config.json",
+        "spm.model",
+    }
+    assert "diagnostics.json" in {a.path for a in client.list_artifacts(parent_id)}
+    # The comparison itself: a run of its own whose description is the report.
+    (report,) = client.search_runs([experiment.experiment_id], "tags.stage = 'report'")
+    assert report.data.tags["mlflow.note.content"].startswith("# megasemface comparison, en-de")
+    files = {a.path for a in client.list_artifacts(report.info.run_id)}
+    assert files == {"results.md", "test-bleu.png", "finetune-loss.png"}

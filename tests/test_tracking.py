@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -131,6 +132,41 @@ def test_run_receives_params_metrics_tags_and_artifacts(tmp_path: Path, template
     assert '"d_model": 512' in Path(config).read_text()
 
 
+def test_dataset_lineage_and_experiment_kind(tmp_path: Path, template_db: Path) -> None:
+    out = _output_dir(tmp_path, template_db)
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    # An experiment made without the kind tag (older versions) gets it at the next run.
+    old = client.create_experiment("nmt", artifact_location=(out / "mlartifacts").as_uri())
+    parent = MLflowTracker(None, out, "nmt", "pretrain-vq", system_metrics=False)
+    parent.end("FINISHED")
+    assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+
+    tags = {"parent_encoder_run": parent.run_id, "parent_decoder_run": parent.run_id}
+    child = MLflowTracker(None, out, "nmt", "supervised-vq", tags=tags, system_metrics=False)
+    profile = {"sentences": 3, "languages": {"en": {"sentences": 3}}}
+    child.log_dataset("shards/mono", "ab" * 40, "/data/shards/mono", profile, "training")
+    child.end("FINISHED")
+
+    run = client.get_run(child.run_id)
+    assert run.data.tags["parent_encoder_run_name"] == "pretrain-vq"
+    link = f"[pretrain-vq](#/experiments/{old}/runs/{parent.run_id})"
+    assert run.data.tags["mlflow.note.content"] == f"Made from: {link} (decoder, encoder)."
+    (dataset_input,) = run.inputs.dataset_inputs
+    dataset = dataset_input.dataset
+    assert (dataset.name, dataset.digest) == ("shards/mono", ("ab" * 40)[:36])
+    assert json.loads(dataset.source) == {"uri": "/data/shards/mono"}
+    assert json.loads(dataset.profile) == profile
+    assert [(t.key, t.value) for t in dataset_input.tags] == [("mlflow.data.context", "training")]
+    # A parent in another store is kept as its id, without a name or a link.
+    lone = MLflowTracker(
+        None, out, "nmt", "x", tags={"parent_init_run": "f" * 32}, system_metrics=False
+    )
+    lone.end("FINISHED")
+    tags = client.get_run(lone.run_id).data.tags
+    assert tags["parent_init_run"] == "f" * 32
+    assert "parent_init_run_name" not in tags and "mlflow.note.content" not in tags
+
+
 @pytest.mark.parametrize(
     ("exc", "status"),
     [
@@ -208,12 +244,16 @@ def test_system_metrics_follow_the_training_step(tmp_path: Path, template_db: Pa
     tracker.log_metrics({"loss": 1.0}, step=7)
     client = MlflowClient(tracker.tracking_uri)
     key = "system/cpu_utilization_percentage"
-    assert _wait_for(lambda: tracker.flush(5) and client.get_metric_history(run_id, key), 5)
+
+    def sampled_steps() -> set[int]:
+        return {m.step for m in client.get_metric_history(run_id, key)}
+
+    # Waits for a sample taken after step 7 was logged (the first ones may come earlier:
+    # the run's start-up can outlast the interval on a busy machine).
+    assert _wait_for(lambda: tracker.flush(5) and 7 in sampled_steps(), 20)
     tracker.end()
-    # Samples carry the latest logged step: 7 once it is logged; a sample the worker took
-    # before (the run's start-up can outlast the interval on a busy machine) carries 0.
-    steps = {m.step for m in client.get_metric_history(run_id, key)}
-    assert 7 in steps and steps <= {0, 7}
+    # Samples carry the latest logged step: 7 once it is logged, 0 before.
+    assert sampled_steps() <= {0, 7}
 
 
 def test_unreachable_server_never_blocks_and_warns_once(

@@ -72,6 +72,7 @@ def test_every_option_survives_the_command_line() -> None:
         valid_beam=4,
         max_len_a=1.5,
         max_len_b=3,
+        no_repeat_ngram_size=3,
     )
     defaults = TrainConfig(stage="encoder", interface="cl", **PATHS)
     same = [
@@ -135,6 +136,8 @@ def test_options_the_units_read_are_checked_up_front() -> None:
         TrainConfig(denoise_schedule="5:1,0:0", **base)
     with pytest.raises(ValueError, match="--num-workers must be >= 0"):
         TrainConfig(num_workers=-1, **base)
+    with pytest.raises(ValueError, match="--no-repeat-ngram-size must be >= 0"):
+        TrainConfig(no_repeat_ngram_size=-1, **base)
 
 
 def test_every_field_has_a_docstring() -> None:

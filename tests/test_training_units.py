@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from megasemface.checkpoints.manager import CheckpointManager
+from megasemface.checkpoints.manager import CheckpointManager, DiskFullError
 from megasemface.data.tokenizer import Tokenizer
 from megasemface.distributed.engine import load_ds_config
 from megasemface.objectives.sequences import SpecialTokens
@@ -86,6 +89,71 @@ def test_checkpoints_resume_from_newest_complete_and_keep_last(tmp_path: Path) -
     (manager.root / "step-00000050" / "rank-00000.json").unlink()
     with pytest.raises(FileNotFoundError, match="holds no rank-"):
         other_rank.rank_states("step-00000050")
+
+
+def test_a_save_clears_the_half_written_folder_of_its_step_first(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2, rank=0)
+    _save(manager, 10)
+    _save(manager, 20, complete=False)  # a run killed while saving 20
+    (manager.root / "step-00000020" / "rank-00007.json").write_text("{}")  # of another layout
+    _save(manager, 20)  # the resumed run saves 20 again
+    assert sorted(p.name for p in (manager.root / "step-00000020").iterdir()) == [
+        "COMPLETE",
+        "model_states.pt",
+        "rank-00000.json",
+    ]
+
+
+def _write_tensor(nbytes: int) -> Callable[[Path, str], None]:
+    def write_engine(root: Path, tag: str) -> None:
+        (root / tag).mkdir(parents=True, exist_ok=True)
+        torch.save({"w": torch.zeros(nbytes // 4)}, root / tag / "optim_states.pt")
+
+    return write_engine
+
+
+def test_a_full_disk_stops_the_save_and_keeps_the_previous_checkpoint(
+    tmpfs: Callable[[int], Path],
+) -> None:
+    disk = tmpfs(4 << 20)
+    manager = CheckpointManager(disk, keep_last=1, rank=0)
+    manager.save(10, _write_tensor(1 << 20), {"step": 10}, lambda: None)
+    before = {p.name: p.read_bytes() for p in (manager.root / "step-00000010").iterdir()}
+    # torch's zip writer reports a full disk as a RuntimeError without an errno.
+    with pytest.raises(DiskFullError) as failed:
+        manager.save(20, _write_tensor(4 << 20), {"step": 20}, lambda: None)
+    message = str(failed.value)
+    assert (
+        "\n" not in message and f"checkpoint {manager.root / 'step-00000020'} (step 20)" in message
+    )
+    assert "the disk is full" in message and "step-00000010 is intact" in message
+    assert "takes 1.0 MiB" in message and not failed.value.quiet
+    del failed  # its traceback holds torch's writer, whose open file keeps the space
+    gc.collect()
+    assert manager.newest() == (10, "step-00000010")
+    assert (manager.root / "latest").read_text() == "step-00000010"
+    assert {p.name: p.read_bytes() for p in (manager.root / "step-00000010").iterdir()} == before
+
+    def write_json(root: Path, tag: str) -> None:  # Python's own writes: OSError(ENOSPC)
+        (root / tag).mkdir(parents=True, exist_ok=True)
+        (root / tag / "meta.json").write_text("x" * (4 << 20))
+
+    with pytest.raises(DiskFullError, match="step 20"):
+        manager.save(20, write_json, {"step": 20}, lambda: None)
+    gc.collect()
+    assert manager.newest() == (10, "step-00000010")
+    shutil.rmtree(manager.root / "step-00000020")  # space freed: the same save succeeds
+    manager.save(20, _write_tensor(1 << 20), {"step": 20}, lambda: None)
+    assert manager.newest() == (20, "step-00000020")
+    assert not (manager.root / "step-00000010").exists()  # pruned only now
+
+
+def test_a_failed_save_on_a_disk_with_room_is_not_called_full(tmp_path: Path) -> None:
+    def broken(root: Path, tag: str) -> None:
+        raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match="something else"):
+        CheckpointManager(tmp_path, keep_last=1, rank=0).save(10, broken, {}, lambda: None)
 
 
 def test_train_options_refuse_impossible_combinations() -> None:

@@ -4,8 +4,10 @@ Consolidation goes through DeepSpeed's own ``get_fp32_state_dict_from_zero_check
 (:func:`megasemface.distributed.engine.consolidated_state`), which reassembles the fp32 master
 weights from the ZeRO partitions of every data-parallel rank. It reads DeepSpeed's files
 with DeepSpeed's loader, ``torch.load(weights_only=False)``, which can run code stored in
-a file: consolidate only checkpoints you trust. megasemface itself reads DeepSpeed's model
-file only through ``torch.load(weights_only=True)`` (:func:`~.layout.read_ds_header`).
+a file; so every file is first read with ``torch.load(weights_only=True)``, and a file that
+loader refuses stops the consolidation (:class:`CheckpointError` naming the file) before
+DeepSpeed opens any. megasemface itself reads DeepSpeed's model file only through
+``torch.load(weights_only=True)`` (:func:`~.layout.read_ds_header`).
 
 Model parallelism. A run with ``--mp-size m`` writes m ZeRO groups side by side
 (``*_mp_rank_RR_*`` files, see :mod:`megasemface.checkpoints.layout`), which DeepSpeed's
@@ -71,7 +73,7 @@ from megasemface.checkpoints.layout import (
     is_model_dir,
     read_ds_header,
 )
-from megasemface.distributed.engine import consolidated_state
+from megasemface.distributed.engine import UnsafeCheckpointError, consolidated_state
 from megasemface.interfaces.gumbel_quantizer import shard_state_dict
 from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, read_model_dir_info
@@ -137,6 +139,8 @@ def _run_deepspeed(root: Path, info: CheckpointInfo, mp_rank: int) -> dict[str, 
     try:
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             state = consolidated_state(root, info.tag)
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     except (ValueError, KeyError, RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
         where = str(info.path) + (f" (model-parallel rank {mp_rank})" if info.mp_size > 1 else "")
         raise CheckpointError(

@@ -13,7 +13,8 @@ Examples::
 A source is a run directory (its newest complete checkpoint), a checkpoint directory
 (``checkpoints/step-NNNNNNNN``) or a ``pretraining`` model directory. Prints a JSON summary:
 parameters, sources, the model's fp32 size and the process's peak RSS. DeepSpeed reads its
-checkpoint files with pickle: use the tool on checkpoints you trust.
+checkpoint files with pickle; every file is first read with torch's safe loader, and one it
+refuses stops the tool with a line naming it (docs/checkpoints.md, what survives what).
 """
 
 from __future__ import annotations

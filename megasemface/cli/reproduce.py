@@ -75,6 +75,7 @@ def build_parser(
         "max_tokens",
         "warmup_steps",
         "beam",
+        "no_repeat_ngram_size",
         "procs",
         "shard_jobs",
         "seed",

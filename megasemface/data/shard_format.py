@@ -302,6 +302,23 @@ class Manifest:
         """Sentences (pairs, for a language pair) of a language's shards."""
         return sum(s.sentences for s in self.shards if s.lang == lang)
 
+    def profile(self) -> dict[str, Any]:
+        """Counts of what the shards hold, per language (or pair) and in all: sentences,
+        tokens and shards."""
+        per_lang = {
+            lang: {
+                "sentences": self.sentences(lang),
+                "tokens": sum(s.tokens for s in self.shards if s.lang == lang),
+                "shards": sum(1 for s in self.shards if s.lang == lang),
+            }
+            for lang in self.languages
+        }
+        totals = {
+            key: sum(counts[key] for counts in per_lang.values())
+            for key in ("sentences", "tokens", "shards")
+        }
+        return {**totals, "languages": per_lang}
+
     @property
     def pairs(self) -> dict[str, tuple[str, str]]:
         """The entries that hold pairs: name (``en-de``) -> (source, target) language."""

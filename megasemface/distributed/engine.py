@@ -1,6 +1,11 @@
 """The one module that drives DeepSpeed: distributed start-up, the engine, checkpoints.
 
 Model code never imports DeepSpeed; the trainer talks to this facade.
+
+DeepSpeed reads checkpoint files with ``torch.load(weights_only=False)``, which runs whatever
+code a file's pickle names. Every path into its loaders here (:meth:`DeepSpeedEngine.load`,
+:func:`consolidated_state`) first reads each ``*.pt`` file of the checkpoint with torch's
+safe loader (:func:`check_safe_to_load`) and stops at a file it refuses.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import json
 import os
 import tempfile
 import time
+import warnings
+import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,16 +27,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from megasemface.distributed import collectives
 from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups, build_parallel_groups
 
 __all__ = [
     "DeepSpeedEngine",
+    "UnsafeCheckpointError",
+    "check_safe_to_load",
     "consolidated_state",
     "convert_to_universal",
     "init_distributed",
     "load_ds_config",
     "loading_universal",
     "remove_stale_shm_buffers",
+    "unsafe_checkpoint_file",
 ]
 
 _SHM_BUFFER = "deepspeed_allreduce_buffer_"
@@ -240,6 +251,16 @@ class DeepSpeedEngine:
         )
 
     def load(self, directory: Path, tag: str) -> dict[str, Any]:
+        """Restores checkpoint ``tag`` on every rank (a collective).
+
+        Each rank first reads every file of the checkpoint with the safe loader; if any rank
+        finds one it refuses, every rank raises :class:`UnsafeCheckpointError` before
+        DeepSpeed's loader opens a file, and only rank 0 reports it.
+        """
+        problem = unsafe_checkpoint_file(Path(directory) / tag)
+        found = [p for p in collectives.all_gather_objects(problem) if p is not None]
+        if found:
+            raise UnsafeCheckpointError(found[0], quiet=collectives.rank() != 0)
         path, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag} under {directory}")
@@ -247,10 +268,90 @@ class DeepSpeedEngine:
 
 
 def consolidated_state(root: Path, tag: str) -> dict[str, torch.Tensor]:
-    """fp32 weights of a (ZeRO-sharded) checkpoint, through DeepSpeed's own consolidation."""
+    """fp32 weights of a (ZeRO-sharded) checkpoint, through DeepSpeed's own consolidation.
+
+    Raises :class:`UnsafeCheckpointError` for a file the safe loader refuses.
+    """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    check_safe_to_load(Path(root) / tag)
     return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file torch's safe loader refuses: DeepSpeed's loader could run code in it.
+
+    ``quiet`` on the ranks that leave reporting it to rank 0, so a run prints it once.
+    """
+
+    def __init__(self, message: str, *, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
+
+
+def _deepspeed_checkpoint_types() -> list[type]:
+    """The classes DeepSpeed's own checkpoint files hold that torch's safe loader does not
+    accept by default, and that it may rebuild when checking them.
+
+    DeepSpeed 0.19's ZeRO optimizer-state files (ZeRO-1/2/3, fp32 and bf16, checked file by
+    file) pickle the loss scaler object (``LossScaler``), the ZeRO stage as the enum
+    ``ZeroStageEnum`` and, for ZeRO-1/2, each parameter's place in the flat partition as a
+    ``fragment_address``; fp16's dynamic loss scaling (GPU only) stores a
+    ``DynamicLossScaler`` instead of the ``LossScaler``. Its model-state files need none.
+    Each is a plain record whose constructor only stores its arguments: the safe loader
+    rebuilds it by setting attributes, calling that constructor or, for the enum, looking up
+    a member, so allowing them runs nothing a file chooses. Anything else a file names is
+    refused.
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _refusal(exc: Exception) -> str:
+    """The safe loader's reason in one short phrase (its message spans many lines)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[0].split(". Please", 1)[0] if lines else type(exc).__name__)[:200]
+
+
+def unsafe_checkpoint_file(folder: Path) -> str | None:
+    """Why a ``*.pt`` file under ``folder`` must not reach DeepSpeed's loader, or None.
+
+    Each file is read with ``torch.load(weights_only=True)``, memory-mapped when it is in
+    torch's zip format (tensor data is then only mapped, not read): no code named in a file
+    runs, and a file that names any type but tensors, containers, numbers, strings and the
+    DeepSpeed records above is refused. Symbolic links are named by their target.
+    """
+    allowed = _deepspeed_checkpoint_types()
+    for path in sorted(Path(folder).rglob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # e.g. about a pickle protocol it still reads
+                torch.load(
+                    path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
+                )
+        except Exception as exc:  # the safe unpickler's refusals have no single type
+            shown = path.resolve() if path.is_symlink() else path
+            return (
+                f"{shown} is refused by torch's safe loader ({_refusal(exc)}): it is damaged "
+                "or holds more than tensors and DeepSpeed's records, and DeepSpeed's loader "
+                "could run code stored in it, so it is not loaded; use another checkpoint "
+                f"(delete {shown.parent} to resume from the one before it) or restore the "
+                "file from a trusted copy"
+            )
+    return None
+
+
+def check_safe_to_load(folder: Path) -> None:
+    """Raises :class:`UnsafeCheckpointError` for a file :func:`unsafe_checkpoint_file` refuses."""
+    problem = unsafe_checkpoint_file(folder)
+    if problem is not None:
+        raise UnsafeCheckpointError(problem)
 
 
 def convert_to_universal(
@@ -265,10 +366,14 @@ def convert_to_universal(
     their tensors, so it is shown this rank's files only, as a checkpoint without model
     parallelism: renamed as rank 0, and with ``mp_size > 1`` the model files rewritten to say
     so (read with ``torch.load(weights_only=True)``). DeepSpeed itself reads its files with
-    ``weights_only=False``, as its own resume does. Serial: no worker processes.
+    ``weights_only=False``, as its own resume does, so every file is first read with the safe
+    loader (:func:`check_safe_to_load`). Serial: no worker processes.
     """
     from deepspeed.checkpoint import ds_to_universal
     from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_TP_DEGREE
+
+    for folder in {file.parent for file in (*model_files, *optim_files)}:
+        check_safe_to_load(folder)
 
     own = f"mp_rank_{mp_rank:02d}_"
     with tempfile.TemporaryDirectory(prefix="megasemface-universal-") as tmp:

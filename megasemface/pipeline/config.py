@@ -210,6 +210,9 @@ class PipelineConfig:
     denoise_schedule: str = "0:1,400:0.1,800:0"
     beam: int = 1
     """Beam size when translating the test set (1: greedy)."""
+    no_repeat_ngram_size: int = 0
+    """Fine-tuning's generation (validation, back-translation) and the test translation
+    generate no n-gram of this size twice in one output (0: no limit)."""
     cl_dim_from_model: bool = True
     cl_epochs: int = 3
     small_shards: bool = True

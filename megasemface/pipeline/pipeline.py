@@ -38,6 +38,7 @@ from megasemface.pipeline.launcher import (
 )
 from megasemface.pipeline.report import Report, build_report
 from megasemface.tracking.model_registry import default_model_name, register_best_model
+from megasemface.tracking.report_run import log_report_run
 from megasemface.tracking.run_scores import log_scores
 from megasemface.training.options import TrainConfig
 
@@ -92,6 +93,11 @@ class Pipeline:
         report = build_report(
             cfg, self.tracking_uri, self.workdir, self.test, diagnostics=self.diagnostics
         )
+        run_id = log_report_run(
+            self.tracking_uri, cfg.experiment_name, self.workdir, report.markdown, report.plots
+        )
+        if run_id is not None:
+            print(f"the report is also MLflow run {run_id} (tag stage=report)")
         minutes, seconds = divmod(int(time.perf_counter() - self.started), 60)
         print(f"\npipeline finished in {minutes} min {seconds} s")
         return report
@@ -250,6 +256,7 @@ class Pipeline:
             warmup_steps=cfg.warmup_steps,
             lr=cfg.lr,
             denoise_schedule=cfg.denoise_schedule,
+            no_repeat_ngram_size=cfg.no_repeat_ngram_size,
             init_from=init,
         )
 
@@ -267,7 +274,9 @@ class Pipeline:
             print(f"reusing {path}: BLEU {scores['test_bleu']:.2f}")
             return scores
         translator = Translator.from_model_dir(run_dir / "best")
-        search = SearchConfig(beam=self.config.beam)
+        search = SearchConfig(
+            beam=self.config.beam, no_repeat_ngram=self.config.no_repeat_ngram_size
+        )
         src, tgt = self.config.langs
         scores: dict[str, Any] = {"signatures": {}}
         for a, b in ((src, tgt), (tgt, src)):
@@ -292,6 +301,9 @@ class Pipeline:
             best["parent_runs"]["finetune"],
             {key: float(value) for key, value in scores.items() if key.startswith("test_")},
             {f"test_{name}_signature": sig for name, sig in scores["signatures"].items()},
+            files=[run_dir / f"test.{a}-{b}.{b}" for a, b in ((src, tgt), (tgt, src))],
+            texts={"test-scores.json": json.dumps(scores, indent=1)},
+            artifact_path="test",
         )
         path.write_text(json.dumps(scores, indent=1))
         return scores

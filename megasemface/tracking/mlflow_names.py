@@ -11,11 +11,13 @@ import re
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = [
+    "MAX_DIGEST_LEN",
     "MAX_KEY_LEN",
     "MAX_METRICS_PER_BATCH",
     "MAX_PARAMS_TAGS_PER_BATCH",
     "MAX_PARAM_VALUE_LEN",
     "MAX_TAG_VALUE_LEN",
+    "PARENT_TAG",
     "describe_error",
     "redact_uri",
     "sanitize_name",
@@ -27,6 +29,10 @@ MAX_PARAM_VALUE_LEN = 6000
 MAX_TAG_VALUE_LEN = 8000
 MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
+MAX_DIGEST_LEN = 36  # a dataset's digest, as the SQL stores keep it
+
+PARENT_TAG = re.compile(r"^parent_(.+)_run$")
+"""A lineage tag: ``parent_<role>_run`` holds the run id of a run this one was made from."""
 
 # Portable subset of MLflow's name rule (POSIX servers also accept ':', Windows ones do not).
 _INVALID_NAME_CHARS = re.compile(r"[^/\w.\- ]")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from megasemface.tracking.mlflow_names import truncate
+from megasemface.tracking.mlflow_names import PARENT_TAG, truncate
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 # (key, value, timestamp_ms, step): plain tuples so that the training thread never builds mlflow
 # entities (cheap, and no mlflow import on that thread).
 Point = tuple[str, float, int, int]
-OpKind = Literal["metrics", "params", "tags", "artifact", "text", "flush", "end"]
+OpKind = Literal["metrics", "params", "tags", "artifact", "text", "dataset", "flush", "end"]
 
 
 def now_ms() -> int:
@@ -51,6 +51,11 @@ _PERMANENT_ERROR_CODES = frozenset(
 )
 
 _TAG_RUN_TOKEN = "megasemface.run_token"
+_TAG_NOTE = "mlflow.note.content"  # the run's description, markdown, on its page in the UI
+_TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+# MLflow 3's UI opens an experiment without this tag on its GenAI overview (traces, prompts);
+# this kind opens it on its training runs.
+_EXPERIMENT_KIND = "custom_model_development"
 
 
 @dataclass(slots=True)
@@ -140,9 +145,9 @@ class MLflowRun:
             run = found[0] if found else None
         if run is None:
             self._create_attempts += 1
-            run = client.create_run(
-                experiment_id, run_name=self._run_name, tags=self._initial_tags()
-            )
+            tags = self._initial_tags()
+            tags.update(self._lineage_tags(client, tags))
+            run = client.create_run(experiment_id, run_name=self._run_name, tags=tags)
         self.run_id = run.info.run_id
         self.established = True
         logger.info(
@@ -184,6 +189,12 @@ class MLflowRun:
         elif head.kind == "text":
             text, name = head.payload
             client.log_text(run_id, text, name)
+        elif head.kind == "dataset":
+            from mlflow.entities import Dataset, DatasetInput, InputTag
+
+            dataset, context = head.payload
+            tags = [InputTag("mlflow.data.context", context)]
+            client.log_inputs(run_id, datasets=[DatasetInput(Dataset(**dataset), tags)])
         elif head.kind == "end":
             client.set_terminated(run_id, status=head.payload)
 
@@ -256,7 +267,9 @@ class MLflowRun:
         if experiment is None:
             try:
                 return client.create_experiment(
-                    self._experiment, artifact_location=self._artifact_location
+                    self._experiment,
+                    artifact_location=self._artifact_location,
+                    tags={_TAG_EXPERIMENT_KIND: _EXPERIMENT_KIND},
                 )
             except Exception as exc:
                 # Another job created it between our lookup and create_experiment.
@@ -268,6 +281,10 @@ class MLflowRun:
         if experiment.lifecycle_stage == "deleted":
             client.restore_experiment(experiment.experiment_id)
             logger.info("MLflow experiment %r was deleted; restored it", self._experiment)
+        if _TAG_EXPERIMENT_KIND not in experiment.tags:  # made by an older version or by hand
+            client.set_experiment_tag(
+                experiment.experiment_id, _TAG_EXPERIMENT_KIND, _EXPERIMENT_KIND
+            )
         return experiment.experiment_id
 
     def _initial_tags(self) -> dict[str, str]:
@@ -281,3 +298,26 @@ class MLflowRun:
             logger.debug("MLflow context tags unavailable", exc_info=True)
         tags[_TAG_RUN_TOKEN] = self._run_token
         return tags
+
+    def _lineage_tags(self, client: MlflowClient, tags: Mapping[str, str]) -> dict[str, str]:
+        """For every ``parent_<role>_run`` tag (a run id), ``parent_<role>_run_name`` and a
+        description with links to the parent runs, so the UI names and links them."""
+        lines: dict[str, list[str]] = {}
+        found: dict[str, str] = {}
+        for key, run_id in sorted(tags.items()):
+            match = PARENT_TAG.match(key)
+            if not match or not run_id:
+                continue
+            try:
+                parent = client.get_run(run_id)
+            except Exception:  # another store, or deleted: the id tag stays, without a name
+                logger.debug("parent run %s not found", run_id, exc_info=True)
+                continue
+            name = parent.info.run_name or run_id
+            found[f"{key}_name"] = name
+            link = f"[{name}](#/experiments/{parent.info.experiment_id}/runs/{run_id})"
+            lines.setdefault(link, []).append(match.group(1))
+        if lines and _TAG_NOTE not in tags:
+            parents = "; ".join(f"{link} ({', '.join(roles)})" for link, roles in lines.items())
+            found[_TAG_NOTE] = f"Made from: {parents}."
+        return found

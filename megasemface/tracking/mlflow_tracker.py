@@ -87,6 +87,7 @@ from urllib.parse import urlsplit
 
 from megasemface.tracking.mlflow_delivery import DeliveryWorker
 from megasemface.tracking.mlflow_names import (
+    MAX_DIGEST_LEN,
     MAX_METRICS_PER_BATCH,
     MAX_PARAM_VALUE_LEN,
     MAX_PARAMS_TAGS_PER_BATCH,
@@ -300,6 +301,22 @@ class MLflowTracker(Tracker):
         else:
             text = json.dumps(obj, indent=2, default=str)
         self._worker.submit(Op("text", (text, name)))
+
+    @_never_raise
+    def log_dataset(
+        self, name: str, digest: str, source: str, profile: Mapping[str, Any], context: str
+    ) -> None:
+        """Queue a dataset input: shown in the UI's Dataset column and on the run's page."""
+        if self._closed:
+            return
+        dataset = {
+            "name": name,
+            "digest": digest[:MAX_DIGEST_LEN],
+            "source_type": "local",
+            "source": json.dumps({"uri": source}),
+            "profile": json.dumps(profile),
+        }
+        self._worker.submit(Op("dataset", (dataset, context)))
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait up to ``timeout`` s until everything logged before this call is in the store."""

@@ -68,6 +68,13 @@ class Tracker:
     def log_dict(self, obj: Any, name: str) -> None:
         """Store ``obj`` as a JSON (or YAML, by the extension of ``name``) artifact."""
 
+    def log_dataset(
+        self, name: str, digest: str, source: str, profile: Mapping[str, Any], context: str
+    ) -> None:
+        """Record a dataset the run read (MLflow's dataset input): ``source`` where it lies,
+        ``digest`` what identifies its content, ``profile`` its counts, ``context`` its use
+        (``training``, ``validation``)."""
+
     @property
     def reachable(self) -> bool:
         """Whether the store answered the last request (a flush is then quick)."""

@@ -157,6 +157,10 @@ class TrainConfig:
     max_len_b: int = 10
     """Generation (validation, back-translation) stops after a x source length + b tokens;
     this is b."""
+    no_repeat_ngram_size: int = 0
+    """Generation (validation, back-translation): no n-gram of this size twice in one output
+    (0: no limit). Keeps a weak model's loops ("the the the") out of the back-translations
+    it then learns from."""
     register_model: str | None = None
     """After the last step, register the best model (<output-dir>/best) in the MLflow model
     registry as a version of this registered model, with its lineage and validation scores
@@ -227,6 +231,8 @@ class TrainConfig:
             raise ValueError(f"--denoise-schedule: {exc}") from None
         if self.num_workers < 0:
             raise ValueError("--num-workers must be >= 0")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError("--no-repeat-ngram-size must be >= 0 (0: no limit)")
         for name in (
             "steps",
             "save_interval",
@@ -357,6 +363,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--valid-beam", type=int, default=d.valid_beam)
     add("--max-len-a", type=float, default=d.max_len_a)
     add("--max-len-b", type=int, default=d.max_len_b)
+    add("--no-repeat-ngram-size", type=int, default=d.no_repeat_ngram_size)
     add("--register-model", metavar="NAME")
     add = _adder(parser, actions, docs)
     add("--inject-nan-at", type=int, action="append", default=[], metavar="STEP")

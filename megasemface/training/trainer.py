@@ -223,7 +223,7 @@ class Trainer:
         cfg = self.config
         if not self.is_main or cfg.no_tracking:
             return NullTracker()
-        tags = {"stage": cfg.stage, "interface": cfg.interface, "git_commit": _git_commit()}
+        tags = {"stage": cfg.stage, **self.unit.run_tags(), "git_commit": _git_commit()}
         tags.update({f"parent_{k}_run": v for k, v in self.unit.parent_runs.items() if v})
         tags.update(cfg.tag_dict())
         return MLflowTracker(
@@ -255,6 +255,14 @@ class Trainer:
                 tracker.log_dict(
                     {"manifest_fingerprint": self.data.manifest.raw["build_fingerprint"]},
                     "data.json",
+                )
+                manifest = self.data.manifest
+                tracker.log_dataset(
+                    f"shards/{manifest.root.name}",
+                    manifest.raw["build_fingerprint"],
+                    str(manifest.root.resolve()),
+                    manifest.profile(),
+                    "training",
                 )
         stop = StopRequest()
         status = "FAILED"

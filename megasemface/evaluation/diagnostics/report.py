@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any
 
@@ -204,7 +205,8 @@ def _dictionary_lines(d: DictionaryFigures) -> list[str]:
 
 def log_to_run(diagnostics: Diagnostics, *, tracking_uri: str, run_id: str) -> int:
     """Logs :meth:`Diagnostics.metrics` to an existing MLflow run, at the checkpoint's step
-    (0 when unknown), in one request; returns the number of metrics logged."""
+    (0 when unknown), in one request, and the whole result as its artifact
+    ``diagnostics.json``; returns the number of metrics logged."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient  # slow to import; only logging needs it
 
@@ -213,4 +215,5 @@ def log_to_run(diagnostics: Diagnostics, *, tracking_uri: str, run_id: str) -> i
     step = diagnostics.step or 0
     metrics = [Metric(k, v, now, step) for k, v in diagnostics.metrics().items()]
     client.log_batch(run_id, metrics=metrics)
+    client.log_text(run_id, json.dumps(diagnostics.to_dict(), indent=1), "diagnostics.json")
     return len(metrics)

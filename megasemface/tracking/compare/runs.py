@@ -8,11 +8,12 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
+
+from megasemface.tracking.mlflow_names import PARENT_TAG
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -34,7 +35,6 @@ __all__ = [
 
 MetricAgg = Literal["last", "min", "max"]
 
-_PARENT_TAG = re.compile(r"^parent_(.+)_run$")
 _ROLE_ORDER = ("encoder", "decoder", "init")
 _MAX_LINEAGE_DEPTH = 8  # lineage chains are two or three runs deep; this only stops runaways
 
@@ -333,7 +333,7 @@ def _fetch(client: MlflowClient, run_id: str, cache: dict[str, Run | None]) -> R
 def _parent_tags(tags: Mapping[str, str]) -> dict[str, str]:
     found = {}
     for key, value in tags.items():
-        match = _PARENT_TAG.match(key)
+        match = PARENT_TAG.match(key)
         if match and value.strip():
             found[match.group(1)] = value.strip()
     order = {role: i for i, role in enumerate(_ROLE_ORDER)}

@@ -107,6 +107,10 @@ class TrainUnit(abc.ABC):
     ) -> None:
         """Runs on every rank once the last step is done and saved (registering a model)."""
 
+    def run_tags(self) -> dict[str, str]:
+        """Tags of the run's MLflow run that describe the model: its semantic interface."""
+        return {"interface": self.config.interface}
+
     def meta(self, engine: DeepSpeedEngine) -> dict[str, Any]:
         """What the stage adds to a checkpoint's metadata; at least ``interface``, the
         fingerprint of its semantic interface (a collective under ZeRO-3)."""

@@ -77,9 +77,22 @@ class TranslationUnit(TrainUnit):
             model.model.load_state_dict(state)
             sources = info.meta.get("parent_runs") or {}
             self.parent_runs.update({k: v for k, v in sources.items() if isinstance(v, str)})
+        self.init = init
         self.model = model
         self.directions = self._directions()
         self.validation = Validation(config, data, self.directions, self.model_config.max_len - 1)
+
+    def run_tags(self) -> dict[str, str]:
+        """The interface of the pre-training the model starts from (``none`` for XLM, mBART
+        and a random start), so filtering runs on ``interface`` finds fine-tuned SemFace
+        models too, and ``pretraining``: how it was made (semface, xlm, mbart or none)."""
+        if self.init is None:
+            return {"interface": "none", "pretraining": "none"}
+        kind = self.init.interface.get("kind")
+        return {
+            "interface": kind if kind in ("cl", "vq") else "none",
+            "pretraining": str(self.init.meta.get("mode", "unknown")),
+        }
 
     def _check_data(self) -> None:
         """Refuses shards of the wrong kind for the mode (a subclass hook)."""
@@ -140,8 +153,12 @@ class TranslationUnit(TrainUnit):
         """Translations of ``src`` (token ids, no specials), in lockstep with every rank."""
         sp, tokenizer, languages = self.data.special, self.data.tokenizer, self.data.languages
         source, lengths = append_token(src.tokens_BT, src.lengths_B, sp.eos, sp.pad)
+        cfg = self.config
         config = SearchConfig(
-            beam=beam, max_len_a=self.config.max_len_a, max_len_b=self.config.max_len_b
+            beam=beam,
+            max_len_a=cfg.max_len_a,
+            max_len_b=cfg.max_len_b,
+            no_repeat_ngram=cfg.no_repeat_ngram_size,
         )
         hypotheses = search(
             _EngineScorer(engine),
