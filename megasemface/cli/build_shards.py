@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             progress=not args.quiet,
         )
-    except (ShardBuildError, ValueError, FileNotFoundError) as exc:
+    except (ShardBuildError, ValueError, OSError) as exc:  # OSError: e.g. --out not writable
         print(f"build_shards: error: {exc}", file=sys.stderr)
         return 2
     if manifest.get("already_built"):

@@ -16,6 +16,7 @@ import sys
 
 from megasemface.cli.parsing import (
     add_score_logging_arguments,
+    check_score_logging_run,
     command_parser,
     parse_or_status,
     score_logging_error,
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if score_logging_error(parser, args, "evaluate"):
         return 2
     try:
+        check_score_logging_run(args)
         result = evaluate(
             read_lines(args.hypotheses),
             read_lines(args.references),

@@ -10,6 +10,7 @@ from typing import Any
 
 __all__ = [
     "add_score_logging_arguments",
+    "check_score_logging_run",
     "command_parser",
     "parse_or_status",
     "score_logging_error",
@@ -61,3 +62,29 @@ def score_logging_error(
     parser.print_usage(sys.stderr)
     print(f"{command}: error: --tracking-uri and --run-id go together", file=sys.stderr)
     return True
+
+
+def check_score_logging_run(args: argparse.Namespace) -> None:
+    """Checks, before any scoring, that ``--tracking-uri`` is an existing MLflow store and
+    ``--run-id`` a run in it; resolves ``args.tracking_uri`` in place (a path to an mlflow.db
+    or to the run directory holding one becomes a URI).
+
+    Raises:
+        ValueError: a store that does not exist (MLflow would create an empty one) or is not
+            a database, or a run it does not hold.
+    """
+    if args.tracking_uri is None:
+        return
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from megasemface.tracking.compare import resolve_tracking_uri
+
+    args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    try:
+        MlflowClient(args.tracking_uri).get_run(args.run_id)
+    except MlflowException as exc:
+        raise ValueError(
+            f"--run-id {args.run_id}: {exc.message} in {args.tracking_uri}; pass a run of that "
+            "store (tools/compare_runs.py lists them)"
+        ) from None

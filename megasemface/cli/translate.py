@@ -23,11 +23,18 @@ import torch
 
 from megasemface.cli.parsing import (
     add_score_logging_arguments,
+    check_score_logging_run,
     command_parser,
     parse_or_status,
     score_logging_error,
 )
-from megasemface.evaluation.lines import TextFileError, one_line, read_lines, write_lines
+from megasemface.evaluation.lines import (
+    TextFileError,
+    check_writable,
+    one_line,
+    read_lines,
+    write_lines,
+)
 from megasemface.evaluation.metrics import evaluate, log_to_mlflow
 from megasemface.inference.search import SearchConfig
 from megasemface.inference.translate import Translator
@@ -97,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             min_len=args.min_len,
             no_repeat_ngram=args.no_repeat_ngram_size,
         )
+        check_writable(args.output)
+        check_score_logging_run(args)
         # Model and languages first: a mistake there shows before a long input is read.
         translator = Translator.from_model_dir(args.model_dir, device)
         translator.language_index(args.src_lang)
@@ -123,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Scored as written: one line each.
     translations = [one_line(t) for t in translations]
-    write_lines(args.output, translations)
+    try:
+        write_lines(args.output, translations)
+    except OSError as exc:  # e.g. a full disk
+        print(f"translate: error: cannot write {args.output}: {exc}", file=sys.stderr)
+        return 2
     seconds = time.perf_counter() - started
     report = sys.stderr if args.output == "-" else sys.stdout
     print(

@@ -112,6 +112,20 @@ def _build_fingerprint(
     return digest, described
 
 
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of an earlier build in the output directory."""
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        manifest = exc
+    if not isinstance(manifest, dict):
+        raise ShardBuildError(
+            f"{path} is not a shard manifest ({manifest}); choose another output directory "
+            "or pass --overwrite to build again"
+        )
+    return manifest
+
+
 def build_shards(
     corpora: list[CorpusSpec],
     spm_model: Path,
@@ -146,10 +160,12 @@ def build_shards(
     spm_sha256 = tokenizer.sha256
     fingerprint, described = _build_fingerprint(corpora, spm_sha256, config, pairs)
 
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ShardBuildError(f"{out_dir} is a file; the output (--out) is a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / "manifest.json"
     if manifest_path.exists():
-        existing = json.loads(manifest_path.read_text(encoding="utf-8"))
+        existing = _read_manifest(manifest_path)
         if existing.get("build_fingerprint") == fingerprint:
             existing["already_built"] = True
             return existing

@@ -128,12 +128,11 @@ def _load_npy(data: Any, field: str) -> np.ndarray:
     return array
 
 
-def _gunzip(data: Any, meta: Any) -> bytes | None:
+def _gunzip(data: Any, sentences: int) -> bytes | None:
     """Decompresses a member, refusing to inflate past what its sentence count allows."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         return None
-    sentences = meta.get("sentences", 0) if isinstance(meta, dict) else 0
-    limit = 256 + 4 * max(int(sentences), 0)  # npy header + uint32 per sentence at most
+    limit = 256 + 4 * max(sentences, 0)  # npy header + uint32 per sentence at most
     inflater = zlib.decompressobj(wbits=31)
     try:
         out = inflater.decompress(bytes(data), limit)
@@ -153,17 +152,24 @@ def decode_sample(sample: dict[str, Any], vocab_size: int | None = None) -> Chun
         raise ShardFormatError(f"sample {key}: member json is missing") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ShardFormatError(f"sample {key}: member json is not valid JSON: {exc}") from exc
+    counts = ("sentences", "tokens", "first_sentence")
+    if (
+        not isinstance(meta, dict)
+        or not isinstance(meta.get("lang"), str)
+        or not all(type(meta.get(name)) is int for name in counts)
+    ):
+        raise ShardFormatError(
+            f"sample {key}: member json needs lang (a string) and integer sentences, tokens "
+            "and first_sentence"
+        )
     tokens = _load_npy(sample.get("tokens.npy"), "tokens.npy")
-    lengths = _load_npy(_gunzip(sample.get("lengths.npy.gz"), meta), "lengths.npy.gz")
+    lengths = _load_npy(_gunzip(sample.get("lengths.npy.gz"), meta["sentences"]), "lengths.npy.gz")
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     if (
-        not isinstance(meta, dict)
-        or offsets[-1] != len(tokens)
-        or meta.get("sentences") != len(lengths)
-        or meta.get("tokens") != len(tokens)
-        or not isinstance(meta.get("lang"), str)
-        or not isinstance(meta.get("first_sentence"), int)
+        offsets[-1] != len(tokens)
+        or meta["sentences"] != len(lengths)
+        or meta["tokens"] != len(tokens)
     ):
         raise ShardFormatError(f"sample {key}: lengths, tokens and json counts disagree")
     if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
@@ -177,16 +183,43 @@ def decode_sample(sample: dict[str, Any], vocab_size: int | None = None) -> Chun
 def iter_shard_chunks(
     path: str | os.PathLike[str], vocab_size: int | None = None
 ) -> Iterator[Chunk]:
-    """Every sample of one shard, decoded, in order (a bad sample raises ShardFormatError).
+    """Every sample of one shard, decoded, in order.
 
     For tools that read whole shards; training reads through the loader, which skips and
-    counts bad samples instead.
+    counts bad samples instead. A shard that cannot be read to its end (a truncated or damaged
+    tar file) or a bad sample raises ShardFormatError naming the shard.
     """
     import webdataset as wds  # imported here: the format itself needs only numpy
 
-    pipeline = wds.DataPipeline(wds.SimpleShardList([str(path)]), wds.tarfile_to_samples())
+    errors: list[BaseException] = []
+
+    def stop(exn: BaseException) -> bool:  # webdataset's handler: keep the error, stop reading
+        errors.append(exn)
+        return False
+
+    def check() -> None:
+        if errors:
+            raise ShardFormatError(
+                f"{path} cannot be read as a tar file ({_tar_error(errors[0])}); the shard is "
+                "truncated or damaged: rebuild it with tools/build_shards.py"
+            )
+
+    pipeline = wds.DataPipeline(
+        wds.SimpleShardList([str(path)]), wds.tarfile_to_samples(handler=stop)
+    )
     for raw in pipeline:
-        yield decode_sample(raw, vocab_size)
+        check()  # a sample read before an error may be incomplete
+        try:
+            yield decode_sample(raw, vocab_size)
+        except ShardFormatError as exc:
+            raise ShardFormatError(f"{path}: {exc}; rebuild the shard") from None
+    check()
+
+
+def _tar_error(exn: BaseException) -> str:
+    """What went wrong, without the stream and URL that webdataset appends to the message."""
+    first = str(exn.args[0]).split(" @ ", 1)[0] if exn.args else ""
+    return f"{type(exn).__name__}: {first}" if first else type(exn).__name__
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

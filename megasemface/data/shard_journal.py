@@ -28,14 +28,19 @@ class BuildJournal:
         self.fingerprint = fingerprint
         self.entries: list[dict[str, Any]] = []
         if path.exists():
-            lines = path.read_text(encoding="utf-8").splitlines()
+            lines = path.read_bytes().splitlines()
             records = []
             for i, line in enumerate(lines):
                 try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    if i != len(lines) - 1:  # only the last line may be cut by a kill
-                        raise ShardBuildError(f"{path}: line {i + 1} is corrupt") from None
+                    record = json.loads(line.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    record = None
+                if isinstance(record, dict):
+                    records.append(record)
+                elif i != len(lines) - 1:  # only the last line may be cut by a kill
+                    raise ShardBuildError(
+                        f"{path}: line {i + 1} is corrupt; pass --overwrite to start again"
+                    )
             if not records or records[0].get("fingerprint") != fingerprint:
                 raise ShardBuildError(
                     f"{path.parent} holds an unfinished build with other inputs or options; "

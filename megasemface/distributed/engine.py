@@ -123,6 +123,11 @@ def load_ds_config(path: str | Path, *, accumulation: int | None = None) -> dict
         config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(config).__name__}, not the object of a DeepSpeed config "
+            "(see ds_configs/)"
+        )
     if config.get("train_micro_batch_size_per_gpu", 1) != 1:
         raise ValueError(
             f"{path}: train_micro_batch_size_per_gpu must be 1 (one token-budget batch of the "

@@ -67,7 +67,14 @@ def load_gold_dictionary(
         raise GoldDictionaryError(f"gold dictionary not found: {path}")
     entries: list[GoldEntry] = []
     lines = 0
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        number = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise GoldDictionaryError(
+            f"{path}:{number}: not valid UTF-8 ({exc.reason}); convert the dictionary to UTF-8"
+        ) from None
+    for line in text.splitlines():
         fields = line.split("\t") if "\t" in line else line.split()
         if len(fields) < 2 or not fields[0].strip() or not fields[1].strip():
             continue

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["TextFileError", "one_line", "read_lines", "write_lines"]
+__all__ = ["TextFileError", "check_writable", "one_line", "read_lines", "write_lines"]
 
 
 class TextFileError(ValueError):
@@ -67,3 +67,15 @@ def write_lines(path: str | Path, lines: Iterable[str]) -> None:
         sys.stdout.buffer.flush()
     else:
         Path(path).write_text(text, encoding="utf-8")
+
+
+def check_writable(path: str | Path, option: str = "--output") -> None:
+    """Refuses an output file (``-``: standard output) that cannot be written, before the
+    work that fills it: a directory, or a file in a directory that does not exist."""
+    if str(path) == "-":
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path} is a directory; name a file")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"{option} {path}: the directory {target.parent} does not exist")

@@ -18,7 +18,7 @@ from typing import Any
 
 from megasemface.checkpoints.layout import CheckpointError, complete_checkpoints
 from megasemface.data.shard_format import Manifest, ShardFormatError
-from megasemface.export.source import ExportSource
+from megasemface.export.source import ExportError, ExportSource
 
 __all__ = ["model_card", "read_test_scores"]
 
@@ -29,7 +29,21 @@ def read_test_scores(source: ExportSource, path: Path | None) -> dict[str, Any]:
     candidate = path if path is not None else source.info.path.parent / "test-scores.json"
     if not candidate.is_file():
         return {}
-    return dict(json.loads(candidate.read_text(encoding="utf-8")))
+    try:
+        scores = json.loads(candidate.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExportError(f"{candidate} is not valid JSON: {exc}") from None
+    numbers = isinstance(scores, dict) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool)
+        for k, v in scores.items()
+        if k.startswith("test_")
+    )
+    if not numbers or not isinstance(scores.get("signatures") or {}, dict):
+        raise ExportError(
+            f"{candidate} is not a test scores file: a JSON object of test_<metric>_<direction> "
+            "numbers and signatures, as the pipeline writes test-scores.json"
+        )
+    return scores
 
 
 def model_card(source: ExportSource, kind: str, usage: str, scores: dict[str, Any]) -> str:
@@ -125,7 +139,9 @@ def _scores(source: ExportSource, scores: dict[str, Any]) -> list[str]:
             shown = {"bleu": "BLEU", "chrf": "chrF"}[metric]
             lines.append(f"- test {shown}: {value:.2f} (sacreBLEU `{signature}`)")
     for key in sorted(k for k in meta if k.startswith("valid_")):
-        if key in ("valid_bleu", "valid_chrf", f"valid_bleu_{direction}"):
+        if key in ("valid_bleu", "valid_chrf", f"valid_bleu_{direction}") and isinstance(
+            meta[key], (int, float)
+        ):
             lines.append(f"- validation {key.removeprefix('valid_')}: {meta[key]:.2f}")
     return lines or ["- no scores recorded"]
 

@@ -32,11 +32,12 @@ def export_huggingface(
 ) -> dict[str, Any]:
     """A transformers model directory (mBART) of one direction of ``model_dir``."""
     source = load_export_source(model_dir, src_lang, tgt_lang)
+    recorded = _scores(source, scores)
     usage = _HF_USAGE.format(out=Path(out).name, text=_EXAMPLE.get(src_lang, "Hello."))
 
     def build(tmp: Path) -> None:
         write_hf_model(source, tmp)
-        _card(tmp, source, "Hugging Face transformers", usage, scores)
+        _card(tmp, source, "Hugging Face transformers", usage, recorded)
 
     return _summary(source, write_export(out, build, overwrite), "transformers")
 
@@ -54,6 +55,7 @@ def export_ctranslate2(
     """A CTranslate2 model directory of one direction of ``model_dir``, its weights in
     ``quantization`` (float32 or int8)."""
     source = load_export_source(model_dir, src_lang, tgt_lang)
+    recorded = _scores(source, scores)
     suppressed = [source.tokenizer.processor.IdToPiece(i) for i in source.suppressed_ids]
     usage = _CT2_USAGE.format(
         out=Path(out).name,
@@ -65,14 +67,19 @@ def export_ctranslate2(
     def build(tmp: Path) -> None:
         write_ct2_model(source, tmp, quantization)
         (tmp / "spm.model").write_bytes(source.tokenizer.model_bytes)
-        _card(tmp, source, f"CTranslate2, {quantization}", usage, scores)
+        _card(tmp, source, f"CTranslate2, {quantization}", usage, recorded)
 
     summary = _summary(source, write_export(out, build, overwrite), "ctranslate2")
     return {**summary, "quantization": quantization}
 
 
-def _card(out: Path, source: ExportSource, kind: str, usage: str, scores: PathLike | None) -> None:
-    recorded = read_test_scores(source, Path(scores) if scores is not None else None)
+def _scores(source: ExportSource, scores: PathLike | None) -> dict[str, Any]:
+    """The test scores of the card, read before the export's work so that a bad file fails
+    at once."""
+    return read_test_scores(source, Path(scores) if scores is not None else None)
+
+
+def _card(out: Path, source: ExportSource, kind: str, usage: str, recorded: dict[str, Any]) -> None:
     (out / "README.md").write_text(model_card(source, kind, usage, recorded), encoding="utf-8")
 
 

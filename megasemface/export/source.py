@@ -18,16 +18,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from megasemface.data.tokenizer import Tokenizer
 from megasemface.inference.translate import banned_ids
 from megasemface.models.config import ModelConfig
-from megasemface.models.model_dir import ModelDirError, ModelDirInfo, read_model_dir_info
+from megasemface.models.model_dir import (
+    ModelDirError,
+    ModelDirInfo,
+    load_seq2seq_state,
+    read_model_dir_info,
+)
 
 __all__ = ["ExportError", "ExportSource", "load_export_source"]
 
@@ -113,18 +116,5 @@ def load_export_source(
             f"{info.path}/config.json lists languages {info.languages}, its spm.model "
             f"{tokenizer.languages}"
         )
-    state = load_file(str(Path(info.path) / "model.safetensors"))
-    missing = [k for k in _required_keys(info.model) if k not in state]
-    if missing:
-        raise ModelDirError(
-            f"{info.path}/model.safetensors does not match its config.json: missing {missing[:3]}"
-        )
+    state, info = load_seq2seq_state(model_dir)  # names and shapes as the config says
     return ExportSource(info, state, tokenizer, src_lang, tgt_lang)
-
-
-def _required_keys(config: ModelConfig) -> list[str]:
-    keys = ["decoder.output_bias"]
-    for stack, layers in (("encoder", config.encoder_layers), ("decoder", config.decoder_layers)):
-        keys += [f"{stack}.embed.{name}.weight" for name in ("tokens", "languages", "positions")]
-        keys += [f"{stack}.final_norm.weight", f"{stack}.layers.{layers - 1}.ffn.fc2.weight"]
-    return keys

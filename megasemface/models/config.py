@@ -114,11 +114,11 @@ class ModelConfig:
             raise ValueError(f"bridge must be 'none' or 'codebook', got {self.bridge!r}")
         if self.bridge_temperature <= 0:
             raise ValueError(f"bridge_temperature must be > 0, got {self.bridge_temperature}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by {self.num_heads} heads")
-        for name in ("vocab_size", "num_langs", "d_model", "ffn_dim", "max_len"):
+        for name in ("vocab_size", "num_langs", "d_model", "num_heads", "ffn_dim", "max_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by {self.num_heads} heads")
         if not 0 <= self.dropout < 1 or not 0 <= self.attention_dropout < 1:
             raise ValueError("dropout rates must be in [0, 1)")
         if self.vq.layout == "product" and self.d_model % self.vq.groups:
@@ -207,7 +207,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if hint in (int, float, str):
         try:
             return hint(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             raise ValueError(f"{key} must be {hint.__name__}, got {value!r}") from None
     raise ValueError(f"{key} cannot be set from {value!r}")
 

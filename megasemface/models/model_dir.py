@@ -38,6 +38,8 @@ __all__ = [
     "ModelDirInfo",
     "load_model_dir",
     "load_seq2seq",
+    "load_seq2seq_state",
+    "load_weights",
     "read_model_dir_info",
     "save_model_dir",
 ]
@@ -116,9 +118,8 @@ def save_model_dir(
     return path
 
 
-def read_model_dir_info(path: str | os.PathLike[str], kind: str | None = None) -> ModelDirInfo:
-    """Reads config.json; checks the format, the kind and the tokenizer's hash."""
-    path = Path(path)
+def _read_config(path: Path) -> dict[str, Any]:
+    """config.json as a dict whose fields have the types the format gives them."""
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelDirError(
@@ -127,16 +128,42 @@ def read_model_dir_info(path: str | os.PathLike[str], kind: str | None = None) -
         )
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ModelDirError(f"{config_path} is not valid JSON: {exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelDirError(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelDirError(f"{config_path} holds a {type(config).__name__}, not a JSON object")
     if config.get("format") != FORMAT or config.get("version") != VERSION:
         raise ModelDirError(
             f"{config_path}: format {config.get('format')!r} version {config.get('version')!r}, "
             f"expected {FORMAT!r} version {VERSION}"
         )
-    if kind is not None and config.get("kind") != kind:
+    fields: dict[str, tuple[type, ...]] = {
+        "kind": (str,),
+        "model": (dict,),
+        "languages": (list,),
+        "vocab_sha256": (str,),
+        "interface": (dict, type(None)),
+        "meta": (dict, type(None)),
+    }
+    for name, types in fields.items():
+        if not isinstance(config.get(name), types):
+            wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ModelDirError(
+                f"{config_path}: {name} must be a {wanted}, got {config.get(name)!r:.60}; write "
+                "the model directory again"
+            )
+    if not all(isinstance(lang, str) for lang in config["languages"]):
+        raise ModelDirError(f"{config_path}: languages must be language codes (strings)")
+    return config
+
+
+def read_model_dir_info(path: str | os.PathLike[str], kind: str | None = None) -> ModelDirInfo:
+    """Reads config.json; checks its fields, the format, the kind and the tokenizer's hash."""
+    path = Path(path)
+    config = _read_config(path)
+    if kind is not None and config["kind"] != kind:
         raise ModelDirError(
-            f"{path} holds a {config.get('kind')!r} model, a {kind!r} model is needed"
+            f"{path} holds a {config['kind']!r} model, a {kind!r} model is needed"
             + (
                 "; connect pre-training stages first (tools/merge_checkpoints.py connect)"
                 if kind == "seq2seq"
@@ -147,20 +174,36 @@ def read_model_dir_info(path: str | os.PathLike[str], kind: str | None = None) -
         if not (path / name).is_file():
             raise ModelDirError(f"{path} is incomplete: {name} is missing")
     spm_sha = hashlib.sha256((path / "spm.model").read_bytes()).hexdigest()
-    if spm_sha != config.get("vocab_sha256"):
+    if spm_sha != config["vocab_sha256"]:
         raise ModelDirError(
             f"{path}/spm.model is not the SentencePiece model the weights were trained with "
             "(sha256 differs from config.json)"
         )
+    try:
+        model = config_from_dict(config["model"])
+    except ValueError as exc:
+        raise ModelDirError(f"{path}/config.json: model: {exc}") from None
     return ModelDirInfo(
         path=path,
         kind=config["kind"],
-        model=config_from_dict(config["model"]),
+        model=model,
         languages=list(config["languages"]),
         vocab_sha256=config["vocab_sha256"],
-        interface=dict(config.get("interface") or {}),
-        meta=dict(config.get("meta") or {}),
+        interface=dict(config["interface"] or {}),
+        meta=dict(config["meta"] or {}),
     )
+
+
+def load_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """A model directory's ``model.safetensors`` (or another weights file of one), or a
+    ModelDirError naming it when it is truncated, damaged or unreadable."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise ModelDirError(
+            f"{path} cannot be read ({exc}); the file is truncated or damaged: write the "
+            "model directory again (tools/merge_checkpoints.py, or the run's best model)"
+        ) from None
 
 
 def load_model_dir(
@@ -168,26 +211,46 @@ def load_model_dir(
 ) -> tuple[dict[str, torch.Tensor], ModelDirInfo]:
     """The weights (safetensors) and the info of a model directory."""
     info = read_model_dir_info(path, kind)
+    return load_weights(info.path / "model.safetensors"), info
+
+
+def load_seq2seq_state(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, torch.Tensor], ModelDirInfo]:
+    """The weights and info of a ``seq2seq`` model directory, checked against its config:
+    the same parameter names and shapes as a ``Seq2SeqModel`` of that config has.
+
+    The model is first built on the meta device, which allocates nothing, so a config whose
+    shapes were damaged (a vocabulary a thousand times too large) is refused before any
+    memory is spent on it.
+    """
+    from megasemface.models.transformer import Seq2SeqModel
+
+    state, info = load_model_dir(path, "seq2seq")
     weights = info.path / "model.safetensors"
     try:
-        return load_file(str(weights)), info
-    except (SafetensorError, OSError) as exc:  # truncated, empty, damaged or unreadable
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in Seq2SeqModel(info.model).state_dict().items()}
+    except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
         raise ModelDirError(
-            f"{weights} cannot be read ({exc}); the file is truncated or damaged: write the "
-            "model directory again (tools/merge_checkpoints.py, or the run's best model)"
+            f"{info.path}/config.json: no model can be built from its model config ({exc})"
         ) from None
+    missing = sorted(shapes.keys() - state.keys())
+    unexpected = sorted(state.keys() - shapes.keys())
+    reshaped = sorted(k for k in shapes.keys() & state.keys() if tuple(state[k].shape) != shapes[k])
+    if missing or unexpected or reshaped:
+        raise ModelDirError(
+            f"{weights} does not match its config.json: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}, other shape {reshaped[:3]}; write the model directory again"
+        )
+    return state, info
 
 
 def load_seq2seq(path: str | os.PathLike[str]) -> tuple[torch.nn.Module, ModelDirInfo]:
     """A ready ``Seq2SeqModel`` (eval mode, CPU) from a ``seq2seq`` model directory."""
     from megasemface.models.transformer import Seq2SeqModel
 
-    state, info = load_model_dir(path, "seq2seq")
+    state, info = load_seq2seq_state(path)
     model = Seq2SeqModel(info.model)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ModelDirError(
-            f"{path}/model.safetensors does not match its config.json: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
+    model.load_state_dict(state)
     return model.eval(), info

@@ -43,6 +43,8 @@ def check_before_start(config: TrainConfig, ds_config: dict[str, Any], world_siz
             "launch a multiple of --mp-size processes (deepspeed --num_gpus N), or change "
             "--mp-size"
         )
+    if config.output_dir.exists() and not config.output_dir.is_dir():
+        raise ValueError(f"--output-dir {config.output_dir} is a file; name a directory")
     lr_schedule_of(config, ds_config)
     newest = CheckpointManager(config.output_dir, config.keep_last, rank=0).newest()
     if newest is not None:  # a resume: the model-parallel size must be the checkpoint's

@@ -126,6 +126,7 @@ def resolve_tracking_uri(uri: str | os.PathLike[str] | None) -> str:
                 f"{text} is neither a tracking URI nor an MLflow database (or a directory "
                 "with mlflow.db in it); pass e.g. sqlite:///runs/demo/mlflow.db"
             )
+        _check_sqlite(path)
         return f"sqlite:///{path.resolve()}"
     if text.startswith("sqlite:"):
         db = text.removeprefix("sqlite:").removeprefix("///").split("?", 1)[0]
@@ -134,7 +135,20 @@ def resolve_tracking_uri(uri: str | os.PathLike[str] | None) -> str:
                 f"no MLflow database at {db or text!r} (from {text}): check the path; a "
                 "training run writes <output_dir>/mlflow.db"
             )
+        _check_sqlite(Path(db))
     return text
+
+
+def _check_sqlite(path: Path) -> None:
+    """Refuses a file that is not an SQLite database, which MLflow's store would report as a
+    traceback from deep inside SQLAlchemy."""
+    with open(path, "rb") as handle:
+        header = handle.read(16)
+    if header != b"SQLite format 3\x00":
+        raise CompareError(
+            f"{path} is not an MLflow database (not an SQLite file); pass the mlflow.db a "
+            "training run wrote, e.g. sqlite:///runs/demo/mlflow.db"
+        )
 
 
 @functools.lru_cache(maxsize=8)

@@ -25,7 +25,7 @@ from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.inference.search import SearchConfig, search
 from megasemface.models.config import ModelConfig, apply_overrides
-from megasemface.models.model_dir import ModelDirInfo, load_model_dir, read_model_dir_info
+from megasemface.models.model_dir import ModelDirInfo, load_seq2seq_state
 from megasemface.models.seq2seq_init import ConnectError
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
 from megasemface.objectives.stages import StageOutput
@@ -63,19 +63,19 @@ class TranslationUnit(TrainUnit):
     def __init__(self, config: TrainConfig, data: RunData, groups: ParallelGroups) -> None:
         super().__init__(config, data, groups)
         self._check_data()
-        init = None
+        init, state = None, None
         if config.init_from is not None:
-            init = read_model_dir_info(config.init_from, "seq2seq")
+            # Checked against its config before any model is built from that config.
+            state, init = load_seq2seq_state(config.init_from)
         self.model_config = (
             model_config_from(config, data) if init is None else self._init_config(init)
         )
         model = TranslationModel(
             self.model_config, data.special, label_smoothing=config.label_smoothing
         )
-        if init is not None:
-            state, info = load_model_dir(config.init_from, "seq2seq")  # type: ignore[arg-type]
+        if init is not None and state is not None:
             model.model.load_state_dict(state)
-            sources = info.meta.get("parent_runs") or {}
+            sources = init.meta.get("parent_runs") or {}
             self.parent_runs.update({k: v for k, v in sources.items() if isinstance(v, str)})
         self.init = init
         self.model = model
