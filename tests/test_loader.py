@@ -136,16 +136,85 @@ def test_languages_are_mixed_by_temperature(shard_dir: Path) -> None:
     assert probs["en"] < source.sizes["en"] / sum(source.sizes.values())
 
 
-def test_state_from_another_topology_is_refused(shard_dir: Path) -> None:
+def run_ranks(
+    source: ShardSource,
+    world_size: int,
+    workers: int,
+    steps: int,
+    states: list[dict] | None = None,
+) -> tuple[dict[int, TokenBatch], list[dict]]:
+    """``steps`` batches on each of ``world_size`` ranks (from ``states``, the saved states of
+    all ranks of an earlier run), keyed by global batch; and the ranks' states after them."""
+    taken: dict[int, TokenBatch] = {}
+    saved = []
+    for rank in range(world_size):
+        loader = ShardLoader(
+            source, config(num_workers=workers), pad_id=PAD, rank=rank, world_size=world_size
+        )
+        if states is not None:
+            loader.load_states(states)
+        stream = iter(loader)
+        for _ in range(steps):
+            where = loader.position + rank
+            assert where not in taken
+            taken[where] = next(stream)
+        saved.append(json.loads(json.dumps(loader.state_dict())))  # as checkpoints hold it
+    return taken, saved
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [((2, 0), (1, 0)), ((1, 0), (2, 0)), ((3, 0), (2, 0)), ((2, 1), (3, 2))],
+)
+def test_another_number_of_ranks_reads_every_global_batch_once(
+    shard_dir: Path, before: tuple[int, int], after: tuple[int, int]
+) -> None:
+    """Stopped after 7 steps on ``before`` (ranks, workers) and resumed on ``after``: the
+    ranks together read each batch of the uninterrupted run once, none twice, none skipped."""
+    source = uneven_source(shard_dir)
+    (world, workers), (new_world, new_workers) = before, after
+    first, states = run_ranks(source, world, workers, 7)
+    second, _ = run_ranks(source, new_world, new_workers, 9, states)
+    total = 7 * world + 9 * new_world
+    assert sorted([*first, *second]) == list(range(total))  # disjoint and complete
+    reference, _ = run_ranks(source, world, 0, -(-total // world))
+    assert all(same([first[g]], [reference[g]]) for g in first)
+    assert all(same([second[g]], [reference[g]]) for g in second)
+
+
+def test_state_of_the_first_format_resumes_exactly(shard_dir: Path) -> None:
+    """A checkpoint written before positions were global (version 1: slot states keyed by
+    worker) resumes where it stopped."""
+    source = uneven_source(shard_dir)
+    original = ShardLoader(source, config(), pad_id=PAD, rank=1, world_size=2)
+    stream = iter(original)
+    take(stream, 23)
+    state = original.state_dict()
+    old = {
+        "version": 1,
+        "fingerprint": state["fingerprint"],
+        "rank": 1,
+        "world_size": 2,
+        "workers": 1,
+        "next_worker": 0,
+        "slots": {"0": state["slots"]["1"]},
+    }
+    restored = ShardLoader(source, config(), pad_id=PAD, rank=1, world_size=2)
+    restored.load_state_dict(old)
+    assert same(take(iter(restored), 9), take(stream, 9))
+
+
+def test_state_of_other_data_or_options_is_refused(shard_dir: Path) -> None:
     source = uneven_source(shard_dir)
     loader = ShardLoader(source, config(num_workers=0), pad_id=PAD)
     take(iter(loader), 3)
-    other = ShardLoader(source, config(num_workers=2), pad_id=PAD)
-    with pytest.raises(ValueError, match="same number of ranks and --num_workers"):
-        other.load_state_dict(loader.state_dict())
     reseeded = ShardLoader(source, config(seed=12), pad_id=PAD)
     with pytest.raises(ValueError, match="other shards or batching options"):
         reseeded.load_state_dict(loader.state_dict())
+    ahead = ShardLoader(source, config(num_workers=0), pad_id=PAD, rank=1, world_size=2)
+    take(iter(ahead), 1)
+    with pytest.raises(ValueError, match="not saved at the same step"):
+        loader.load_states([loader.state_dict(), ahead.state_dict()])
 
 
 def _copy_shards(shard_dir: Path, tmp_path: Path) -> ShardSource:

@@ -180,6 +180,17 @@ def test_every_run_of_the_pipeline_survives_its_command_line(
     ]
 
 
+def test_unsupervised_generation_blocks_repeated_trigrams_unless_told(tmp_path: Path) -> None:
+    pipeline = _pipeline(tmp_path, (0,))
+    vq, init = SYSTEMS["vq"], tmp_path / "models" / "vq"
+    sizes = {s: pipeline.finetune_config(vq, s, init, 0).no_repeat_ngram_size for s in SETTINGS}
+    assert sizes == {"supervised": 0, "unsupervised": 3}
+    pipeline.config.no_repeat_ngram_size = 0
+    assert pipeline.finetune_config(vq, "unsupervised", init, 0).no_repeat_ngram_size == 0
+    with pytest.raises(ValueError, match="--no-repeat-ngram-size must be >= 0"):
+        PipelineConfig(no_repeat_ngram_size=-1)
+
+
 def test_an_ablation_changes_only_its_options(tmp_path: Path) -> None:
     """An ablation's pre-training run is its interface's (CL-SemFace's or VQ-SemFace's) with
     the ablation's options, in its own directory."""

@@ -74,7 +74,7 @@ def test_checkpoints_resume_from_newest_complete_and_keep_last(tmp_path: Path) -
         _save(manager, step)
     _save(manager, 40, complete=False)
     assert manager.newest() == (30, "step-00000030")  # the interrupted one is never used
-    assert manager.rank_state("step-00000030") == {"step": 30}
+    assert manager.rank_states("step-00000030") == [{"step": 30}]
     kept = sorted(p.name for p in manager.root.iterdir())
     assert kept == ["latest", "step-00000020", "step-00000030", "step-00000040"]
     # DeepSpeed's pointer names the newest complete one, never the interrupted 40.
@@ -83,9 +83,12 @@ def test_checkpoints_resume_from_newest_complete_and_keep_last(tmp_path: Path) -
     kept = sorted(p.name for p in manager.root.iterdir())
     assert kept == ["latest", "step-00000030", "step-00000050"]  # the partial 40 is gone too
     assert (manager.root / "latest").read_text() == "step-00000050"
+    # A rank of a run with more ranks than wrote the checkpoint reads every writer's state.
     other_rank = CheckpointManager(tmp_path, keep_last=2, rank=3)
-    with pytest.raises(FileNotFoundError, match="same number of processes"):
-        other_rank.rank_state("step-00000050")
+    assert other_rank.rank_states("step-00000050") == [{"step": 50}]
+    (manager.root / "step-00000050" / "rank-00000.json").unlink()
+    with pytest.raises(FileNotFoundError, match="holds no rank-"):
+        other_rank.rank_states("step-00000050")
 
 
 def test_a_save_clears_the_half_written_folder_of_its_step_first(tmp_path: Path) -> None:
@@ -226,6 +229,27 @@ def test_options_are_checked_before_distributed_start_up() -> None:
             stage="finetune", interface="none", model_options=["bridge=codebook"], **base
         )
         check_before_start(bridged, plain)
+
+
+def test_a_resume_with_another_model_parallel_size_is_refused_before_start_up(
+    tmp_path: Path,
+) -> None:
+    """Only the number of data-parallel ranks may change on resume: one line names the
+    checkpoint and the --mp-size to resume with, before any process group exists."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000003"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "meta.json").write_text(json.dumps({"train_config": {"mp_size": 2}}))
+    for name in ("COMPLETE", "rank-00000.json", "rank-00001.json"):
+        (checkpoint / name).write_text("{}")
+    base = {"data": Path("d"), "spm_model": Path("m"), "output_dir": tmp_path / "run"}
+    plain: dict = {"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}
+    check_before_start(TrainConfig(stage="encoder", interface="cl", mp_size=2, **base), plain, 4)
+    with pytest.raises(ValueError) as refused:
+        check_before_start(TrainConfig(stage="encoder", interface="cl", **base), plain, 2)
+    message = str(refused.value)
+    assert "\n" not in message and str(checkpoint) in message
+    assert "--mp-size 2, this run has --mp-size 1" in message
+    assert "resume with --mp-size 2" in message
 
 
 def test_the_tokenizer_sets_the_vocabulary_and_refuses_a_contradicting_option(

@@ -6,6 +6,8 @@ Layout under ``<output>/checkpoints/``::
                               client_state with step counters, run ids and the configuration)
     step-00000100/rank-00001.json   this rank's loader position and RNG states (JSON: no pickle)
     step-00000100/COMPLETE    written by rank 0 after every rank has finished writing
+    step-00000100/universal/  only after a resume on another number of data-parallel ranks:
+                              DeepSpeed's universal form of the checkpoint (checkpoints.universal)
     latest                    the newest complete checkpoint's tag, written after COMPLETE
 
 A checkpoint without ``COMPLETE`` (the run was killed while writing it, or the disk filled
@@ -152,14 +154,25 @@ class CheckpointManager:
             "deleted) or move --output-dir, then start the run again"
         )
 
-    def rank_state(self, tag: str) -> dict[str, Any]:
-        path = self.root / tag / f"rank-{self.rank:05d}.json"
-        if not path.is_file():
+    def rank_states(self, tag: str) -> list[dict[str, Any]]:
+        """What every rank that wrote checkpoint ``tag`` saved beside it, in rank order (they
+        may have been more or fewer than this run has)."""
+        paths = sorted((self.root / tag).glob("rank-*.json"))
+        if not paths:
             raise FileNotFoundError(
-                f"{path} is missing: checkpoint {tag} was written by fewer ranks than this run "
-                "has; resume with the same number of processes"
+                f"{self.root / tag} holds no rank-*.json: the checkpoint is damaged; remove it "
+                "to resume from the one before"
             )
-        return json.loads(path.read_text(encoding="utf-8"))
+        states = []
+        for path in paths:
+            try:
+                states.append(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(
+                    f"{path} is unreadable ({exc}): the checkpoint is damaged; remove it to "
+                    "resume from the one before"
+                ) from None
+        return states
 
     def _prune(self) -> None:
         done = self.complete()

@@ -1,7 +1,7 @@
 """Streaming loader of token shards with exact mid-epoch resume.
 
-Layout of the stream. Every data-parallel rank runs ``max(1, num_workers)`` *slots* (one per
-DataLoader worker), ``S = world_size x max(1, num_workers)`` in all. For each language the
+Layout of the stream. A run reads ``S = world_size x max(1, num_workers)`` *slots*, fixed when
+it starts (one per DataLoader worker of each data-parallel rank). For each language the
 shards form an endless sequence of epochs, each a seeded permutation of the shard list; slot
 ``s`` reads positions ``s, s + S, s + 2S, ...`` of that sequence. So the slots split every
 epoch's shards disjointly and completely, whatever the shard count, and no slot ever runs out
@@ -15,9 +15,13 @@ step by temperature sampling over the languages' sentence counts.
 
 Resume. A slot's whole position is a few integers per language (shard position, sample,
 batch) plus its step count, because every random choice is a pure function of the seed and
-of that position. Each batch travels with its slot's position after it, so
-``ShardLoader.state_dict()`` is exact even though DataLoader workers prefetch ahead, and a
-loader restored from it yields exactly the batches the original would have yielded next.
+of that position. The slots' batches form one global order, which the ranks share out
+(:mod:`megasemface.data.loader_position`): the run's position is one counter plus the slots'
+positions, whatever the number of ranks. Each batch travels with its slot's position after
+it, so ``ShardLoader.state_dict()`` is exact even though DataLoader workers prefetch ahead,
+and a loader restored from it yields exactly the batches the original would have yielded
+next; restored from the states of all ranks, on another number of ranks or workers, the
+ranks together read every global batch exactly once.
 
 Bad data. An unreadable sample or shard (truncated tar, bad .npy, wrong counts, ids outside
 the vocabulary) is skipped, counted and logged; above ``max_bad_fraction`` of samples the
@@ -40,14 +44,19 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from megasemface.data.batching import token_budget_batches
+from megasemface.data.batching import Pool, token_budget_batches
 from megasemface.data.languages import temperature_probs
+from megasemface.data.loader_position import (
+    STATE_VERSION,
+    merge_loader_states,
+    rank_slots,
+    slot_order,
+)
 from megasemface.data.shard_format import Chunk, Manifest, ShardFormatError, decode_sample
 
 __all__ = ["DataError", "LoaderConfig", "ShardLoader", "ShardSource", "TokenBatch"]
 
 logger = logging.getLogger(__name__)
-STATE_VERSION = 1
 
 
 class DataError(RuntimeError):
@@ -173,7 +182,7 @@ class TokenBatch:
     epochs: torch.Tensor
     """[B] int64: the epoch of the language's shard sequence each sentence was read in."""
     slot: int
-    """The reading slot (rank x workers + worker) that produced it."""
+    """The reading slot that produced it (at the run's start: rank x workers + worker)."""
 
     @property
     def num_tokens(self) -> int:
@@ -200,55 +209,6 @@ class TokenBatch:
 
 def _lang_key(lang: str) -> int:
     return zlib.crc32(lang.encode("utf-8"))
-
-
-@dataclasses.dataclass
-class _Pool:
-    """Consecutive samples of a slot's shard sequence (possibly several shards), merged."""
-
-    key: tuple[int, int]  # where it starts: (shard position k, sample in that shard)
-    next_key: tuple[int, int]  # where the next pool starts
-    tokens: np.ndarray
-    offsets: np.ndarray  # start of each sentence in tokens
-    lengths: np.ndarray  # cropped lengths
-    sentence_ids: np.ndarray  # (language << 56) | (shard index << 32) | sentence in shard
-    epochs: np.ndarray  # the epoch each sentence was read in
-    batches: list[np.ndarray]
-
-    @classmethod
-    def merge(
-        cls,
-        key: tuple[int, int],
-        next_key: tuple[int, int],
-        chunks: list[tuple[Chunk, int, int]],
-        lang_index: int,
-        max_len: int,
-    ) -> _Pool:
-        """Merges (chunk, epoch, shard index) triples; batches are filled in by the caller."""
-        if not chunks:
-            empty = np.zeros(0, dtype=np.int64)
-            return cls(key, next_key, empty, empty, empty, empty, empty, [])
-        sizes = np.cumsum([0] + [len(c.tokens) for c, _, _ in chunks[:-1]])
-        prefix = [(lang_index << 56) | (index << 32) for _, _, index in chunks]
-        return cls(
-            key=key,
-            next_key=next_key,
-            tokens=np.concatenate([c.tokens for c, _, _ in chunks]),
-            offsets=np.concatenate(
-                [c.offsets[:-1] + base for (c, _, _), base in zip(chunks, sizes, strict=True)]
-            ),
-            lengths=np.minimum(np.concatenate([c.lengths for c, _, _ in chunks]), max_len),
-            sentence_ids=np.concatenate(
-                [
-                    high | (c.first_sentence + np.arange(c.num_sentences, dtype=np.int64))
-                    for (c, _, _), high in zip(chunks, prefix, strict=True)
-                ]
-            ),
-            epochs=np.concatenate(
-                [np.full(c.num_sentences, epoch, dtype=np.int64) for c, epoch, _ in chunks]
-            ),
-            batches=[],
-        )
 
 
 class _SlotStream:
@@ -283,7 +243,7 @@ class _SlotStream:
             state.get("counters", {"good": 0, "bad": 0, "sentences": 0, "tokens": 0, "padded": 0})
         )
         self._reader: dict[str, tuple[int, int, Iterator[dict[str, Any]]]] = {}
-        self._pool: dict[str, _Pool] = {}
+        self._pool: dict[str, Pool] = {}
         self._read_error: list[BaseException] = []
 
     def state_dict(self) -> dict[str, Any]:
@@ -342,7 +302,7 @@ class _SlotStream:
                 "(tar tf, sha256 against manifest.json) or rebuild it with tools/build_shards.py"
             )
 
-    def _read_pool(self, lang: str, k: int, sample: int) -> _Pool:
+    def _read_pool(self, lang: str, k: int, sample: int) -> Pool:
         """The pool that starts at ``sample`` of this slot's k-th shard of a language.
 
         A pool reads on across shard ends until it holds ``pool_tokens`` tokens, so that
@@ -379,7 +339,7 @@ class _SlotStream:
             shard_good = True
             chunks.append((chunk, epoch, index))
             pooled += len(chunk.tokens)
-        pool = _Pool.merge(
+        pool = Pool.merge(
             (k, sample), position, chunks, self.langs.index(lang), self.config.max_len
         )
         epoch, index = self.shard_at(lang, k)
@@ -409,7 +369,7 @@ class _SlotStream:
             cursor[2] = batch + 1
             return self._make_batch(lang, pool, pool.batches[batch])
 
-    def _make_batch(self, lang: str, pool: _Pool, rows: np.ndarray) -> TokenBatch:
+    def _make_batch(self, lang: str, pool: Pool, rows: np.ndarray) -> TokenBatch:
         lengths = pool.lengths[rows]
         tokens = np.full((len(rows), int(lengths.max())), self.pad_id, dtype=np.int64)
         for row, (start, length) in enumerate(zip(pool.offsets[rows], lengths, strict=True)):
@@ -426,42 +386,59 @@ class _SlotStream:
             slot=self.slot,
         )
 
-    def __iter__(self) -> Iterator[TokenBatch]:
-        while True:
-            batch = self._next_batch_of(self._pick_language())
-            self.step += 1
-            yield batch
+    def next_batch(self) -> TokenBatch:
+        batch = self._next_batch_of(self._pick_language())
+        self.step += 1
+        return batch
 
 
-class _WorkerDataset(IterableDataset):
-    """Runs one slot per DataLoader worker; yields (batch, logical worker, state after)."""
+class _Reader(IterableDataset):
+    """Reads the global batches ``start, start + stride, ...``, each from its slot's stream;
+    yields (batch, the slot's state after it).
 
-    def __init__(self, loader: ShardLoader) -> None:
+    With the run's starting numbers of ranks and workers a reader reads one slot and all of
+    it; otherwise it may read several slots, and a slot that several readers share is read
+    by each, which skip the batches that are not theirs. As a DataLoader dataset, worker
+    ``i`` of ``W`` takes the rank's batches ``i, i + W, ...``: DataLoader's round robin.
+    """
+
+    def __init__(self, loader: ShardLoader, start: int, stride: int, workers: int = 1) -> None:
         self.source = loader.source
         self.config = loader.config
         self.pad_id = loader.pad_id
-        self.rank = loader.rank
-        self.num_slots = loader.num_slots
-        self.workers = loader.workers
-        self.offset = loader._next_worker
-        self.states = {w: dict(s) for w, s in loader._states.items()}
+        self.order = list(loader.order)
+        self.states = {slot: dict(s) for slot, s in loader._states.items()}
+        self.start = start
+        self.stride = stride
+        self.workers = workers
 
-    def __iter__(self) -> Iterator[tuple[TokenBatch, int, dict[str, Any]]]:
+    def __iter__(self) -> Iterator[tuple[TokenBatch, dict[str, Any]]]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
-        # DataLoader always starts with its worker 0; rotating the logical ids makes the
-        # first batch after a resume come from the worker whose turn it was.
-        logical = (worker + self.offset) % self.workers
-        stream = _SlotStream(
-            self.source,
-            self.config,
-            self.pad_id,
-            slot=self.rank * self.workers + logical,
-            num_slots=self.num_slots,
-            state=self.states.get(logical),
-        )
-        for batch in stream:
-            yield batch, logical, stream.state_dict()
+        streams: dict[int, _SlotStream] = {}
+        count = len(self.order)
+        position = self.start + worker * self.stride
+        while True:
+            slot, index = self.order[position % count], position // count
+            stream = streams.get(slot)
+            if stream is None:
+                stream = streams[slot] = _SlotStream(
+                    self.source,
+                    self.config,
+                    self.pad_id,
+                    slot=slot,
+                    num_slots=count,
+                    state=self.states.get(slot),
+                )
+            if stream.step > index:
+                raise ValueError(
+                    f"loader state is inconsistent: slot {slot} is past its batch {index}"
+                )
+            while stream.step < index:  # another reader's batch
+                stream.next_batch()
+            batch = stream.next_batch()
+            yield batch, stream.state_dict()
+            position += self.stride * self.workers
 
 
 class ShardLoader:
@@ -498,9 +475,11 @@ class ShardLoader:
         self.rank = rank
         self.world_size = world_size
         self.workers = max(1, config.num_workers)
-        self.num_slots = world_size * self.workers
+        self.order = slot_order(world_size, self.workers)
+        self.position = 0
+        """Global batches the ranks have handed out together; this rank's next one is
+        ``position + rank``."""
         self._states: dict[int, dict[str, Any]] = {}
-        self._next_worker = 0
         few = [lang for lang, urls in self.source.shards.items() if len(urls) < self.num_slots]
         if few and rank == 0:
             logger.info(
@@ -516,31 +495,34 @@ class ShardLoader:
         described["config"] = self.config.order_fields()
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
 
+    @property
+    def num_slots(self) -> int:
+        return len(self.order)
+
     def __iter__(self) -> Iterator[TokenBatch]:
+        start = self.position + self.rank
         if self.config.num_workers == 0:
-            stream = _SlotStream(
-                self.source,
-                self.config,
-                self.pad_id,
-                slot=self.rank,
-                num_slots=self.num_slots,
-                state=self._states.get(0),
-            )
-            for batch in stream:
-                self._states[0] = stream.state_dict()
+            for batch, state in _Reader(self, start, self.world_size):
+                self._taken(batch.slot, state)
                 yield batch
             return
         loader = DataLoader(
-            _WorkerDataset(self),
+            _Reader(self, start, self.world_size, self.workers),
             batch_size=None,
             num_workers=self.config.num_workers,
             prefetch_factor=self.config.prefetch_factor,
             persistent_workers=False,
         )
-        for batch, logical, state in loader:
-            self._states[logical] = state
-            self._next_worker = (logical + 1) % self.workers
+        for batch, state in loader:
+            self._taken(batch.slot, state)
             yield batch
+
+    def _taken(self, slot: int, state: dict[str, Any]) -> None:
+        """Records a batch handed out: its slot's state after it, and the position."""
+        known = self._states.get(slot)
+        if known is None or state["step"] > known["step"]:
+            self._states[slot] = state
+        self.position += self.world_size
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: plain ints and strings, safe for ``weights_only`` loading."""
@@ -550,28 +532,25 @@ class ShardLoader:
             "rank": self.rank,
             "world_size": self.world_size,
             "workers": self.workers,
-            "next_worker": self._next_worker,
-            "slots": {str(w): s for w, s in self._states.items()},
+            "order": list(self.order),
+            "position": self.position,
+            "slots": {str(slot): s for slot, s in sorted(self._states.items())},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')!r} is not supported")
-        saved = (state["rank"], state["world_size"], state["workers"])
-        if saved != (self.rank, self.world_size, self.workers):
-            raise ValueError(
-                f"loader state was saved by rank {saved[0]} of {saved[1]} with {saved[2]} "
-                f"reading worker(s); this is rank {self.rank} of {self.world_size} with "
-                f"{self.workers}. Resume with the same number of ranks and --num_workers."
-            )
-        if state["fingerprint"] != self.fingerprint:
-            raise ValueError(
-                "loader state belongs to other shards or batching options (fingerprint "
-                f"{state['fingerprint']} != {self.fingerprint}); resume with the original "
-                "data and loader settings"
-            )
-        self._states = {int(w): dict(s) for w, s in state["slots"].items()}
-        self._next_worker = int(state["next_worker"])
+        """Restores this rank's own state; after a change in the number of ranks, pass every
+        rank's to :meth:`load_states` (a rank's own lacks the slots it never read)."""
+        self.load_states([state])
+
+    def load_states(self, states: list[dict[str, Any]]) -> None:
+        """Continues from the states of a run's ranks, whatever their number and this one's
+        (:mod:`~megasemface.data.loader_position`): pass all of them when the number of
+        ranks changed; the ranks then read every global batch exactly once."""
+        merged = merge_loader_states(states, self.fingerprint)
+        self.order = merged["order"]
+        self.position = merged["position"]
+        mine = rank_slots(self.order, self.position, self.rank, self.world_size)
+        self._states = {slot: s for slot, s in merged["slots"].items() if slot in mine}
 
     def stats(self) -> dict[str, int]:
         """Totals over this rank's slots: samples read and unreadable, sentences, tokens."""

@@ -10,10 +10,13 @@ safe loader (:func:`check_safe_to_load`) and stops at a file it refuses.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
+import io
 import json
 import os
+import tempfile
 import time
 import warnings
 import zipfile
@@ -32,8 +35,10 @@ __all__ = [
     "UnsafeCheckpointError",
     "check_safe_to_load",
     "consolidated_state",
+    "convert_to_universal",
     "init_distributed",
     "load_ds_config",
+    "loading_universal",
     "remove_stale_shm_buffers",
     "unsafe_checkpoint_file",
 ]
@@ -352,3 +357,62 @@ def check_safe_to_load(folder: Path) -> None:
     problem = unsafe_checkpoint_file(folder)
     if problem is not None:
         raise UnsafeCheckpointError(problem)
+
+
+def convert_to_universal(
+    model_files: list[Path], optim_files: list[Path], mp_rank: int, mp_size: int, target: Path
+) -> None:
+    """DeepSpeed's universal checkpoint (``ds_to_universal``) of one model-parallel rank's
+    files of a checkpoint, in the folder ``target`` (``.../<tag>``): per parameter, the fp32
+    master weights and Adam's moments reassembled from every data-parallel rank's ZeRO
+    partition, which any number of ranks can load (see :func:`loading_universal`).
+
+    DeepSpeed's converter would take model-parallel ranks for tensor parallelism and merge
+    their tensors, so it is shown this rank's files only, as a checkpoint without model
+    parallelism: renamed as rank 0, and with ``mp_size > 1`` the model files rewritten to say
+    so (read with ``torch.load(weights_only=True)``). DeepSpeed itself reads its files with
+    ``weights_only=False``, as its own resume does, so every file is first read with the safe
+    loader (:func:`check_safe_to_load`). Serial: no worker processes.
+    """
+    from deepspeed.checkpoint import ds_to_universal
+    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_TP_DEGREE
+
+    for folder in {file.parent for file in (*model_files, *optim_files)}:
+        check_safe_to_load(folder)
+
+    own = f"mp_rank_{mp_rank:02d}_"
+    with tempfile.TemporaryDirectory(prefix="megasemface-universal-") as tmp:
+        view = Path(tmp) / target.name
+        view.mkdir()
+        for file in optim_files:
+            (view / file.name.replace(own, "mp_rank_00_")).symlink_to(file.resolve())
+        for file in model_files:
+            name = view / file.name.replace(own, "mp_rank_00_")
+            if mp_size == 1:
+                name.symlink_to(file.resolve())
+                continue
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            state["mp_world_size"] = 1
+            dims = state.get(CHECKPOINT_PARALLEL_DIMS)
+            if isinstance(dims, dict):
+                state[CHECKPOINT_PARALLEL_DIMS] = {**dims, CHECKPOINT_TP_DEGREE: 1}
+            torch.save(state, name)
+            del state
+        args = argparse.Namespace(
+            input_folder=str(view),
+            output_folder=str(target),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,  # megasemface's models declare no tensors to merge
+        )
+        sink = io.StringIO()  # progress lines and bars
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            ds_to_universal.main(args)
+
+
+def loading_universal(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a DeepSpeed config whose engine loads universal checkpoints."""
+    checkpoint = {**(config.get("checkpoint") or {}), "load_universal": True}
+    return {**config, "checkpoint": checkpoint}

@@ -284,9 +284,12 @@ class PipelineConfig:
     denoise_schedule: str = "0:1,400:0.1,800:0"
     beam: int = 1
     """Beam size when translating the test set (1: greedy)."""
-    no_repeat_ngram_size: int = 0
+    no_repeat_ngram_size: int | None = None
     """Fine-tuning's generation (validation, back-translation) and the test translation
-    generate no n-gram of this size twice in one output (0: no limit)."""
+    generate no n-gram of this size twice in one output (0: no limit). None: the setting's
+    own, 0 supervised and 3 unsupervised, where it keeps a weak model's loops ("the the the")
+    out of the back-translations it learns from (docs/reproduce.md: chosen on validation
+    BLEU)."""
     cl_dim_from_model: bool = True
     cl_epochs: int = 3
     ras_dictionary: Path | None = None
@@ -336,6 +339,8 @@ class PipelineConfig:
         for name in (*names, "ras_words"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.no_repeat_ngram_size is not None and self.no_repeat_ngram_size < 0:
+            raise ValueError("--no-repeat-ngram-size must be >= 0 (0: no limit)")
         for name in ("lr", "pretrain_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -352,6 +357,12 @@ class PipelineConfig:
     def langs(self) -> tuple[str, str]:
         src, _, tgt = self.pair.partition("-")
         return src, tgt
+
+    def no_repeat_ngram(self, setting: str) -> int:
+        """:attr:`no_repeat_ngram_size` of fine-tuning in ``setting``."""
+        if self.no_repeat_ngram_size is not None:
+            return self.no_repeat_ngram_size
+        return UNSUPERVISED_NO_REPEAT_NGRAM if setting == "unsupervised" else 0
 
     @property
     def run_seeds(self) -> tuple[int, ...]:
@@ -389,6 +400,9 @@ def parse_seeds(text: str) -> tuple[int, ...]:
             )
     return tuple(int(item) for item in items)
 
+
+UNSUPERVISED_NO_REPEAT_NGRAM = 3
+"""The unsupervised setting's ``--no-repeat-ngram-size`` unless one is given."""
 
 BUDGETS: dict[str, dict[str, object]] = {
     "demo": {},

@@ -281,7 +281,7 @@ class Pipeline:
             warmup_steps=cfg.warmup_steps,
             lr=cfg.lr,
             denoise_schedule=cfg.denoise_schedule,
-            no_repeat_ngram_size=cfg.no_repeat_ngram_size,
+            no_repeat_ngram_size=cfg.no_repeat_ngram(setting),
             init_from=init,
             ras_dictionary=self._ras(system.finetuning_ras),
             **system.finetune,
@@ -301,8 +301,10 @@ class Pipeline:
             print(f"reusing {path}: BLEU {scores['test_bleu']:.2f}")
             return scores
         translator = Translator.from_model_dir(run_dir / "best")
+        # The fine-tuning run's own setting, so the test decodes as its validation did.
+        trained = json.loads((run_dir / "config.json").read_text())["train"]
         search = SearchConfig(
-            beam=self.config.beam, no_repeat_ngram=self.config.no_repeat_ngram_size
+            beam=self.config.beam, no_repeat_ngram=int(trained.get("no_repeat_ngram_size", 0))
         )
         src, tgt = self.config.langs
         scores: dict[str, Any] = {"signatures": {}}

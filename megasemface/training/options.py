@@ -124,7 +124,8 @@ class TrainConfig:
     no_tracking: bool = False
     """Do not log to MLflow."""
     log_sample_ids: bool = False
-    """Write the sentence ids of every step to samples-rank*.jsonl (for audits)."""
+    """Write the sentence ids of every step and the rank's own loss to samples-rank*.jsonl
+    (for audits)."""
     inject_nan_at: list[int] = dataclasses.field(default_factory=list)
     """Make the loss non-finite at these steps (to test the skip logic)."""
     tags: list[str] = dataclasses.field(default_factory=list)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megasemface.checkpoints.manager import CheckpointManager
+from megasemface.checkpoints.universal import check_parallel_sizes
 from megasemface.training.options import TrainConfig, user_model_config
 from megasemface.training.units import UNITS, unit_name
 
@@ -44,6 +46,9 @@ def check_before_start(config: TrainConfig, ds_config: dict[str, Any], world_siz
     if config.output_dir.exists() and not config.output_dir.is_dir():
         raise ValueError(f"--output-dir {config.output_dir} is a file; name a directory")
     lr_schedule_of(config, ds_config)
+    newest = CheckpointManager(config.output_dir, config.keep_last, rank=0).newest()
+    if newest is not None:  # a resume: the model-parallel size must be the checkpoint's
+        check_parallel_sizes(config.output_dir / "checkpoints" / newest[1], config.mp_size)
     model = user_model_config(config)
     if model.bridge != "none":
         raise ValueError(

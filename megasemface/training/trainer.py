@@ -9,7 +9,9 @@ its unit (:mod:`megasemface.training.units`).
 
 Exact resume: every random draw of a step is seeded from (seed, step, rank) and the loader
 position is restored from the checkpoint, so a run resumed from checkpoint k repeats the
-uninterrupted run's steps k+1... exactly in fp32.
+uninterrupted run's steps k+1... exactly in fp32. Resumed on another number of data-parallel
+ranks, it goes on from the checkpoint's weights, optimizer state and place in the data order
+(:mod:`megasemface.checkpoints.universal`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import numpy as np
 import torch
 
 from megasemface.checkpoints.manager import CheckpointManager
+from megasemface.checkpoints.universal import ResumePoint, resume_point
 from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.distributed import collectives
-from megasemface.distributed.engine import DeepSpeedEngine
+from megasemface.distributed.engine import DeepSpeedEngine, loading_universal
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.tracking.mlflow_tracker import MLflowTracker
 from megasemface.tracking.tracker import NullTracker, Tracker
@@ -75,11 +78,20 @@ class Trainer:
         self.data = RunData.load(config)
         torch.manual_seed(config.seed)  # the model's initialisation
         self.unit = build_unit(config, self.data, groups)
-        self.engine = DeepSpeedEngine(self.unit.model, ds_config, groups, self.unit.trainable())
+        self.checkpoints = CheckpointManager(config.output_dir, config.keep_last, self.rank)
+        # Before the engine: another number of data-parallel ranks than the checkpoint's
+        # needs an engine that loads DeepSpeed's universal form.
+        self.resume_from = self._resume_point()
+        universal = self.resume_from is not None and self.resume_from.universal
+        self.engine = DeepSpeedEngine(
+            self.unit.model,
+            loading_universal(ds_config) if universal else ds_config,
+            groups,
+            self.unit.trainable(),
+        )
         self.ds_config = ds_config
         self.lr_schedule = lr_schedule_of(config, ds_config)
         self.base_lr = config.lr if config.lr is not None else self.engine.lr
-        self.checkpoints = CheckpointManager(config.output_dir, config.keep_last, self.rank)
         self.loader = ShardLoader(
             ShardSource.from_manifest(self.data.manifest),
             LoaderConfig(
@@ -157,21 +169,46 @@ class Trainer:
             tracker.flush(timeout=FLUSH_BEFORE_SAVE_S)
         return time.perf_counter() - started
 
-    def resume(self) -> bool:
+    def _resume_point(self) -> ResumePoint | None:
+        """The newest complete checkpoint, converted if the number of data-parallel ranks
+        changed (a collective)."""
         newest = self.checkpoints.newest()
         if newest is None:
+            return None
+        return resume_point(
+            self.checkpoints.root / newest[1],
+            mp_size=self.groups.mp_size,
+            mp_rank=self.groups.mp_rank,
+            dp_size=self.groups.dp_size,
+            dp_rank=self.groups.dp_rank,
+            barrier=collectives.barrier,
+        )
+
+    def resume(self) -> bool:
+        point = self.resume_from
+        if point is None:
             return False
-        step, tag = newest
-        client_state = self.engine.load(self.checkpoints.root, tag)
-        rank_state = self.checkpoints.rank_state(tag)
-        self.loader.load_state_dict(rank_state["loader"])
-        self.step = int(client_state.get("step", step))
+        client_state = self.engine.load(point.load_dir, point.tag)
+        # Every rank's loader state: on another number of ranks, the slots this rank reads
+        # now were read by others.
+        states = self.checkpoints.rank_states(point.tag)
+        self.loader.load_states([state["loader"] for state in states])
+        self.step = int(client_state.get("step", point.step))
         self.skipped = int(client_state.get("skipped", 0))
         self.samples_seen = int(client_state.get("samples_seen", 0))
         self.run_id = client_state.get("mlflow_run_id")
         self.unit.load_state_dict(client_state)
         if self.is_main:
-            print(f"resuming from {self.checkpoints.root / tag} (step {self.step})", flush=True)
+            change = ""
+            if point.universal:
+                change = (
+                    f"; written by {point.written_dp_size} data-parallel ranks, continued on "
+                    f"{self.groups.dp_size} from DeepSpeed's universal form in {point.load_dir}"
+                )
+            print(
+                f"resuming from {self.checkpoints.root / point.tag} (step {self.step}){change}",
+                flush=True,
+            )
         return True
 
     # Loop ---------------------------------------------------------------------------------
@@ -291,7 +328,11 @@ class Trainer:
             self.samples_seen += int(sentences)
             window_tokens += int(tokens)
             if samples_log is not None:
-                samples_log.write({"step": step, "ids": batch.sentence_ids.tolist()})
+                # With this rank's own loss: the samples are this rank's, the logged loss
+                # is the mean over ranks.
+                samples_log.write(
+                    {"step": step, "ids": batch.sentence_ids.tolist(), "loss": loss.item()}
+                )
             mean_loss = loss_sum / self.world
             if metrics_log is not None:
                 metrics_log.write(
