@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -110,8 +111,14 @@ def _assert_mlflow_shows_the_runs(workdir: Path) -> None:
     experiment = client.get_experiment_by_name("megasemface-en-de")
     # A training experiment: MLflow 3's UI opens it on its runs, not its GenAI overview.
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    # set_tracking_uri is process-global (and sets MLFLOW_TRACKING_URI): restored at once, so
+    # later tests resolve their own stores.
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
-    frame = mlflow.search_runs(experiment_names=["megasemface-en-de"])
+    try:
+        frame = mlflow.search_runs(experiment_names=["megasemface-en-de"])
+    finally:
+        mlflow.set_tracking_uri(previous)
     by_name = {row["tags.mlflow.runName"]: row for _, row in frame.iterrows()}
     # The pre-training's interface is carried onto its fine-tuning runs.
     interfaces = {name: by_name[name]["tags.interface"] for name in by_name}
