@@ -216,13 +216,14 @@ def test_substitution_is_deterministic_with_the_generator(
         ("en-fr.tsv", "file\tfichier\n", "name the dictionary <src>-<tgt>.tsv"),
         ("en-de.tsv", "file Datei\n", r"en-de.tsv:1: expected 'source<TAB>target"),
         ("en-de.tsv", "\n\n", "no 'source<TAB>target' word pairs"),
+        ("en-de.tsv", b"file\tDatei\nstreet\tStra\xdfe\n", r"en-de.tsv:2: not valid UTF-8"),
     ],
 )
 def test_bad_dictionary_files_are_named(
-    tokenizer: Tokenizer, tmp_path: Path, name: str, text: str, message: str
+    tokenizer: Tokenizer, tmp_path: Path, name: str, text: str | bytes, message: str
 ) -> None:
     path = tmp_path / name
-    path.write_text(text, encoding="utf-8")
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
     with pytest.raises(RasDictionaryError, match=message) as error:
         RasDictionary.load([path], tokenizer)
     assert str(path) in str(error.value)

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from megasemface.data.tokenizer import Tokenizer
+from megasemface.evaluation.lines import TextFileError, read_lines
 
 __all__ = [
     "WORD_START",
@@ -110,8 +111,11 @@ class RasDictionary:
             if not path.is_file():
                 raise RasDictionaryError(f"RAS dictionary not found: {path}")
             entries = skipped = 0
-            text = path.read_text(encoding="utf-8")
-            for number, line in enumerate(text.splitlines(), 1):
+            try:
+                lines = read_lines(path)
+            except TextFileError as exc:
+                raise RasDictionaryError(str(exc)) from None
+            for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
                 fields = line.split("\t")
