@@ -132,6 +132,20 @@ def build_parallel_shards(config: PipelineConfig, corpus: Path, spm: Path) -> Pa
     return out
 
 
+def _cl_embeddings_command(
+    config: PipelineConfig, shards: Path, spm: Path, dim: int, corpus: Path, out: Path
+) -> list[str]:
+    """tools/build_cl_embeddings.py on the monolingual shards, writing ``out``.{safetensors,
+    json}; with the corpus' gold dictionary, when it has one, for the report's precision."""
+    cmd = [sys.executable, str(ROOT / "tools" / "build_cl_embeddings.py")]
+    cmd += ["--shards", str(shards), "--spm-model", str(spm), "--out", str(out)]
+    cmd += ["--dim", str(dim), "--epochs", str(config.cl_epochs)]
+    gold = corpus / "dict" / f"{config.pair}.tsv"
+    if gold.is_file():
+        cmd += ["--gold-dict", str(gold)]
+    return cmd
+
+
 def build_cl_table(config: PipelineConfig, shards: Path, spm: Path, dim: int, corpus: Path) -> Path:
     """The CL-SemFace table through tools/build_cl_embeddings.py (the documented command)."""
     out = config.workdir / "cl" / "table"
@@ -139,23 +153,7 @@ def build_cl_table(config: PipelineConfig, shards: Path, spm: Path, dim: int, co
     if table.is_file() and report.is_file() and json.loads(report.read_text()).get("dim") == dim:
         print(f"reusing {table}")
         return table
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "build_cl_embeddings.py"),
-        "--shards",
-        str(shards),
-        "--spm-model",
-        str(spm),
-        "--out",
-        str(out),
-        "--dim",
-        str(dim),
-        "--epochs",
-        str(config.cl_epochs),
-    ]
-    gold = corpus / "dict" / f"{config.pair}.tsv"
-    if gold.is_file():
-        cmd += ["--gold-dict", str(gold)]
+    cmd = _cl_embeddings_command(config, shards, spm, dim, corpus, out)
     seconds = run_logged(cmd, config.workdir / "cl" / "build.log", show=("p@", "BLI", "error"))
     print(f"built {table} in {seconds:.0f}s")
     return table
@@ -194,28 +192,9 @@ def build_ras_dictionary(
         if {key: built.get(key) for key in wanted} == wanted:
             print(f"reusing {dictionary} ({built.get('pairs')} pairs)")
             return dictionary
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "build_cl_embeddings.py"),
-        "--shards",
-        str(shards),
-        "--spm-model",
-        str(spm),
-        "--out",
-        str(out / "embeddings"),
-        "--dim",
-        str(dim),
-        "--epochs",
-        str(config.cl_epochs),
-        "--dictionary-out",
-        str(dictionary),
-        "--dictionary-words",
-        str(config.ras_words),
-        "--dictionary-min-score",
-        str(config.ras_min_score),
-    ]
-    if gold.is_file():
-        cmd += ["--gold-dict", str(gold)]
+    cmd = _cl_embeddings_command(config, shards, spm, dim, corpus, out / "embeddings")
+    cmd += ["--dictionary-out", str(dictionary), "--dictionary-words", str(config.ras_words)]
+    cmd += ["--dictionary-min-score", str(config.ras_min_score)]
     seconds = run_logged(cmd, out / "build.log", show=("error",))
     built = json.loads(report.read_text())["dictionary"]
     checked = built.get("gold")
