@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from megasemface.models.config import (
 )
 from megasemface.models.layers import MultiHeadAttention, attention_mask
 from megasemface.models.seq2seq_init import ConnectError, connect_stages
-from megasemface.models.transformer import Seq2SeqModel, TransformerEncoder
+from megasemface.models.transformer import Seq2SeqModel, TransformerEncoder, parameter_shapes
 
 
 def naive_attention(
@@ -166,6 +167,20 @@ def test_connect_refuses_mismatches() -> None:
     shrunk = {k: v for k, v in dec.items() if "layers.1" not in k}
     with pytest.raises(ConnectError, match="missing"):
         connect_stages(config, enc, _meta(config), shrunk, _meta(config))
+
+
+def test_connect_checks_shapes_before_building_a_damaged_config() -> None:
+    """A config whose vocabulary was damaged to 10^9 (a model of 250 GB) is refused from
+    the stage tensors' shapes, before any model is built: the test would run out of memory
+    otherwise."""
+    config = build_model_config("tiny", ["vocab_size=100"])
+    enc, dec = _stage_states(config)
+    damaged = dataclasses.replace(config, vocab_size=10**9)
+    with pytest.raises(ConnectError, match=r"has shape \(100, .*the model needs \(1000000000,"):
+        connect_stages(damaged, enc, _meta(damaged), dec, _meta(damaged))
+    assert parameter_shapes(config) == {
+        k: tuple(v.shape) for k, v in Seq2SeqModel(config).state_dict().items()
+    }
 
 
 @pytest.mark.parametrize("layout", ["flat", "product"])

@@ -28,7 +28,7 @@ from megasemface.checkpoints.consolidate import DTYPES, load_stage
 from megasemface.checkpoints.layout import CheckpointError
 from megasemface.models.config import ModelConfig, config_from_dict
 from megasemface.models.seq2seq_init import ConnectError, connect_stages
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.models.transformer import Seq2SeqModel, parameter_shapes
 
 __all__ = ["Connected", "connect_mbart", "connect_runs"]
 
@@ -125,13 +125,20 @@ def connect_mbart(source: str | Path) -> Connected:
     config = config_from_dict(meta["model"])
     prefix = "model."
     seq2seq = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    torch.manual_seed(0)  # construction only; every parameter is overwritten below
-    model = Seq2SeqModel(config)
-    missing, unexpected = model.load_state_dict(seq2seq, strict=False)
-    if missing or unexpected:
+    try:
+        shapes = parameter_shapes(config)  # checked before a model is built: see its doc
+    except ValueError as exc:
+        raise CheckpointError(f"{source}: {exc}") from None
+    missing = sorted(shapes.keys() - seq2seq.keys())
+    unexpected = sorted(seq2seq.keys() - shapes.keys())
+    reshaped = sorted(k for k in shapes.keys() & seq2seq.keys() if seq2seq[k].shape != shapes[k])
+    if missing or unexpected or reshaped:
         raise CheckpointError(
             f"{source}: the {stage} state does not fit its model config (missing "
-            f"{missing[:3]}, unexpected {unexpected[:3]})"
+            f"{missing[:3]}, unexpected {unexpected[:3]}, other shape {reshaped[:3]})"
         )
+    torch.manual_seed(0)  # construction only; every parameter is overwritten below
+    model = Seq2SeqModel(config)
+    model.load_state_dict(seq2seq)
     parameters = {k: f"{stage}:{prefix}{k}" for k in model.state_dict()}
     return Connected(model.state_dict(), config, stage, {stage: meta}, parameters)

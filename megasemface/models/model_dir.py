@@ -220,21 +220,17 @@ def load_seq2seq_state(
     """The weights and info of a ``seq2seq`` model directory, checked against its config:
     the same parameter names and shapes as a ``Seq2SeqModel`` of that config has.
 
-    The model is first built on the meta device, which allocates nothing, so a config whose
-    shapes were damaged (a vocabulary a thousand times too large) is refused before any
-    memory is spent on it.
+    The shapes come from a model built on the meta device (:func:`parameter_shapes`), so a
+    damaged config is refused before any memory is spent on it.
     """
-    from megasemface.models.transformer import Seq2SeqModel
+    from megasemface.models.transformer import parameter_shapes
 
     state, info = load_model_dir(path, "seq2seq")
     weights = info.path / "model.safetensors"
     try:
-        with torch.device("meta"):
-            shapes = {k: tuple(v.shape) for k, v in Seq2SeqModel(info.model).state_dict().items()}
-    except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
-        raise ModelDirError(
-            f"{info.path}/config.json: no model can be built from its model config ({exc})"
-        ) from None
+        shapes = parameter_shapes(info.model)
+    except ValueError as exc:
+        raise ModelDirError(f"{info.path}/config.json: {exc}") from None
     missing = sorted(shapes.keys() - state.keys())
     unexpected = sorted(state.keys() - shapes.keys())
     reshaped = sorted(k for k in shapes.keys() & state.keys() if tuple(state[k].shape) != shapes[k])

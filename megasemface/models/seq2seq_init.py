@@ -18,7 +18,7 @@ import torch
 
 from megasemface.models.bridge import BRIDGE_SOURCES, bridge_state
 from megasemface.models.config import ModelConfig
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.models.transformer import Seq2SeqModel, parameter_shapes
 
 __all__ = ["ConnectError", "connect_stages"]
 
@@ -85,22 +85,26 @@ def connect_stages(
     baseline) the decoder is initialised from the encoder.
     """
     _check_compatible(config, encoder_meta, decoder_meta)
-    torch.manual_seed(seed)  # the parameters no stage provides start from a known state
-    model = Seq2SeqModel(config)
-    target = model.state_dict()
-    provenance = dict.fromkeys(target, "random")
+    # Every stage tensor is checked against the shapes first; the model is built only once
+    # they fit, so a damaged config allocates nothing.
+    try:
+        shapes = parameter_shapes(config)
+    except ValueError as exc:
+        raise ConnectError(str(exc)) from None
+    taken: dict[str, torch.Tensor] = {}
+    provenance = dict.fromkeys(shapes, "random")
 
     def take(source: dict[str, torch.Tensor], prefix: str, origin: str) -> None:
         for name, value in source.items():
             key = prefix + name
-            if key not in target:
+            if key not in shapes:
                 continue
-            if target[key].shape != value.shape:
+            if shapes[key] != tuple(value.shape):
                 raise ConnectError(
                     f"{origin}: {name} has shape {tuple(value.shape)}, the model needs "
-                    f"{tuple(target[key].shape)}"
+                    f"{shapes[key]}"
                 )
-            target[key] = value.detach().clone().to(target[key].dtype)
+            taken[key] = value
             provenance[key] = f"{origin}:{name}"
 
     encoder = _strip(encoder_state, "encoder.")
@@ -140,5 +144,10 @@ def connect_stages(
             f"{len(missing)} parameter(s) missing from the stage checkpoints, e.g. {missing[:3]}; "
             "were they saved by megasemface with the same model shape?"
         )
+    torch.manual_seed(seed)  # the parameters no stage provides start from a known state
+    model = Seq2SeqModel(config)
+    target = model.state_dict()
+    for key, value in taken.items():
+        target[key] = value.detach().clone().to(target[key].dtype)
     model.load_state_dict(target)
     return model, provenance

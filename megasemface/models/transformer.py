@@ -20,6 +20,7 @@ __all__ = [
     "Seq2SeqModel",
     "TransformerDecoder",
     "TransformerEncoder",
+    "parameter_shapes",
 ]
 
 
@@ -185,3 +186,19 @@ class Seq2SeqModel(nn.Module):
         return self.decoder(
             tgt_in_BT, tgt_mask_BT, tgt_langs_B, memory.hidden_BTD, src_mask_BS, causal=True
         )
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The state-dict shapes of a ``Seq2SeqModel`` of ``config``, from a model built on the
+    meta device: nothing is allocated, so weights read from disk can be checked against a
+    config (which may be damaged, e.g. a vocabulary a thousand times too large) before any
+    memory is spent on it.
+
+    Raises:
+        ValueError: no model can be built from ``config``.
+    """
+    try:
+        with torch.device("meta"):
+            return {k: tuple(v.shape) for k, v in Seq2SeqModel(config).state_dict().items()}
+    except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(f"no model can be built from its model config ({exc})") from None

@@ -94,16 +94,18 @@ def _stage_model(
     kind = meta.get("interface", {}).get("kind")
     # Built on the meta device and then given the checkpoint's tensors: no random init of a
     # paper-size codebook only to overwrite it.
-    with torch.device("meta"):
-        table = torch.empty(config.vocab_size, config.d_model) if kind == "cl" else None
-        interface = build_interface(kind, config, cl_table=table)
-        model = SemFaceModel(config, interface, special)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    unfit = f"{where}: the weights do not fit a {kind!r} SemFace model of its own config"
+    try:
+        with torch.device("meta"):
+            table = torch.empty(config.vocab_size, config.d_model) if kind == "cl" else None
+            interface = build_interface(kind, config, cl_table=table)
+            model = SemFaceModel(config, interface, special)
+        # A shape that differs raises here (strict=False forgives only names).
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+        raise DiagnosticsError(f"{unfit} ({str(exc).splitlines()[-1].strip()})") from None
     if missing or unexpected:
-        raise DiagnosticsError(
-            f"{where}: the weights do not fit a {kind!r} SemFace model of its own config "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
+        raise DiagnosticsError(f"{unfit} (missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.eval()
 
 
