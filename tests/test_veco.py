@@ -4,6 +4,8 @@ cross-attention, the stop-gradient into the encoder, and the segments of monolin
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -256,3 +258,53 @@ def test_the_codebook_bridge_is_refused() -> None:
     config = build_model_config("tiny", ["vocab_size=120", "bridge=codebook"])
     with pytest.raises(ValueError, match="leave bridge at none"):
         VecoSeq2Seq(config, SPECIAL)
+
+
+def test_the_unit_makes_pairs_of_parallel_batches_and_halves_of_monolingual_ones(
+    spm_model: Path, tmp_path: Path
+) -> None:
+    """A parallel batch's (x, y) are its sides in their languages; a monolingual batch's the
+    two halves of each sentence in the batch's language; every side is cut to what the model
+    takes (``max_len - 1``: room for ``</s>`` or the language tag)."""
+    from megasemface.data.loader import TokenBatch
+    from megasemface.data.shard_format import Manifest, PairLayout
+    from megasemface.data.tokenizer import Tokenizer
+    from megasemface.distributed.groups import ParallelGroups
+    from megasemface.training.options import TrainConfig
+    from megasemface.training.run_data import RunData
+    from megasemface.training.units.veco import VecoUnit
+
+    tokenizer = Tokenizer.load(spm_model)
+    sep = tokenizer.eos_id
+    layout = PairLayout("en", "de", sep, 2 * 150 + 1)
+    manifest = Manifest(
+        tmp_path, (), tokenizer.vocab_size, tokenizer.sha256, {"en": {}, "de": {}, "en-de": {}},
+        {}, {"en-de": layout},
+    )  # fmt: skip
+    data = RunData(manifest, tokenizer, SpecialTokens.from_tokenizer(tokenizer))
+    config = TrainConfig(stage="veco", interface="none", data=tmp_path, spm_model=spm_model,
+                         output_dir=tmp_path)  # fmt: skip
+    torch.manual_seed(0)
+    unit = VecoUnit(config, data, ParallelGroups.single())
+    assert unit.loader_max_len() == 301  # the longest pair, never cropped by the loader
+    en, de = (tokenizer.languages.index(lang) for lang in ("en", "de"))
+
+    def batch(lang: str, rows: list[list[int]]) -> TokenBatch:
+        lengths = torch.tensor([len(r) for r in rows])
+        tokens = torch.full((len(rows), int(lengths.max())), tokenizer.pad_id)
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)] = torch.tensor(row)
+        ids = torch.zeros(len(rows), dtype=torch.long)
+        return TokenBatch(lang, tokens, lengths, ids, ids, 0)
+
+    long_source = list(range(100, 300))  # 200 tokens, over the model's 128
+    x, y = unit.pairs(batch("en-de", [[10, 11, sep, 12, 13, 14], [*long_source, sep, 15]]))
+    limit = unit.model_config.max_len - 1
+    assert x.lengths_B.tolist() == [2, limit] and y.lengths_B.tolist() == [3, 1]
+    assert x.tokens_BT[0, :2].tolist() == [10, 11] and y.tokens_BT[0].tolist() == [12, 13, 14]
+    assert x.tokens_BT[1].tolist() == long_source[:limit]
+    assert x.langs_B.tolist() == [en, en] and y.langs_B.tolist() == [de, de]
+    x, y = unit.pairs(batch("de", [[20, 21, 22], [23]]))
+    assert x.tokens_BT.tolist() == [[20, 21], [23, tokenizer.pad_id]]
+    assert y.lengths_B.tolist() == [1, 0] and y.tokens_BT[0, 0] == 22
+    assert x.langs_B.tolist() == y.langs_B.tolist() == [de, de]
