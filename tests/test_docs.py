@@ -290,7 +290,7 @@ def test_the_documentation_covers_every_command() -> None:
     made = {a for c in COMMANDS if c.argv[0] == "make" for a in c.argv[1:] if "=" not in a}
     assert {"demo", "test", "bench"} <= made
     stages = {c.argv[c.argv.index("--stage") + 1] for c in COMMANDS if "--stage" in c.argv}
-    assert stages == {"encoder", "decoder", "joint", "mbart", "mrasp", "finetune"}
+    assert stages == {"encoder", "decoder", "joint", "mbart", "mrasp", "veco", "finetune"}
 
 
 def test_the_checks_refuse_what_they_should() -> None:

@@ -127,6 +127,7 @@ def _pipeline(tmp_path: Path, seeds: tuple[int, ...]) -> Pipeline:
     config = PipelineConfig(**values)  # type: ignore[arg-type]
     pipeline = Pipeline(config)
     pipeline.spm, pipeline.mono, pipeline.parallel = (tmp_path / n for n in ("spm", "mono", "par"))
+    pipeline.mixed = tmp_path / "mixed"
     pipeline.valid = tmp_path / "valid"
     pipeline.cl_table = tmp_path / "cl.safetensors"
     pipeline.ras_dictionary = tmp_path / "ras" / "en-de.tsv"
@@ -226,7 +227,8 @@ def test_mrasp_pretrains_on_the_parallel_pairs_with_the_pipeline_s_dictionary(
     and the dictionary, its fine-tuning is everyone's; RAS fine-tuning has no unsupervised
     run."""
     assert _config("--systems", "paper").systems == tuple(SYSTEMS) and "mrasp" not in SYSTEMS
-    assert _config("--systems", "related,transformer").systems == ("mrasp", "transformer")
+    related = ("mrasp", "veco", "transformer")
+    assert _config("--systems", "related,transformer").systems == related
     pipeline = _pipeline(tmp_path, (0,))
     mrasp = RELATED["mrasp"]
     assert mrasp.display == "mRASP" and mrasp.pretraining_ras
@@ -248,6 +250,29 @@ def test_mrasp_pretrains_on_the_parallel_pairs_with_the_pipeline_s_dictionary(
     assert pipeline.pretrain_config(ABLATIONS["vq-ras-ft"], 0) == pipeline.pretrain_config(
         SYSTEMS["vq"], 0
     )
+
+
+def test_veco_pretrains_on_the_mixed_shards_and_connects_as_it_is(tmp_path: Path) -> None:
+    """VECO is a related system, not one of the paper's: its pre-training reads the
+    monolingual and parallel shards in one directory, with no dictionary; the run connects
+    as it is and is fine-tuned as everyone is, supervised only (it reads parallel pairs)."""
+    assert "veco" not in SYSTEMS and "veco" in _config("--systems", "related").systems
+    assert _config("--systems", "veco").systems == ("veco",)
+    pipeline = _pipeline(tmp_path, (0,))
+    veco = RELATED["veco"]
+    assert (veco.display, veco.connect) == ("VECO", "veco") and veco.pretraining_pairs
+    assert not (veco.pretraining_ras or veco.finetuning_ras)
+    config = pipeline.pretrain_config(veco, 0)
+    assert (config.stage, config.interface, config.data) == ("veco", "none", pipeline.mixed)
+    assert config.ras_dictionary == [] and config.lr == pipeline.config.pretrain_lr
+    assert config.tag_dict()["system"] == "VECO" and config.output_dir.name == "pretrain-veco"
+    init = tmp_path / "models" / "veco"
+    finetune = pipeline.finetune_config(veco, "supervised", init, 0)
+    plain = pipeline.finetune_config(SYSTEMS["mbart"], "supervised", init, 0)
+    assert finetune.tag_dict()["system"] == "VECO" and finetune.init_from == init
+    assert dataclasses.replace(finetune, tags=plain.tags, run_name=plain.run_name,
+                               output_dir=plain.output_dir) == plain  # fmt: skip
+    assert veco.runs_in("supervised") and not veco.runs_in("unsupervised")
 
 
 @pytest.mark.parametrize(

@@ -116,6 +116,17 @@ def test_the_interface_defaults_by_stage_and_finetune_refuses_one_without_a_mode
         parse_train_argv(["--stage", "finetune", "--interface", "vq", *base])
 
 
+def test_the_whole_model_pre_trainings_have_no_interface_and_no_validation() -> None:
+    base = ["--data", "d", "--spm-model", "s", "--output-dir", "o"]
+    for stage in ("mbart", "mrasp", "veco"):
+        ras = ["--ras-prob", "0"] if stage == "mrasp" else []
+        assert parse_train_argv(["--stage", stage, *ras, *base]).interface == "none"
+    with pytest.raises(ValueError, match="--stage veco pre-trains; validation belongs"):
+        parse_train_argv(["--stage", "veco", "--valid-prefix", "corpus/valid", *base])
+    with pytest.raises(ValueError, match="--stage veco has no codebook to split"):
+        parse_train_argv(["--stage", "veco", "--mp-size", "2", *base])
+
+
 def test_typed_overrides_are_checked_against_the_fields() -> None:
     checked = typed_overrides({"diversity_weight": 0, "cl_trainable": True, "lr": None})
     assert checked == {"diversity_weight": 0.0, "cl_trainable": True, "lr": None}

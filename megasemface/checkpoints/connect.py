@@ -5,8 +5,8 @@
   :func:`megasemface.models.seq2seq_init.connect_stages`, which drops the interface and refuses
   stages pre-trained against different interfaces, tokenizers or shapes.
 - XLM-style: an encoder stage alone initialises encoder and decoder (cross-attention random).
-- mBART baseline and mRASP: the run's model already is a ``Seq2SeqModel`` (under
-  ``model.``).
+- mBART baseline, mRASP and VECO: the run's model already is a ``Seq2SeqModel`` (under
+  ``model.``; VECO's IS-MLM output bias, outside it, is dropped).
 
 Interfaces are compared by the fingerprints :func:`~.consolidate.load_stage` computes from
 the gathered weights, so an encoder stage trained with its codebook split over model-parallel
@@ -41,12 +41,13 @@ class Connected:
     """``Seq2SeqModel`` state dict."""
     config: ModelConfig
     mode: str
-    """semface, xlm, mbart or mrasp."""
+    """semface, xlm, mbart, mrasp or veco."""
     sources: dict[str, dict[str, Any]]
-    """Per role (encoder, decoder, mbart, mrasp): the stage's meta (with ``source``)."""
+    """Per role (encoder, decoder, mbart, mrasp, veco): the stage's meta (with ``source``)."""
     parameters: dict[str, str]
-    """Per parameter: ``encoder-stage:KEY``, ``decoder-stage:KEY``, ``mbart:KEY`` or
-    ``mrasp:KEY`` (KEY the tensor's key in that stage's state), or ``random``."""
+    """Per parameter: ``encoder-stage:KEY``, ``decoder-stage:KEY``, ``mbart:KEY``,
+    ``mrasp:KEY`` or ``veco:KEY`` (KEY the tensor's key in that stage's state), or
+    ``random``."""
 
 
 def _stage(path: str | Path, role: str, stages: tuple[str, ...]) -> tuple[dict, dict]:
@@ -113,13 +114,13 @@ def connect_runs(
     return Connected(model.state_dict(), config, mode, sources, parameters)
 
 
-SEQ2SEQ_STAGES = ("mbart", "mrasp")
+SEQ2SEQ_STAGES = ("mbart", "mrasp", "veco")
 """Pre-training stages that train the whole ``Seq2SeqModel``, connected as it is."""
 
 
 def connect_mbart(source: str | Path) -> Connected:
-    """The ``Seq2SeqModel`` of an mBART or mRASP pre-training, from its run, checkpoint or
-    model directory; the mode and the parameters' origin name the stage."""
+    """The ``Seq2SeqModel`` of an mBART, mRASP or VECO pre-training, from its run,
+    checkpoint or model directory; the mode and the parameters' origin name the stage."""
     state, meta = _stage(source, "sequence-to-sequence model", SEQ2SEQ_STAGES)
     stage = str(meta["stage"])
     config = config_from_dict(meta["model"])

@@ -9,6 +9,7 @@ Examples::
     python tools/merge_checkpoints.py connect --encoder runs/xlm --out models/xlm
     python tools/merge_checkpoints.py connect --mbart runs/mbart --out models/mbart
     python tools/merge_checkpoints.py connect --mbart runs/mrasp --out models/mrasp
+    python tools/merge_checkpoints.py connect --mbart runs/veco --out models/veco
     python tools/merge_checkpoints.py average runs/vq-encoder --last 5 --out models/enc-avg5
 
 A source is a run directory (its newest complete checkpoint), a checkpoint directory
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     connect.add_argument(
         "--mbart",
         type=Path,
-        help="source of a whole sequence-to-sequence pre-training, mBART or mRASP (instead)",
+        help="source of a whole sequence-to-sequence pre-training, mBART, mRASP or VECO (instead)",
     )
     connect.add_argument("--seed", type=int, default=0, help="seed of parameters no stage has")
     connect.add_argument(

@@ -10,7 +10,7 @@ Examples::
     python tools/reproduce.py                      # demo budget, CPU, the demo corpus
     python tools/reproduce.py --systems vq,vq-no-div,vq-no-l2,vq-mlm --settings supervised
     python tools/reproduce.py --settings supervised --seeds 0,1,2  # mean ± std, p-values
-    python tools/reproduce.py --systems transformer,mbart,cl,vq,mrasp --settings supervised
+    python tools/reproduce.py --systems transformer,mbart,cl,vq,related --settings supervised
     python tools/reproduce.py --budget paper --corpus data/en-ro --pair en-ro \\
         --hostfile hostfile --deepspeed-config ds_configs/zero2_bf16.json
 """

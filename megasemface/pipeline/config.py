@@ -20,6 +20,7 @@ from megasemface.training.options import TrainConfig, typed_overrides
 __all__ = [
     "ABLATIONS",
     "BUDGETS",
+    "PAIR_STAGES",
     "RELATED",
     "RUN_FIELDS",
     "SETTINGS",
@@ -53,6 +54,9 @@ RUN_FIELDS = frozenset(
 system's ``options`` (a system has its own ``stage``, ``interface`` and ``model``; the
 pipeline gives its RAS dictionary to the runs that substitute)."""
 
+PAIR_STAGES = ("mrasp", "veco")
+"""Pre-training stages that read the parallel pairs: their systems run only supervised."""
+
 _RAS_FILE = [Path("en-de.tsv")]
 """A dictionary in the configs that check a system's options (no file is read there)."""
 
@@ -81,8 +85,8 @@ class System:
     """Model options of the pre-training run, dotted as ``--model`` names them, e.g.
     ``{"vq.diversity_loss": "eq6"}``; after the pipeline's own."""
     connect: str = "semface"
-    """semface (encoder and decoder of the run), xlm (encoder into both), mbart or mrasp
-    (the run's sequence-to-sequence model as it is)."""
+    """semface (encoder and decoder of the run), xlm (encoder into both), mbart, mrasp or
+    veco (the run's sequence-to-sequence model as it is)."""
     bridge: str = "none"
     """semface: how the encoder reaches the cross-attention (``ModelConfig.bridge``)."""
     pretraining: str | None = None
@@ -112,10 +116,15 @@ class System:
         """Its supervised fine-tuning substitutes source words."""
         return bool(self.finetune.get("finetune_ras"))
 
+    @property
+    def pretraining_pairs(self) -> bool:
+        """Its pre-training reads parallel pairs (mRASP's, VECO's)."""
+        return self.stage in PAIR_STAGES
+
     def runs_in(self, setting: str) -> bool:
         """Whether it has a run in ``setting``: one that trains on parallel pairs (mRASP's
-        pre-training, RAS in fine-tuning) has no unsupervised setting."""
-        return setting == "supervised" or not (self.stage == "mrasp" or self.finetuning_ras)
+        and VECO's pre-training, RAS in fine-tuning) has no unsupervised setting."""
+        return setting == "supervised" or not (self.pretraining_pairs or self.finetuning_ras)
 
     def _checked_options(self) -> dict[str, Any]:
         if self.stage is None:
@@ -240,12 +249,18 @@ other language) or on the source side of supervised fine-tuning (VQ-SemFace's pr
 run, fine-tuned with RAS; it has no unsupervised setting)."""
 
 RELATED: dict[str, System] = {
-    s.key: s for s in (System("mrasp", "mRASP", "mrasp", "none", connect="mrasp"),)
+    s.key: s
+    for s in (
+        System("mrasp", "mRASP", "mrasp", "none", connect="mrasp"),
+        System("veco", "VECO", "veco", "none", connect="veco"),
+    )
 }
 """Related work beside the paper's systems (``--systems related``), not in ``--systems
 paper``: mRASP pre-trains the whole sequence-to-sequence model on the parallel pairs with
-random aligned substitution, then is fine-tuned as the others (docs/pretraining.md says how
-it differs from the paper's mRASP). It has no unsupervised setting."""
+random aligned substitution; VECO pre-trains it with in-sequence and cross-sequence MLM on
+the monolingual text and the parallel pairs together. Both are then fine-tuned as the others
+(docs/pretraining.md says how they differ from the papers) and have no unsupervised
+setting."""
 
 SETTINGS = ("supervised", "unsupervised")
 

@@ -24,6 +24,7 @@ from megasemface.pipeline.launcher import ROOT, run_logged
 __all__ = [
     "build_cl_table",
     "build_corpus",
+    "build_mixed_shards",
     "build_mono_shards",
     "build_parallel_shards",
     "build_ras_dictionary",
@@ -144,6 +145,21 @@ def _cl_embeddings_command(
     if gold.is_file():
         cmd += ["--gold-dict", str(gold)]
     return cmd
+
+
+def build_mixed_shards(config: PipelineConfig, corpus: Path, spm: Path) -> Path:
+    """The monolingual text and the low-resource slice of the training pairs in one shard
+    directory (VECO's pre-training reads both; the loader draws each batch's language or
+    pair by temperature sampling)."""
+    prefix = slice_parallel(config, corpus, "train", config.train_pairs)
+    src, tgt = config.langs
+    out = config.workdir / "shards" / f"mono-parallel-{config.train_pairs}"
+    mono = [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in config.langs]
+    pairs = [f"{config.pair}:{prefix}.{src},{prefix}.{tgt}"]
+    corpora = parse_lang_path(mono) + parse_parallel(pairs)
+    manifest = build_shards(corpora, spm, out, _shard_config(config), overwrite=True)
+    _report(manifest, out)
+    return out
 
 
 def build_cl_table(config: PipelineConfig, shards: Path, spm: Path, dim: int, corpus: Path) -> Path:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.checkpoints import connect_mbart, connect_runs, write_seq2seq_dir
+from megasemface.checkpoints.connect import SEQ2SEQ_STAGES
 from megasemface.evaluation.diagnostics import DiagnosticsConfig, diagnose_interface, log_to_run
 from megasemface.evaluation.lines import read_lines, write_lines
 from megasemface.evaluation.metrics import evaluate
@@ -58,6 +59,8 @@ class Pipeline:
         self.count = 0
         self.ras_dictionary: Path | None = None
         """The word dictionary of the runs that substitute (random aligned substitution)."""
+        self.mixed: Path | None = None
+        """Monolingual and parallel shards in one directory, VECO's pre-training data."""
         self.diagnostics: list[tuple[str, int, dict[str, Any]]] = []
         """(system, seed, figures) of every SemFace pre-training, for the report."""
 
@@ -92,6 +95,10 @@ class Pipeline:
             self.cl_table = data_steps.build_cl_table(
                 cfg, self.mono, self.spm, self.model_config.d_model, self.corpus
             )
+        self.mixed = None
+        if any(s.stage == "veco" for s in systems):
+            self._step("monolingual and parallel shards in one directory (VECO)")
+            self.mixed = data_steps.build_mixed_shards(cfg, self.corpus, self.spm)
         self.ras_dictionary = None
         if any(s.pretraining_ras or s.finetuning_ras for s in systems):
             self._step("word dictionary of random aligned substitution (mRASP)")
@@ -186,10 +193,19 @@ class Pipeline:
         assert self.ras_dictionary is not None, "a system substitutes: the dictionary is built"
         return [self.ras_dictionary]
 
+    def _pretraining_data(self, system: System) -> Path:
+        """The monolingual shards; mRASP's: the parallel ones; VECO's: both in one
+        directory."""
+        if system.stage == "mrasp":
+            return self.parallel
+        if system.stage == "veco":
+            assert self.mixed is not None, "a system is VECO: its shards are built"
+            return self.mixed
+        return self.mono
+
     def pretrain_config(self, system: System, seed: int) -> TrainConfig:
-        """The pre-training run of ``system``: its stage and interface on the monolingual
-        shards (mRASP: the parallel ones) with the pre-training learning rate, and its own
-        options."""
+        """The pre-training run of ``system``: its stage and interface on its shards with the
+        pre-training learning rate, and its own options."""
         cfg = self.config
         assert system.stage is not None, f"{system.key} has no pre-training"
         if system.pretraining is not None:  # trained once for both: the other system's run
@@ -197,7 +213,7 @@ class Pipeline:
         values: dict[str, Any] = {
             "stage": system.stage,
             "interface": system.interface,
-            "data": self.parallel if system.stage == "mrasp" else self.mono,
+            "data": self._pretraining_data(system),
             "lr": cfg.pretrain_lr,
             "ras_dictionary": self._ras(system.pretraining_ras),
             "cl_table": self.cl_table if system.interface == "cl" else None,
@@ -246,7 +262,7 @@ class Pipeline:
         if (out / "config.json").is_file():
             print(f"reusing {out}")
             return out
-        if system.connect in ("mbart", "mrasp"):  # the run's model as it is
+        if system.connect in SEQ2SEQ_STAGES:  # the run's model as it is
             connected = connect_mbart(run_dir)
         elif system.connect == "xlm":
             connected = connect_runs(run_dir)

@@ -31,8 +31,8 @@ __all__ = [
     "user_model_keys",
 ]
 
-STAGES = ("encoder", "decoder", "joint", "mbart", "mrasp", "finetune")
-NO_INTERFACE = ("mbart", "mrasp", "finetune")
+STAGES = ("encoder", "decoder", "joint", "mbart", "mrasp", "veco", "finetune")
+NO_INTERFACE = ("mbart", "mrasp", "veco", "finetune")
 """Stages whose model has no semantic interface (``--interface`` is none)."""
 LR_SCHEDULES = ("deepspeed", "inverse_sqrt")
 FINETUNE_MODES = ("supervised", "unsupervised")
@@ -44,11 +44,11 @@ class TrainConfig:
 
     stage: str
     """encoder, decoder, joint (Algorithm 1), mbart (the denoising baseline), mrasp
-    (translation pre-training on parallel shards with random aligned substitution) or
-    finetune."""
+    (translation pre-training on parallel shards with random aligned substitution), veco
+    (in-sequence and cross-sequence MLM on monolingual and parallel shards) or finetune."""
     interface: str
     """cl, vq or none (the XLM baseline: encoder stage only); default vq, and none for
-    mbart, mrasp and finetune, which have no interface (finetune with cl or vq needs
+    mbart, mrasp, veco and finetune, which have no interface (finetune with cl or vq needs
     --init-from)."""
     data: Path
     """Shard directory or its manifest.json."""
@@ -213,9 +213,15 @@ class TrainConfig:
             raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}")
         if self.finetune_mode not in FINETUNE_MODES:
             raise ValueError(f"--finetune-mode must be one of {FINETUNE_MODES}")
-        if self.stage in ("mrasp", "finetune") and self.mp_size != 1:
+        if self.stage in ("mrasp", "veco", "finetune") and self.mp_size != 1:
             raise ValueError(f"--stage {self.stage} has no codebook to split: use --mp-size 1")
         self._check_ras()
+        if self.stage in ("mrasp", "veco") and self.valid_prefix is not None:
+            raise ValueError(
+                f"--stage {self.stage} pre-trains; validation belongs to its fine-tuning: connect "
+                "the run (tools/merge_checkpoints.py connect --mbart RUN) and fine-tune with "
+                "--valid-prefix"
+            )
         if self.register_model is not None and (
             self.stage != "finetune" or self.valid_prefix is None or self.no_tracking
         ):
@@ -295,11 +301,6 @@ class TrainConfig:
             raise ValueError(
                 "--ras-dictionary is read by --stage mrasp, --finetune-ras or "
                 "--decoder-noise-ras; add one of them or leave it out"
-            )
-        if self.stage == "mrasp" and self.valid_prefix is not None:
-            raise ValueError(
-                "--stage mrasp pre-trains; validation belongs to its fine-tuning: connect the run "
-                "(tools/merge_checkpoints.py connect --mbart RUN) and fine-tune with --valid-prefix"
             )
 
     def tag_dict(self) -> dict[str, str]:

@@ -15,6 +15,7 @@ from megasemface.training.units.base import TrainUnit
 from megasemface.training.units.mrasp import MraspUnit
 from megasemface.training.units.pretraining import DenoisingUnit, SemFaceUnit
 from megasemface.training.units.translation import SupervisedUnit, UnsupervisedUnit
+from megasemface.training.units.veco import VecoUnit
 
 __all__ = ["UNITS", "TrainUnit", "build_unit", "unit_name"]
 
@@ -26,6 +27,7 @@ UNITS: dict[str, UnitFactory] = {
     "joint": SemFaceUnit,
     "mbart": DenoisingUnit,
     "mrasp": MraspUnit,
+    "veco": VecoUnit,
     "finetune-supervised": SupervisedUnit,
     "finetune-unsupervised": UnsupervisedUnit,
 }

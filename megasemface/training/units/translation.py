@@ -83,9 +83,10 @@ class TranslationUnit(TrainUnit):
         self.validation = Validation(config, data, self.directions, self.model_config.max_len - 1)
 
     def run_tags(self) -> dict[str, str]:
-        """The interface of the pre-training the model starts from (``none`` for XLM, mBART
-        and a random start), so filtering runs on ``interface`` finds fine-tuned SemFace
-        models too, and ``pretraining``: how it was made (semface, xlm, mbart or none)."""
+        """The interface of the pre-training the model starts from (``none`` for XLM, mBART,
+        mRASP, VECO and a random start), so filtering runs on ``interface`` finds fine-tuned
+        SemFace models too, and ``pretraining``: how it was made (semface, xlm, mbart, mrasp,
+        veco or none)."""
         if self.init is None:
             return {"interface": "none", "pretraining": "none"}
         kind = self.init.interface.get("kind")
