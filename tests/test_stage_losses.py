@@ -2,10 +2,11 @@
 
 Each stage (the SemFace encoder, decoder and joint stages over both interfaces, the XLM and
 mBART baselines, supervised and unsupervised fine-tuning) runs three steps through the real
-``deepspeed`` launcher, one CPU process, fp32. The losses must equal the ones recorded in
-``tests/data/stage_losses.json``: a change to the trainer, a stage, an objective or the data
-path that alters what a run computes shows up here. The tolerance only absorbs the last
-bits that differ between CPU instruction sets.
+``deepspeed`` launcher, two CPU processes over gloo, fp32, under the ZeRO stage (2 or 3)
+named beside it (this is also where each stage is shown to train under ZeRO-3). The losses
+must equal the ones recorded in ``tests/data/stage_losses.json``: a change to the trainer, a
+stage, an objective or the data path that alters what a run computes shows up here. The
+tolerance only absorbs the last bits that differ between CPU instruction sets.
 
 After an intended change of the numbers, record them again with
 ``MEGASEMFACE_RECORD_STAGE_LOSSES=1 pytest tests/test_stage_losses.py`` and say why in the
@@ -27,17 +28,19 @@ STEPS = 3
 
 pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
 
-# name: (shards, arguments, the run whose checkpoint --init-from names, if any)
-RUNS: dict[str, tuple[str, tuple[str, ...], str | None]] = {
-    "xlm-encoder": ("mono", ("--stage", "encoder", "--interface", "none"), None),
-    "vq-encoder": ("mono", ("--stage", "encoder", "--interface", "vq"), None),
-    "vq-decoder": ("mono", ("--stage", "decoder", "--interface", "vq"), "vq-encoder"),
-    "cl-decoder": ("mono", ("--stage", "decoder", "--interface", "cl"), None),
-    "cl-joint": ("mono", ("--stage", "joint", "--interface", "cl"), None),
-    "vq-joint": ("mono", ("--stage", "joint", "--interface", "vq"), None),
-    "mbart": ("mono", ("--stage", "mbart", "--interface", "none"), None),
-    "finetune-supervised": ("parallel", ("--stage", "finetune"), "init"),
+# name: (ZeRO stage, shards, arguments, the run whose checkpoint --init-from names, if any)
+RUNS: dict[str, tuple[int, str, tuple[str, ...], str | None]] = {
+    "xlm-encoder": (3, "mono", ("--stage", "encoder", "--interface", "none"), None),
+    "cl-encoder": (3, "mono", ("--stage", "encoder", "--interface", "cl"), None),
+    "vq-encoder": (2, "mono", ("--stage", "encoder", "--interface", "vq"), None),
+    "vq-decoder": (3, "mono", ("--stage", "decoder", "--interface", "vq"), "vq-encoder"),
+    "cl-decoder": (2, "mono", ("--stage", "decoder", "--interface", "cl"), None),
+    "cl-joint": (3, "mono", ("--stage", "joint", "--interface", "cl"), None),
+    "vq-joint": (3, "mono", ("--stage", "joint", "--interface", "vq"), None),
+    "mbart": (3, "mono", ("--stage", "mbart", "--interface", "none"), None),
+    "finetune-supervised": (2, "parallel", ("--stage", "finetune"), "init"),
     "finetune-unsupervised": (
+        2,
         "mono",
         (
             "--stage",
@@ -54,16 +57,20 @@ RUNS: dict[str, tuple[str, tuple[str, ...], str | None]] = {
 }
 
 
+def runs_root(launch_data: dict) -> Path:
+    return launch_data["root"] / "stage-losses"
+
+
 @pytest.fixture(scope="module")
 def measured(launch_data: dict) -> dict[str, list[float]]:
     """Runs every stage once (in dependency order); the losses of steps 1..STEPS per run."""
-    root: Path = launch_data["root"] / "stage-losses"
+    root = runs_root(launch_data)
     found: dict[str, list[float]] = {}
-    for name, (shards, args, init) in RUNS.items():
-        out = root / "runs" / name
+    for name, (zero, shards, args, init) in RUNS.items():
+        out = root / name
         extra = []
         if init is not None:
-            source = launch_data["init"] if init == "init" else root / "runs" / init
+            source = launch_data["init"] if init == "init" else root / init
             extra = ["--init-from", str(source)]
         cmd = train_command(
             {"shards": launch_data[shards], "spm": launch_data["spm"]},
@@ -78,8 +85,8 @@ def measured(launch_data: dict) -> dict[str, list[float]]:
             "3",
             "--lr",
             "1e-3",
-            config=ds_config(2, root),
-            procs=1,
+            config=ds_config(zero, launch_data["root"]),
+            procs=2,
         )
         result = launch(cmd)
         check_finished(result, out, STEPS)
@@ -97,3 +104,18 @@ def test_stage_losses_equal_the_recorded_ones(measured: dict[str, list[float]], 
     assert measured[name] == pytest.approx(recorded[name], rel=2e-5), name
     # The steps differ from each other: the run trained, and the record is not a constant.
     assert len(set(recorded[name])) == STEPS
+
+
+def test_the_vq_decoder_stage_keeps_the_encoder_stage_codebook(
+    measured: dict[str, list[float]], launch_data: dict
+) -> None:
+    """The decoder stage read its interface from the encoder stage's checkpoint (under
+    ZeRO-3): the same frozen codebook, fingerprinted alike."""
+    root = runs_root(launch_data)
+
+    def interface(run: str) -> dict:
+        meta = root / run / "checkpoints" / f"step-{STEPS:08d}" / "meta.json"
+        return json.loads(meta.read_text(encoding="utf-8"))["interface"]
+
+    assert interface("vq-decoder") == interface("vq-encoder")
+    assert interface("vq-encoder")["kind"] == "vq"

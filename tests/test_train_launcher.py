@@ -89,45 +89,12 @@ def test_vq_encoder_stage_zero2(vq_encoder_run: Path) -> None:
     assert config["deepspeed"]["zero_optimization"]["stage"] == 2
 
 
-@pytest.mark.parametrize(
-    ("zero", "stage", "interface"),
-    [
-        (1, "joint", "vq"),
-        (3, "encoder", "cl"),
-        (2, "decoder", "cl"),
-        (3, "joint", "vq"),  # the flat codebook trained under ZeRO-3
-        (3, "joint", "cl"),
-        (2, "mbart", "none"),
-        (3, "mbart", "none"),
-        (3, "encoder", "none"),
-    ],
-)
-def test_stages_under_zero2_and_zero3(
-    data: dict, tmp_path: Path, zero: int, stage: str, interface: str
-) -> None:
+def test_joint_stage_under_zero1_in_bf16(data: dict, tmp_path: Path) -> None:
+    """bf16 works on the CPU accelerator too. (Every stage under ZeRO-2 or 3 in fp32:
+    tests/test_stage_losses.py.)"""
     out = tmp_path / "run"
-    args = ["--stage", stage, "--interface", interface, "--steps", "3"]
-    check_finished(launch(command(data, out, *args, zero=zero)), out, 3)
-
-
-def test_vq_decoder_stage_uses_the_encoder_codebook_zero3(
-    data: dict, vq_encoder_run: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "decoder"
-    args = [
-        "--stage",
-        "decoder",
-        "--interface",
-        "vq",
-        "--steps",
-        "3",
-        "--init-from",
-        str(vq_encoder_run),
-    ]
-    check_finished(launch(command(data, out, *args, zero=3)), out, 3)
-    encoder = json.loads((vq_encoder_run / "checkpoints/step-00000004/meta.json").read_text())
-    decoder = json.loads((out / "checkpoints/step-00000003/meta.json").read_text())
-    assert decoder["interface"] == encoder["interface"]  # the same frozen codebook
+    args = ["--stage", "joint", "--interface", "vq", "--steps", "3"]
+    check_finished(launch(command(data, out, *args, zero=1)), out, 3)
 
 
 def test_killed_run_resumes_exactly(data: dict, tmp_path: Path) -> None:
