@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -118,6 +119,27 @@ def losses(out: Path) -> dict[int, float]:
         if "loss" in record:
             found[record["step"]] = record["loss"]
     return found
+
+
+def rewind(reference: Path, out: Path, step: int) -> None:
+    """Makes ``out`` a copy of the finished run ``reference`` as it stood once its checkpoint
+    of ``step`` was complete: the later checkpoints removed, ``latest`` naming ``step``, the
+    per-step records (metrics, sample ids) cut after it. What :func:`kill_after_checkpoint`
+    leaves, without running the run again: for tests of what a resume does, where an
+    uninterrupted reference is run anyway (the kill itself is tested on its own)."""
+    shutil.copytree(reference, out)
+    checkpoints = out / "checkpoints"
+    tag = f"step-{step:08d}"
+    assert (checkpoints / tag / "COMPLETE").is_file(), f"{reference} has no checkpoint {tag}"
+    for later in checkpoints.glob("step-*"):
+        if later.name > tag:
+            shutil.rmtree(later)
+    (checkpoints / "latest").write_text(tag)
+    for records in [out / "metrics.jsonl", *out.glob("samples-rank*.jsonl")]:
+        if records.is_file():
+            lines = records.read_text().splitlines()
+            kept = [x for x in lines if json.loads(x).get("step", 0) <= step]
+            records.write_text("".join(x + "\n" for x in kept))
 
 
 def kill_after_checkpoint(cmd: list[str], out: Path, step: int, timeout: float = 240) -> None:

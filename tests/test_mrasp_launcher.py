@@ -10,9 +10,9 @@ import pytest
 from launch import (
     check_finished,
     ds_config,
-    kill_after_checkpoint,
     launch,
     losses,
+    rewind,
     train_command,
 )
 
@@ -55,9 +55,9 @@ def _ras_figures(client: Any, run: Any) -> list[tuple[float, float]]:
 def test_mrasp_zero2_resumes_exactly_and_connects(
     launch_data: dict, demo_corpus: Path, tmp_path: Path
 ) -> None:
-    """Substitution draws from the step's seeded generator, so a killed and resumed run
-    computes the uninterrupted run's losses exactly; the run connects as a seq2seq model
-    that names it as its parent."""
+    """Substitution draws from the step's seeded generator, so a run resumed from its
+    checkpoint of step 2 computes the uninterrupted run's losses exactly; the run connects
+    as a seq2seq model that names it as its parent."""
     dictionary = demo_corpus / "dict" / "en-de.tsv"
     args = ("--steps", "4", "--save-interval", "2", "--tag", "system=mRASP")
     reference = tmp_path / "reference"
@@ -70,8 +70,8 @@ def test_mrasp_zero2_resumes_exactly_and_connects(
     figures = _ras_figures(client, run)
     assert len(figures) == 4 and all(0 < replaced < words < 1 for words, replaced in figures)
 
-    out = tmp_path / "killed"
-    kill_after_checkpoint(_mrasp(launch_data, out, dictionary, *args, zero=2), out, 2)
+    out = tmp_path / "resumed"
+    rewind(reference, out, 2)  # as the run stood at its checkpoint of step 2
     resumed = launch(_mrasp(launch_data, out, dictionary, *args, zero=2))
     assert "resuming from" in resumed.stdout
     check_finished(resumed, out, 4)

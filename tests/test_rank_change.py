@@ -1,7 +1,8 @@
 """Resuming on another number of data-parallel ranks, through the real ``deepspeed`` launcher.
 
-A run is killed after its checkpoint of step 3 and resumed on the other number of ranks;
-an uninterrupted run on the first number is the reference. Over the change, the ranks
+A run stopped after its checkpoint of step 3 (killed, or an uninterrupted reference run
+rewound to that checkpoint) is resumed on the other number of ranks; the uninterrupted run
+on the first number is the reference. Over the change, the ranks
 together must read exactly the sentences the uninterrupted run reads (one global batch order,
 shared out among however many ranks), and training must go on from the checkpoint: its
 weights (the first loss after the resume), Adam's moments and step count (the first update
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import check_finished, ds_config, kill_after_checkpoint, launch, train_command
+from launch import check_finished, ds_config, kill_after_checkpoint, launch, rewind, train_command
 
 from megasemface.checkpoints import consolidate_checkpoint, find_checkpoint
 from megasemface.distributed.engine import convert_to_universal
@@ -128,10 +129,11 @@ def test_resume_on_another_number_of_ranks(
     check_finished(launch(command(launch_data, reference, zero, before, total)), reference, total)
     expected = records(reference)
 
+    # The run as it stood at its checkpoint of step 3 (as if killed then); what it had
+    # consumed up to there. The steps after the checkpoint are done again.
     out = tmp_path / "run"
-    kill_after_checkpoint(command(launch_data, out, zero, before, total), out, CHECKPOINT)
-    # What the killed run consumed up to its checkpoint; its later steps are done again.
-    first = [r for r in records(out) if r["step"] <= CHECKPOINT]
+    rewind(reference, out, CHECKPOINT)
+    first = records(out)
     for path in out.glob("samples-rank*.jsonl"):
         path.unlink()
 
