@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -56,9 +57,39 @@ def init_distributed(mp_size: int) -> ParallelGroups:
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     remove_stale_shm_buffers()  # before this run makes its own
+    if backend == "gloo":
+        warn_stale_extension_lock()
     deepspeed.init_distributed(dist_backend=backend)
     atexit.register(_remove_shm_buffers)
     return build_parallel_groups(mp_size)
+
+
+def warn_stale_extension_lock(name: str = "deepspeed_shm_comm", min_age_s: float = 600.0) -> None:
+    """Says so when DeepSpeed's CPU all-reduce extension is locked by a build that looks dead.
+
+    The first run on a machine compiles the extension (a minute or two) holding a ``lock``
+    file in its build folder; every later run waits for that file to go. A build killed
+    midway never removes it, and the next run would wait forever without a word. The lock
+    is left alone (another run may be compiling right now): the line says what to do.
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    roots = [os.environ.get("TORCH_EXTENSIONS_DIR") or ""]
+    if not roots[0]:
+        roots = [str(p) for p in Path(get_default_build_root()).glob("*")]
+    now = time.time()
+    for root in roots:
+        lock = Path(root) / name / "lock"
+        with contextlib.suppress(OSError):
+            age = now - lock.stat().st_mtime
+            if age > min_age_s:
+                print(
+                    f"warning: {lock} is {age / 60:.0f} min old; if no other run is compiling "
+                    f"DeepSpeed's {name} extension, a killed build left it: delete it, or this "
+                    "run waits for it forever",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def remove_stale_shm_buffers(shm: Path = Path("/dev/shm"), min_age_s: float = 60.0) -> list[Path]:
