@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -16,12 +17,12 @@ import pytest
 import torch
 import webdataset as wds
 
-from megasemface.data.languages import temperature_probs
+from megasemface.data.languages import sampling_probs, temperature_probs
 from megasemface.data.loader import DataError, LoaderConfig, ShardLoader, ShardSource, TokenBatch
 from megasemface.data.shard_build_config import ShardBuildConfig
 from megasemface.data.shard_builder import build_shards
 from megasemface.data.shard_format import Manifest
-from megasemface.data.textio import parse_lang_path
+from megasemface.data.textio import parse_lang_path, parse_parallel
 
 PAD = 3
 
@@ -134,6 +135,45 @@ def test_languages_are_mixed_by_temperature(shard_dir: Path) -> None:
     probs = temperature_probs(source.sizes, 2.0)
     assert counts["en"] / 2000 == pytest.approx(probs["en"], abs=0.035)
     assert probs["en"] < source.sizes["en"] / sum(source.sizes.values())
+
+
+def test_pairs_get_their_share_of_batches(
+    tmp_path: Path, demo_corpus: Path, spm_model: Path
+) -> None:
+    """With ``pair_share``, the pairs together get that share of the batches whatever their
+    size, each kind divided among its own by temperature; the fingerprint of a loader
+    without the option is the one it had before the option existed."""
+    mono = [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
+    train = demo_corpus / "parallel" / "en-de" / "train"
+    pairs = parse_parallel([f"en-de:{train}.en,{train}.de"])
+    config_ = ShardBuildConfig(tokens_per_sample=2048, samples_per_shard=4, max_tokens=60)
+    build_shards(parse_lang_path(mono) + pairs, spm_model, tmp_path / "mixed", config_)
+    full = ShardSource.from_manifest(Manifest.load(tmp_path / "mixed"))
+    # Fewer pairs than they are: 2000 beside 30000 and 20000 sentences.
+    sizes = {"de": 20000, "en": 30000, "en-de": 2000}
+    source = dataclasses.replace(full, sizes=sizes)
+    assert sampling_probs(sizes, 2.0, ["en-de"]) == temperature_probs(sizes, 2.0)
+    probs = sampling_probs(sizes, 2.0, ["en-de"], pair_share=0.5)
+    mono_probs = temperature_probs({"en": 30000, "de": 20000}, 2.0)
+    expected = {"en": mono_probs["en"] / 2, "de": mono_probs["de"] / 2, "en-de": 0.5}
+    assert probs == pytest.approx(expected)
+    assert temperature_probs(sizes, 2.0)["en-de"] < 0.15
+
+    steps = 1000
+    shared = ShardLoader(source, config(temperature=2.0, pair_share=0.5, max_len=128), pad_id=PAD)
+    drawn = Counter(b.lang for b in take(iter(shared), steps))
+    # Binomial: 4 standard deviations of a share of 0.5 over 1000 draws is 0.063.
+    assert drawn["en-de"] / steps == pytest.approx(0.5, abs=0.063)
+    assert drawn["en"] / steps == pytest.approx(probs["en"], abs=0.063)
+    # Only one kind: the share has nothing to divide.
+    assert sampling_probs({"en": 3, "de": 1}, 2.0, [], 0.5) == temperature_probs(
+        {"en": 3, "de": 1}, 2.0
+    )
+    plain = ShardLoader(source, config(max_len=128), pad_id=PAD).fingerprint
+    assert "pair_share" not in json.dumps(config().order_fields())
+    assert ShardLoader(source, config(pair_share=0.5, max_len=128), pad_id=PAD).fingerprint != plain
+    with pytest.raises(ValueError, match="pair_share must be in"):
+        config(pair_share=1.0)
 
 
 def run_ranks(

@@ -45,7 +45,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from megasemface.data.batching import Pool, token_budget_batches
-from megasemface.data.languages import temperature_probs
+from megasemface.data.languages import sampling_probs
 from megasemface.data.loader_position import (
     STATE_VERSION,
     merge_loader_states,
@@ -80,6 +80,10 @@ class LoaderConfig:
     reading slot: about 10 bytes per pooled token."""
     temperature: float = 1.0 / 0.7
     """Language sampling temperature: p_l ~ n_l ** (1 / T); XLM's alpha 0.7 by default."""
+    pair_share: float | None = None
+    """Share of batches drawn from language pairs when the source holds pairs and single
+    languages, each kind divided among its own by temperature (None: one temperature over
+    all, a pair counting its pairs); see :func:`~megasemface.data.languages.sampling_probs`."""
     languages: tuple[str, ...] = ()
     """Languages to read (empty: every language of the source)."""
     seed: int = 0
@@ -105,6 +109,8 @@ class LoaderConfig:
             raise ValueError(f"pool_tokens ({self.pool_tokens}) must be >= max_tokens")
         if self.num_workers < 0 or self.prefetch_factor < 1:
             raise ValueError("num_workers must be >= 0 and prefetch_factor >= 1")
+        if self.pair_share is not None and not 0 < self.pair_share < 1:
+            raise ValueError(f"pair_share must be in (0, 1), got {self.pair_share}")
         if not 0 <= self.max_bad_fraction <= 1:
             raise ValueError(f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
         self.languages = tuple(self.languages)
@@ -114,6 +120,8 @@ class LoaderConfig:
         fields = dataclasses.asdict(self)
         for name in ("num_workers", "prefetch_factor", "max_bad_fraction", "bad_sample_grace"):
             del fields[name]
+        if self.pair_share is None:
+            del fields["pair_share"]  # as before the option: the fingerprints of runs stay
         return fields
 
 
@@ -232,7 +240,9 @@ class _SlotStream:
         for lang in self.langs:
             if not source.shards[lang]:
                 raise DataError(f"language {lang!r} has no shards")
-        probs = temperature_probs(source.sizes, config.temperature)
+        probs = sampling_probs(
+            source.sizes, config.temperature, source.pair_lengths, config.pair_share
+        )
         self.probs = np.array([probs[lang] for lang in self.langs])
         state = state or {}
         self.step: int = state.get("step", 0)

@@ -97,6 +97,7 @@ class Trainer:
             LoaderConfig(
                 max_tokens=config.max_tokens,
                 max_len=self.unit.loader_max_len(),
+                pair_share=self.unit.loader_pair_share(),
                 seed=config.seed,
                 num_workers=config.num_workers,
             ),

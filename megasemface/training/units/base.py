@@ -130,6 +130,11 @@ class TrainUnit(abc.ABC):
         """The longest sample the loader yields: room for ``</s>`` and the language tag."""
         return self.model_config.max_len - 2
 
+    def loader_pair_share(self) -> float | None:
+        """The share of batches drawn from language pairs when the shards hold pairs and
+        single languages (None: the loader's temperature over all; ``LoaderConfig``)."""
+        return None
+
     @abc.abstractmethod
     def loss(
         self, engine: DeepSpeedEngine, batch: TokenBatch, generator: torch.Generator, step: int

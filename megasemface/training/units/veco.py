@@ -2,9 +2,8 @@
 model (:mod:`megasemface.objectives.veco`), on monolingual and parallel shards.
 
 The shards are one directory that holds both (``tools/build_shards.py --input ...
---parallel ...``); the loader draws each batch's language or pair by temperature sampling
-over their sentence counts (a pair counts its pairs), so monolingual and parallel batches
-mix in the proportion the loader's temperature gives, where VECO alternates them one to one.
+--parallel ...``); half of the batches are drawn from the pairs and half from the single
+languages (VECO alternates them one to one), each kind's own by temperature sampling.
 A parallel batch's pairs are (x, y) as they are (source, target); a monolingual batch's
 sentences are cut into two adjacent segments, VECO's monolingual (x, y), both in the batch's
 language. Every batch runs the same four terms through the same modules, so the ranks of a
@@ -31,7 +30,10 @@ from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.units.base import TrainUnit, model_config_from, objective_config_from
 
-__all__ = ["VecoUnit"]
+__all__ = ["PAIR_SHARE", "VecoUnit"]
+
+PAIR_SHARE = 0.5
+"""The share of parallel batches: VECO alternates monolingual and parallel ones."""
 
 
 class VecoUnit(TrainUnit):
@@ -50,6 +52,9 @@ class VecoUnit(TrainUnit):
         # their longest; every segment is cropped to what the model takes in pairs().
         longest = [layout.max_length for layout in self.data.manifest.pair_layouts.values()]
         return max([super().loader_max_len(), *longest])
+
+    def loader_pair_share(self) -> float | None:
+        return PAIR_SHARE
 
     def pairs(self, batch: TokenBatch) -> tuple[SequenceBatch, SequenceBatch]:
         """(x, y) of every row: a parallel pair's sides, or a sentence's two halves."""
