@@ -484,3 +484,35 @@ def test_each_pair_is_fine_tuned_on_its_own_data_in_its_own_run(
     # The single pair's run has no pair in its name or tags.
     single = _pipeline(tmp_path / "single", (0,)).finetune_config(vq, "supervised", init, 0)
     assert single.run_name == "supervised-vq" and "pair" not in single.tag_dict()
+
+
+def test_a_single_pair_keeps_its_shard_and_data_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A work directory of one pair is reused as it is: its parallel shards and slices keep
+    their names; the pairs of several languages have their own beside them."""
+    from megasemface.pipeline import data_steps
+
+    built: list[Path] = []
+
+    def build(corpora: object, spm: Path, out: Path, *_: object, **__: object) -> dict:
+        built.append(out)
+        return {"already_built": True}
+
+    monkeypatch.setattr(data_steps, "build_shards", build)
+    corpus = tmp_path / "corpus"
+    for pair in ("en-de", "en-fr"):
+        for lang in pair.split("-"):
+            for split in ("train", "valid"):
+                path = corpus / "parallel" / pair / f"{split}.{lang}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("a\nb\nc\n")
+    single = PipelineConfig(workdir=tmp_path, train_pairs=2)
+    several = PipelineConfig(workdir=tmp_path, train_pairs=2, languages=("en", "de", "fr"))
+    data_steps.build_parallel_shards(single, corpus, tmp_path / "spm")
+    data_steps.build_parallel_shards(several, corpus, tmp_path / "spm", "en-fr")
+    assert built == [tmp_path / "shards" / "parallel-2", tmp_path / "shards" / "parallel-en-fr-2"]
+    assert data_steps.slice_parallel(single, corpus, "valid", 2) == tmp_path / "data" / "valid-2"
+    valid = data_steps.slice_parallel(several, corpus, "valid", 2, "en-fr")
+    assert valid == tmp_path / "data" / "en-fr" / "valid-2"
+    assert (tmp_path / "data" / "en-fr" / "valid-2.fr").read_text() == "a\nb\n"

@@ -153,10 +153,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
             values["workdir"] = budget_dir.with_name(
                 f"{budget_dir.name}-{'-'.join(values['languages'])}"  # type: ignore[arg-type]
             )
-    config = PipelineConfig(**values)  # type: ignore[arg-type]
-    if config.multilingual and args.corpus is None:
-        config.check_catalogs()
-    return config
+    return PipelineConfig(**values)  # type: ignore[arg-type]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        if config.multilingual and args.corpus is None:  # before anything is built
+            config.check_catalogs()
         Pipeline(config, corpus=args.corpus).run()
     except (DemoCorpusError, LaunchError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)

@@ -141,11 +141,7 @@ def build_parallel_shards(
     ``config.pair``, in ``shards/parallel-<n>``; another: ``shards/parallel-<pair>-<n>``)."""
     prefix = slice_parallel(config, corpus, "train", config.train_pairs, pair)
     src, tgt = pair.split("-") if pair else config.langs
-    name = (
-        f"parallel-{config.train_pairs}"
-        if pair is None
-        else f"parallel-{pair}-{config.train_pairs}"
-    )
+    name = "parallel" if pair is None else f"parallel-{pair}"
     out = config.workdir / "shards" / f"{name}-{config.train_pairs}"
     item = f"{src}-{tgt}:{prefix}.{src},{prefix}.{tgt}"
     manifest = build_shards(parse_parallel([item]), spm, out, _shard_config(config), overwrite=True)
