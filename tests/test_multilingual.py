@@ -24,7 +24,9 @@ def test_one_pretraining_over_every_language_is_fine_tuned_on_every_pair(
     workdir = tmp_path / "multi"
     args = ["--budget", "smoke", "--workdir", str(workdir), "--locale-dir", str(locale_dir)]
     args += ["--languages", ",".join(LANGUAGES), "--systems", "vq", "--settings", "supervised"]
-    args += ["--vocab-size", "1000", "--procs", "1"]  # one process: the claim is the lineage
+    # One process and few sentences: the claim is the lineage and the table, not the scores.
+    args += ["--vocab-size", "1000", "--procs", "1", "--test-sentences", "10"]
+    args += ["--valid-sentences", "5"]
     assert main(args) == 0
     out = capsys.readouterr().out
     # One table: every pair's two directions and the average.

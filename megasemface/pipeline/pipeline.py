@@ -11,6 +11,11 @@ The data is built once; the training runs, connected models and test translation
 once per seed of ``config.run_seeds``, in ``<name>`` for seed 0 (a single-seed pipeline's
 paths, so its work is reused) and ``<name>-s<seed>`` for the others, each run tagged
 ``seed``.
+
+Over several languages (``PipelineConfig.languages``) the corpus, tokenizer, monolingual
+shards, CL table and each system's pre-training are built once over all of them; each pair
+en-xx then has its parallel shards, validation and test sets, and per system a fine-tuning
+run ``<setting>-<system>-<pair>`` (tagged ``pair``) from the one pre-trained model.
 """
 
 from __future__ import annotations
