@@ -135,6 +135,12 @@ def test_languages_are_mixed_by_temperature(shard_dir: Path) -> None:
     probs = temperature_probs(source.sizes, 2.0)
     assert counts["en"] / 2000 == pytest.approx(probs["en"], abs=0.035)
     assert probs["en"] < source.sizes["en"] / sum(source.sizes.values())
+    # What the run's MLflow record says of it: the temperature, the counts, the shares.
+    sampling = ShardLoader(source, cfg, pad_id=PAD).sampling()
+    assert sampling["temperature"] == 2.0
+    assert sampling["languages"] == {
+        lang: {"sentences": source.sizes[lang], "probability": probs[lang]} for lang in ("de", "en")
+    }
 
 
 def test_pairs_get_their_share_of_batches(

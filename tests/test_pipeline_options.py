@@ -23,7 +23,7 @@ from megasemface.pipeline.config import (
     seeded,
 )
 from megasemface.pipeline.launcher import TRAIN_SCRIPT
-from megasemface.pipeline.pipeline import Pipeline
+from megasemface.pipeline.pipeline import PairData, Pipeline
 from megasemface.training.options import TrainConfig, train_argv
 
 
@@ -345,15 +345,20 @@ def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
             calls.append(("connect", system.key, run_dir.name))
             return tmp_path / seeded(system.key, seed)
 
-        def finetune(self, system: System, setting: str, init: Path | None, seed: int) -> Path:
+        def finetune(
+            self, system: System, setting: str, init: Path | None, seed: int, pair: str | None
+        ) -> Path:
+            assert pair is None  # one pair: the pipeline's own names
             calls.append(("finetune", system.key, init.name if init else "-", str(seed)))
             return tmp_path / seeded(f"{setting}-{system.key}", seed)
 
-        def test_scores(self, run_dir: Path) -> dict:
+        def test_scores(self, run_dir: Path, pair: str | None) -> dict:
             calls.append(("test", run_dir.name))
             return {"test_bleu": 1.0}
 
-        def register(self, system: System, setting: str, run_dir: Path, scores: dict) -> None:
+        def register(
+            self, system: System, setting: str, run_dir: Path, scores: dict, pair: str | None
+        ) -> None:
             assert scores == {"test_bleu": 1.0}  # after the test, with its scores
             calls.append(("register", system.key, setting, run_dir.name))
 
@@ -385,3 +390,129 @@ def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
         ("VQ-SemFace", 0, {"run": "pretrain-vq"}),
         ("VQ-SemFace", 3, {"run": "pretrain-vq-s3"}),
     ]
+
+
+def test_languages_make_every_pair_and_a_work_directory_of_their_own(tmp_path: Path) -> None:
+    locale = tmp_path / "locale"
+    for lang in ("de", "fr", "ro"):
+        (locale / lang / "LC_MESSAGES").mkdir(parents=True)
+        (locale / lang / "LC_MESSAGES" / "app.mo").write_bytes(b"")
+    config = _config(
+        "--budget", "smoke", "--languages", "en, de,fr,ro", "--locale-dir", str(locale)
+    )
+    assert config.languages == ("en", "de", "fr", "ro")
+    assert config.settings == ("supervised",)  # without --settings
+    assert config.pairs == ("en-de", "en-fr", "en-ro")
+    assert config.all_langs == config.languages and config.multilingual
+    # Beside the single pair's work directory, never in it: that one stays as it is.
+    assert config.workdir == Path("runs/smoke-en-de-fr-ro")
+    assert config.experiment_name == "megasemface-en-de-fr-ro"
+    given = _config(
+        "--languages", "en,de,fr", "--workdir", str(tmp_path / "w"), "--locale-dir", str(locale)
+    )
+    assert given.workdir == tmp_path / "w"
+    # One pair: as before.
+    single = _config("--budget", "smoke")
+    assert (single.pairs, single.all_langs, single.multilingual) == (
+        ("en-de",),
+        ("en", "de"),
+        False,
+    )
+    assert (single.workdir, single.experiment_name) == (Path("runs/smoke"), "megasemface-en-de")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--languages", "en,de"], "give en and at least two others"),
+        (["--languages", "en"], "give en and at least two others"),
+        (["--languages", "de,en,fr"], "must start with en"),
+        (["--languages", "en,de,german"], "'german' is not a language code"),
+        (["--languages", "en,de,de"], "de is given more than once"),
+        (["--languages", "en,de,xx"], "no gettext catalogs (*.mo) for 'xx'"),
+        (["--languages", "en,de,fr", "--settings", "supervised,unsupervised"], "supervised only"),
+        (["--languages", "en,de,fr", "--systems", "mrasp"], "one pair's parallel data"),
+        (["--languages", "en,de,fr", "--systems", "vq-ras"], "one pair's dictionary"),
+    ],
+)
+def test_bad_languages_are_refused_in_one_line(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    locale = tmp_path / "locale"
+    for lang in ("de", "fr"):
+        (locale / lang / "LC_MESSAGES").mkdir(parents=True)
+        (locale / lang / "LC_MESSAGES" / "app.mo").write_bytes(b"")
+    workdir = tmp_path / "w"
+    assert main([*argv, "--workdir", str(workdir), "--locale-dir", str(locale)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and message in error, error
+    assert "\n" not in error
+    assert not workdir.exists()
+
+
+def test_each_pair_is_fine_tuned_on_its_own_data_in_its_own_run(
+    tmp_path: Path, launches: list[list[str]]
+) -> None:
+    values = {**BUDGETS["smoke"], "workdir": tmp_path, "languages": ("en", "de", "fr")}
+    pipeline = Pipeline(PipelineConfig(**values))  # type: ignore[arg-type]
+    pipeline.spm, pipeline.mono = tmp_path / "spm", tmp_path / "mono"
+    for pair in pipeline.config.pairs:
+        pipeline.by_pair[pair] = PairData(*(tmp_path / f"{n}-{pair}" for n in ("par", "val", "te")))
+    vq, init = SYSTEMS["vq"], tmp_path / "models" / "vq"
+    configs = [
+        pipeline.finetune_config(vq, "supervised", init, s, p)
+        for p in ("en-de", "en-fr")
+        for s in (0, 1)
+    ]
+    assert [c.run_name for c in configs] == [
+        "supervised-vq-en-de",
+        "supervised-vq-en-de-s1",
+        "supervised-vq-en-fr",
+        "supervised-vq-en-fr-s1",
+    ]
+    assert [c.data.name for c in configs] == ["par-en-de", "par-en-de", "par-en-fr", "par-en-fr"]
+    assert [c.valid_prefix.name for c in configs] == [
+        "val-en-de",
+        "val-en-de",
+        "val-en-fr",
+        "val-en-fr",
+    ]
+    assert [c.tag_dict()["pair"] for c in configs] == ["en-de", "en-de", "en-fr", "en-fr"]
+    assert all(c.init_from == init for c in configs)  # the one pre-trained model
+    for config in configs:
+        assert parse_train_argv(train_argv(config)) == config
+    # The single pair's run has no pair in its name or tags.
+    single = _pipeline(tmp_path / "single", (0,)).finetune_config(vq, "supervised", init, 0)
+    assert single.run_name == "supervised-vq" and "pair" not in single.tag_dict()
+
+
+def test_a_single_pair_keeps_its_shard_and_data_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A work directory of one pair is reused as it is: its parallel shards and slices keep
+    their names; the pairs of several languages have their own beside them."""
+    from megasemface.pipeline import data_steps
+
+    built: list[Path] = []
+
+    def build(corpora: object, spm: Path, out: Path, *_: object, **__: object) -> dict:
+        built.append(out)
+        return {"already_built": True}
+
+    monkeypatch.setattr(data_steps, "build_shards", build)
+    corpus = tmp_path / "corpus"
+    for pair in ("en-de", "en-fr"):
+        for lang in pair.split("-"):
+            for split in ("train", "valid"):
+                path = corpus / "parallel" / pair / f"{split}.{lang}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("a\nb\nc\n")
+    single = PipelineConfig(workdir=tmp_path, train_pairs=2)
+    several = PipelineConfig(workdir=tmp_path, train_pairs=2, languages=("en", "de", "fr"))
+    data_steps.build_parallel_shards(single, corpus, tmp_path / "spm")
+    data_steps.build_parallel_shards(several, corpus, tmp_path / "spm", "en-fr")
+    assert built == [tmp_path / "shards" / "parallel-2", tmp_path / "shards" / "parallel-en-fr-2"]
+    assert data_steps.slice_parallel(single, corpus, "valid", 2) == tmp_path / "data" / "valid-2"
+    valid = data_steps.slice_parallel(several, corpus, "valid", 2, "en-fr")
+    assert valid == tmp_path / "data" / "en-fr" / "valid-2"
+    assert (tmp_path / "data" / "en-fr" / "valid-2.fr").read_text() == "a\nb\n"

@@ -26,7 +26,7 @@ from megasemface.pipeline.report import (
     describe_seeds,
     paper_table,
 )
-from megasemface.pipeline.scores import collect_systems, run_seed
+from megasemface.pipeline.scores import collect_pairs, collect_systems, run_seed
 from megasemface.tracking.compare import RunRecord, select_runs
 
 DIRECTIONS = ["en-de", "de-en"]
@@ -310,3 +310,45 @@ def test_diagnostics_table_reads_the_figures_of_each_language() -> None:
         "| VQ-SemFace | 0 | en | 322 / 169.2 | 56 / 28.2 | 0.072 | 5.715 | 6.215 | 6.308 |"
     )
     assert table[3] == "| CL-SemFace | 1 | de | - | - | 0.500 | - | - | - |"
+
+
+def _pair_record(key: str, pair: str, seed: int, forward: float, backward: float) -> RunRecord:
+    a, b = pair.split("-")
+    record = _record(key, key.upper(), 0.0, 0.0, seed)
+    return dataclasses.replace(
+        record,
+        run_id=f"{key}-{pair}-{seed}",
+        name=seeded(f"supervised-{key}-{pair}", seed),
+        tags={**record.tags, "pair": pair},
+        metrics={
+            f"test_bleu_{a}-{b}": forward,
+            f"test_bleu_{b}-{a}": backward,
+            "test_bleu": (forward + backward) / 2,
+        },
+    )
+
+
+def test_several_pairs_make_one_row_per_system_from_each_pair_s_runs() -> None:
+    """--languages: each direction's column is read from its pair's run; a system (or seed)
+    without a run of every pair is left out rather than shown with a hole."""
+    records = [
+        _pair_record("vq", "en-de", 0, 10.0, 12.0),
+        _pair_record("vq", "en-fr", 0, 20.0, 22.0),
+        _pair_record("vq", "en-de", 1, 11.0, 13.0),  # seed 1 has no en-fr run
+        _pair_record("xlm", "en-de", 0, 5.0, 6.0),  # no en-fr run at all
+    ]
+    (vq,) = collect_pairs(records, ["xlm", "vq"], [0, 1], "supervised", ["en-de", "en-fr"])
+    directions = ["en-de", "de-en", "en-fr", "fr-en"]
+    assert vq.seeds == (0,)
+    assert vq.bleu(directions) == {
+        "en-de": [10.0],
+        "de-en": [12.0],
+        "en-fr": [20.0],
+        "fr-en": [22.0],
+        "avg": [16.0],
+    }
+    assert vq.run_of(0, "fr-en").name == "supervised-vq-en-fr"
+    assert sorted(r.name for r in vq.all_runs) == ["supervised-vq-en-de", "supervised-vq-en-fr"]
+    table = paper_table([vq], directions)
+    assert table.splitlines()[0] == "| system | en-de | de-en | en-fr | fr-en | avg | gain |"
+    assert "| VQ | 10.00 | 12.00 | 20.00 | 22.00 | 16.00 | - |" in table

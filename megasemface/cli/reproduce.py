@@ -11,6 +11,7 @@ Examples::
     python tools/reproduce.py --systems vq,vq-no-div,vq-no-l2,vq-mlm --settings supervised
     python tools/reproduce.py --settings supervised --seeds 0,1,2  # mean ± std, p-values
     python tools/reproduce.py --systems transformer,mbart,cl,vq,related --settings supervised
+    python tools/reproduce.py --languages en,de,fr,ro --settings supervised  # one pre-training
     python tools/reproduce.py --budget paper --corpus data/en-ro --pair en-ro \\
         --hostfile hostfile --deepspeed-config ds_configs/zero2_bf16.json
 """
@@ -30,6 +31,7 @@ from megasemface.pipeline.config import (
     SETTINGS,
     SYSTEMS,
     PipelineConfig,
+    parse_languages,
     parse_seeds,
 )
 
@@ -52,6 +54,12 @@ def build_parser(
     add("--model-preset", help="model shapes: tiny, small or paper (default: the budget's)")
     add("--workdir", type=Path, help="where everything is built (default: runs/<budget>)")
     add("--pair", default="en-de", help="language pair en-xx (default: en-de)")
+    add(
+        "--languages",
+        help="several languages, English first, e.g. en,de,fr,ro: one pre-training per system "
+        "over all of them, then fine-tuning and test of every pair en-xx from it, in one "
+        "table (instead of --pair; supervised; default work directory runs/<budget>-<languages>)",
+    )
     add("--locale-dir", type=Path, help="gettext catalogs of the demo corpus")
     add("--corpus", type=Path, help="a corpus in the demo corpus layout instead of the demo")
     add(
@@ -120,7 +128,8 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     budget = BUDGETS[args.budget]
     values: dict[str, object] = dict(budget)
     values.setdefault("workdir", Path("runs") / args.budget)
-    names = {f.name for f in dataclasses.fields(PipelineConfig)} - {"systems", "settings", "seeds"}
+    omitted = {"systems", "settings", "seeds", "languages"}
+    names = {f.name for f in dataclasses.fields(PipelineConfig)} - omitted
     for name, value in vars(args).items():
         if name in names and value not in (None, []):
             values[name] = value
@@ -131,10 +140,19 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     }
     values["systems"] = _systems(args.systems or own["systems"] or args.entry_systems)
     settings = args.settings or own["settings"] or args.entry_settings
+    if args.languages is not None and not args.settings:
+        settings = "supervised"  # each pair is fine-tuned supervised only
     values["settings"] = tuple(s.strip() for s in settings.split(",") if s.strip())
     values["model_options"] = tuple(args.model_options)
     if args.seeds is not None:
         values["seeds"] = parse_seeds(args.seeds)
+    if args.languages is not None:
+        values["languages"] = parse_languages(args.languages)
+        if args.workdir is None:  # its own, beside (never inside) a single pair's
+            budget_dir = typing.cast(Path, values["workdir"])
+            values["workdir"] = budget_dir.with_name(
+                f"{budget_dir.name}-{'-'.join(values['languages'])}"  # type: ignore[arg-type]
+            )
     return PipelineConfig(**values)  # type: ignore[arg-type]
 
 
@@ -145,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        if config.multilingual and args.corpus is None:  # before anything is built
+            config.check_catalogs()
         Pipeline(config, corpus=args.corpus).run()
     except (DemoCorpusError, LaunchError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)

@@ -509,6 +509,18 @@ class ShardLoader:
     def num_slots(self) -> int:
         return len(self.order)
 
+    def sampling(self) -> dict[str, Any]:
+        """How batches are drawn between languages (or pairs): the temperature, and per
+        language its sentence count and the probability a batch is of that language."""
+        probs = temperature_probs(self.source.sizes, self.config.temperature)
+        return {
+            "temperature": self.config.temperature,
+            "languages": {
+                lang: {"sentences": self.source.sizes[lang], "probability": probs[lang]}
+                for lang in sorted(self.source.sizes)
+            },
+        }
+
     def __iter__(self) -> Iterator[TokenBatch]:
         start = self.position + self.rank
         if self.config.num_workers == 0:

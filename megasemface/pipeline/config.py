@@ -8,12 +8,14 @@ of parallel data, or unsupervised (denoising and back-translation on monolingual
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR
+from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, SOURCE_LANG
+from megasemface.data.gettext_catalogs import find_catalogs
 from megasemface.models.config import model_option
 from megasemface.training.options import TrainConfig, typed_overrides
 
@@ -27,6 +29,7 @@ __all__ = [
     "SYSTEMS",
     "PipelineConfig",
     "System",
+    "parse_languages",
     "parse_seeds",
     "seeded",
 ]
@@ -273,6 +276,10 @@ class PipelineConfig:
     """Everything is built here: corpus, tokenizer, shards, runs, models, the MLflow store."""
     pair: str = "en-de"
     """en-xx: the demo corpus translates from English."""
+    languages: tuple[str, ...] = ()
+    """Several languages, English first (``--languages en,de,fr,ro``): one pre-training over
+    all of them, then fine-tuning and test of every pair en-xx from it, in one table
+    (:attr:`pairs`); replaces ``pair``. Empty: the one pair ``pair``."""
     locale_dir: Path = Path(DEFAULT_LOCALE_DIR)
     systems: tuple[str, ...] = ("transformer", "cl", "vq")
     settings: tuple[str, ...] = ("supervised",)
@@ -367,6 +374,80 @@ class PipelineConfig:
         if repeated:
             given = ",".join(map(str, self.seeds))
             raise ValueError(f"--seeds {given}: seed {repeated[0]} is given more than once")
+        self._check_languages()
+
+    def _check_languages(self) -> None:
+        """What ``--languages`` may hold; the catalogs are :meth:`check_catalogs`'."""
+        if not self.languages:
+            return
+        given = ",".join(self.languages)
+        bad = [lang for lang in self.languages if not LANG_CODE.fullmatch(lang)]
+        if bad:
+            raise ValueError(
+                f"--languages {given}: {bad[0]!r} is not a language code (e.g. de, pt_BR)"
+            )
+        repeated = sorted({lang for lang in self.languages if self.languages.count(lang) > 1})
+        if repeated:
+            raise ValueError(f"--languages {given}: {repeated[0]} is given more than once")
+        if self.languages[0] != SOURCE_LANG:
+            raise ValueError(
+                f"--languages {given}: must start with {SOURCE_LANG} (the demo catalogs "
+                f"translate English; every pair is {SOURCE_LANG}-xx)"
+            )
+        if len(self.languages) < 3:
+            raise ValueError(
+                f"--languages {given}: give {SOURCE_LANG} and at least two others (one other "
+                f"language is --pair {SOURCE_LANG}-xx)"
+            )
+        if "unsupervised" in self.settings:
+            raise ValueError(
+                "--languages fine-tunes each pair supervised only: use --settings supervised"
+            )
+        for key in self.systems:
+            system = self.system(key)  # a known one: checked above
+            if system.pretraining_pairs:
+                raise ValueError(
+                    f"--languages: system {key!r} pre-trains on one pair's parallel data; "
+                    "a run over several languages pre-trains on monolingual text"
+                )
+            if system.pretraining_ras or system.finetuning_ras:
+                raise ValueError(
+                    f"--languages: system {key!r} substitutes words from one pair's "
+                    "dictionary, which a run over several languages does not have yet"
+                )
+
+    def check_catalogs(self) -> None:
+        """Every language of :attr:`all_langs` other than English has gettext catalogs in
+        ``locale_dir`` (the demo corpus is made of them).
+
+        Raises:
+            ValueError: one line naming the language and the directory.
+        """
+        for lang in self.all_langs:
+            if lang != SOURCE_LANG and not find_catalogs(self.locale_dir, lang):
+                where = self.locale_dir / lang / "LC_MESSAGES"
+                option = "--languages" if self.languages else "--pair"
+                raise ValueError(
+                    f"{option}: no gettext catalogs (*.mo) for {lang!r} in {where}; leave it "
+                    "out, install its translations or give --locale-dir"
+                )
+
+    @property
+    def multilingual(self) -> bool:
+        """One pre-training over :attr:`languages`, fine-tuned on each of its pairs."""
+        return bool(self.languages)
+
+    @property
+    def pairs(self) -> tuple[str, ...]:
+        """The pairs fine-tuned and tested: each en-xx of ``languages``, else ``pair``."""
+        if self.languages:
+            return tuple(f"{self.languages[0]}-{lang}" for lang in self.languages[1:])
+        return (self.pair,)
+
+    @property
+    def all_langs(self) -> tuple[str, ...]:
+        """Every language of the corpus, the tokenizer and the pre-training."""
+        return self.languages or self.langs
 
     @property
     def langs(self) -> tuple[str, str]:
@@ -386,10 +467,24 @@ class PipelineConfig:
 
     @property
     def experiment_name(self) -> str:
-        return self.experiment or f"megasemface-{self.pair}"
+        return self.experiment or f"megasemface-{self.name}"
+
+    @property
+    def name(self) -> str:
+        """The pair (``en-de``), or the languages (``en-de-fr-ro``)."""
+        return "-".join(self.languages) if self.languages else self.pair
 
     def system(self, key: str) -> System:
         return SYSTEMS.get(key) or ABLATIONS.get(key) or RELATED[key]
+
+
+LANG_CODE = re.compile(r"[A-Za-z]{2,3}(?:_[A-Za-z0-9]+)?(?:@[A-Za-z0-9]+)?")
+"""A gettext language code, as the demo corpus reads them (de, pt_BR, sr@latin)."""
+
+
+def parse_languages(text: str) -> tuple[str, ...]:
+    """``--languages en,de,fr``: comma-separated codes (``PipelineConfig`` checks them)."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def seeded(name: str, seed: int) -> str:

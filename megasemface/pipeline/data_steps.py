@@ -36,15 +36,14 @@ __all__ = [
 def build_corpus(config: PipelineConfig, corpus: Path | None = None) -> Path:
     """The demo corpus from gettext catalogs, or a corpus of the same layout given by the
     user (``mono/<lang>.txt``, ``parallel/<pair>/{train,valid,test}.<lang>``)."""
-    src, tgt = config.langs
     if corpus is not None:
         for path in (
-            corpus / "mono" / f"{src}.txt",
-            corpus / "mono" / f"{tgt}.txt",
+            *[corpus / "mono" / f"{lang}.txt" for lang in config.all_langs],
             *[
-                corpus / "parallel" / config.pair / f"{s}.{lang}"
+                corpus / "parallel" / pair / f"{s}.{lang}"
+                for pair in config.pairs
                 for s in ("train", "valid", "test")
-                for lang in (src, tgt)
+                for lang in pair.split("-")
             ],
         ):
             if not path.is_file():
@@ -52,11 +51,20 @@ def build_corpus(config: PipelineConfig, corpus: Path | None = None) -> Path:
         print(f"using the corpus in {corpus}")
         return corpus
     out = config.workdir / "corpus"
-    files = [out / "mono" / f"{lang}.txt" for lang in (src, tgt)]
+    files = [out / "mono" / f"{lang}.txt" for lang in config.all_langs]
     if (out / "report.json").exists() and all(f.exists() for f in files):
+        if config.multilingual:
+            # The split and the held-out text depend on every language read together: a
+            # corpus of other languages is not this one's.
+            built = sorted(json.loads((out / "report.json").read_text())["pairs"])
+            if built != sorted(config.pairs):
+                raise ValueError(
+                    f"{out} holds the corpus of {', '.join(built)}, not of --languages "
+                    f"{','.join(config.languages)}: give another --workdir"
+                )
         print(f"reusing {out} (delete it to rebuild)")
         return out
-    report = build_demo_corpus(config.locale_dir, [tgt], out)
+    report = build_demo_corpus(config.locale_dir, list(config.all_langs[1:]), out)
     for pair, info in report["pairs"].items():
         sizes = ", ".join(f"{split} {n:,}" for split, n in info["split_sizes"].items())
         print(f"{pair} parallel pairs: {sizes} (split by program, no test text in training)")
@@ -68,12 +76,12 @@ def build_corpus(config: PipelineConfig, corpus: Path | None = None) -> Path:
 def build_tokenizer(config: PipelineConfig, corpus: Path) -> Path:
     prefix = config.workdir / "spm" / "joint"
     model = prefix.with_suffix(".model")
-    if model.exists() and set(Tokenizer.load(model).languages) == set(config.langs):
+    if model.exists() and set(Tokenizer.load(model).languages) == set(config.all_langs):
         print(f"reusing {model}")
         return model
     prefix.parent.mkdir(parents=True, exist_ok=True)
     corpora = parse_lang_path(
-        [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in config.langs]
+        [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in config.all_langs]
     )
     started = time.perf_counter()
     train_spm(corpora, prefix, SpmTrainConfig(vocab_size=config.vocab_size, seed=config.seed))
@@ -99,7 +107,7 @@ def _report(manifest: dict, out: Path) -> None:
 
 def build_mono_shards(config: PipelineConfig, corpus: Path, spm: Path) -> Path:
     out = config.workdir / "shards" / "mono"
-    inputs = [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in config.langs]
+    inputs = [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in config.all_langs]
     manifest = build_shards(
         parse_lang_path(inputs), spm, out, _shard_config(config), overwrite=True
     )
@@ -107,13 +115,17 @@ def build_mono_shards(config: PipelineConfig, corpus: Path, spm: Path) -> Path:
     return out
 
 
-def slice_parallel(config: PipelineConfig, corpus: Path, split: str, limit: int) -> Path:
-    """``PREFIX`` with PREFIX.<lang> holding the first ``limit`` pairs of a split (0: all)."""
-    source = corpus / "parallel" / config.pair / split
+def slice_parallel(
+    config: PipelineConfig, corpus: Path, split: str, limit: int, pair: str | None = None
+) -> Path:
+    """``PREFIX`` with PREFIX.<lang> holding the first ``limit`` pairs of a split (0: all),
+    of ``pair`` (default: ``config.pair``, under ``data/``; another: under ``data/<pair>/``)."""
+    source = corpus / "parallel" / (pair or config.pair) / split
     if limit <= 0:
         return source
-    prefix = config.workdir / "data" / f"{split}-{limit}"
-    for lang in config.langs:
+    folder = config.workdir / "data" if pair is None else config.workdir / "data" / pair
+    prefix = folder / f"{split}-{limit}"
+    for lang in pair.split("-") if pair else config.langs:
         target = prefix.with_name(f"{prefix.name}.{lang}")
         lines = read_lines(f"{source}.{lang}")[:limit]
         if not target.exists() or read_lines(target) != lines:
@@ -122,12 +134,16 @@ def slice_parallel(config: PipelineConfig, corpus: Path, split: str, limit: int)
     return prefix
 
 
-def build_parallel_shards(config: PipelineConfig, corpus: Path, spm: Path) -> Path:
-    """Parallel shards of the low-resource slice of the training pairs."""
-    prefix = slice_parallel(config, corpus, "train", config.train_pairs)
-    src, tgt = config.langs
-    out = config.workdir / "shards" / f"parallel-{config.train_pairs}"
-    item = f"{config.pair}:{prefix}.{src},{prefix}.{tgt}"
+def build_parallel_shards(
+    config: PipelineConfig, corpus: Path, spm: Path, pair: str | None = None
+) -> Path:
+    """Parallel shards of the low-resource slice of the training pairs of ``pair`` (default:
+    ``config.pair``, in ``shards/parallel-<n>``; another: ``shards/parallel-<pair>-<n>``)."""
+    prefix = slice_parallel(config, corpus, "train", config.train_pairs, pair)
+    src, tgt = pair.split("-") if pair else config.langs
+    name = "parallel" if pair is None else f"parallel-{pair}"
+    out = config.workdir / "shards" / f"{name}-{config.train_pairs}"
+    item = f"{src}-{tgt}:{prefix}.{src},{prefix}.{tgt}"
     manifest = build_shards(parse_parallel([item]), spm, out, _shard_config(config), overwrite=True)
     _report(manifest, out)
     return out
@@ -141,7 +157,8 @@ def _cl_embeddings_command(
     cmd = [sys.executable, str(ROOT / "tools" / "build_cl_embeddings.py")]
     cmd += ["--shards", str(shards), "--spm-model", str(spm), "--out", str(out)]
     cmd += ["--dim", str(dim), "--epochs", str(config.cl_epochs)]
-    gold = corpus / "dict" / f"{config.pair}.tsv"
+    # Several pairs: BLI is reported on the first one's dictionary (the table maps all).
+    gold = corpus / "dict" / f"{config.pairs[0]}.tsv"
     if gold.is_file():
         cmd += ["--gold-dict", str(gold)]
     return cmd

@@ -11,6 +11,11 @@ The data is built once; the training runs, connected models and test translation
 once per seed of ``config.run_seeds``, in ``<name>`` for seed 0 (a single-seed pipeline's
 paths, so its work is reused) and ``<name>-s<seed>`` for the others, each run tagged
 ``seed``.
+
+Over several languages (``PipelineConfig.languages``) the corpus, tokenizer, monolingual
+shards, CL table and each system's pre-training are built once over all of them; each pair
+en-xx then has its parallel shards, validation and test sets, and per system a fine-tuning
+run ``<setting>-<system>-<pair>`` (tagged ``pair``) from the one pre-trained model.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from megasemface.checkpoints import connect_mbart, connect_runs, write_seq2seq_dir
 from megasemface.checkpoints.connect import SEQ2SEQ_STAGES
@@ -43,7 +48,18 @@ from megasemface.tracking.report_run import log_report_run
 from megasemface.tracking.run_scores import log_scores
 from megasemface.training.options import TrainConfig
 
-__all__ = ["Pipeline"]
+__all__ = ["PairData", "Pipeline"]
+
+
+class PairData(NamedTuple):
+    """One pair's data of a pipeline over several languages."""
+
+    parallel: Path
+    """Parallel shards of its low-resource slice of training pairs."""
+    valid: Path
+    """Validation set prefix (``<prefix>.<lang>``)."""
+    test: Path
+    """Test set prefix."""
 
 
 class Pipeline:
@@ -63,6 +79,9 @@ class Pipeline:
         """Monolingual and parallel shards in one directory, VECO's pre-training data."""
         self.diagnostics: list[tuple[str, int, dict[str, Any]]] = []
         """(system, seed, figures) of every SemFace pre-training, for the report."""
+        self.by_pair: dict[str, PairData] = {}
+        """Several languages: each pair's parallel shards, validation and test sets (one
+        pair: ``parallel``, ``valid`` and ``test``)."""
 
     def _step(self, title: str) -> None:
         self.count += 1
@@ -80,7 +99,15 @@ class Pipeline:
         self.spm = data_steps.build_tokenizer(cfg, self.corpus)
         self._step("monolingual shards")
         self.mono = data_steps.build_mono_shards(cfg, self.corpus, self.spm)
-        if "supervised" in cfg.settings:
+        if cfg.multilingual:  # supervised only (PipelineConfig says so)
+            for pair in cfg.pairs:
+                self._step(f"{pair}: parallel shards of the first {cfg.train_pairs:,} pairs")
+                self.by_pair[pair] = PairData(
+                    data_steps.build_parallel_shards(cfg, self.corpus, self.spm, pair),
+                    data_steps.slice_parallel(cfg, self.corpus, "valid", cfg.valid_sentences, pair),
+                    data_steps.slice_parallel(cfg, self.corpus, "test", cfg.test_sentences, pair),
+                )
+        elif "supervised" in cfg.settings:
             self._step(f"parallel shards of the first {cfg.train_pairs:,} training pairs")
             self.parallel = data_steps.build_parallel_shards(cfg, self.corpus, self.spm)
         systems = []
@@ -105,13 +132,22 @@ class Pipeline:
             self.ras_dictionary = data_steps.build_ras_dictionary(
                 cfg, self.mono, self.spm, self.model_config.d_model, self.corpus
             )
-        self.valid = data_steps.slice_parallel(cfg, self.corpus, "valid", cfg.valid_sentences)
-        self.test = data_steps.slice_parallel(cfg, self.corpus, "test", cfg.test_sentences)
+        if cfg.multilingual:
+            self.valid, self.test = self.by_pair[cfg.pairs[0]][1:]
+        else:
+            self.valid = data_steps.slice_parallel(cfg, self.corpus, "valid", cfg.valid_sentences)
+            self.test = data_steps.slice_parallel(cfg, self.corpus, "test", cfg.test_sentences)
         for seed in cfg.run_seeds:
             self.run_seed(systems, seed)
         self._step("comparison")
+        tests = {pair: data.test for pair, data in self.by_pair.items()}
         report = build_report(
-            cfg, self.tracking_uri, self.workdir, self.test, diagnostics=self.diagnostics
+            cfg,
+            self.tracking_uri,
+            self.workdir,
+            self.test,
+            diagnostics=self.diagnostics,
+            pair_tests=tests or None,
         )
         run_id = log_report_run(
             self.tracking_uri, cfg.experiment_name, self.workdir, report.markdown, report.plots
@@ -144,10 +180,17 @@ class Pipeline:
             if left_out:  # their pre-training or fine-tuning reads parallel pairs
                 print(f"\nno {setting} run of {', '.join(left_out)}: it trains on parallel pairs")
             for system in [s for s in systems if s.runs_in(setting)]:
-                self._step(f"fine-tuning {system.display}, {setting}{of_seed}")
-                run_dir = self.finetune(system, setting, inits[system.key], seed)
-                self._step(f"translating the test set with {system.display}, {setting}{of_seed}")
-                self.register(system, setting, run_dir, self.test_scores(run_dir))
+                # One pair: the pipeline's own names; several: each pair from the same
+                # pre-trained model, its runs named and tagged with the pair.
+                for pair in cfg.pairs if cfg.multilingual else (None,):
+                    on = f"{pair} " if pair else ""
+                    self._step(f"fine-tuning {system.display}, {on}{setting}{of_seed}")
+                    run_dir = self.finetune(system, setting, inits[system.key], seed, pair)
+                    self._step(
+                        f"translating the {on}test set with {system.display}, {setting}{of_seed}"
+                    )
+                    scores = self.test_scores(run_dir, pair)
+                    self.register(system, setting, run_dir, scores, pair)
 
     # Training runs --------------------------------------------------------------------------
 
@@ -237,15 +280,15 @@ class Pipeline:
         if path.is_file():
             print(f"reusing {path}")
             return json.loads(path.read_text())
-        src, tgt = self.config.langs
-        # Whether translations share codes (the paper's Fig. 5) is a question for VQ codes.
-        dictionary = self.corpus / "dict" / f"{self.config.pair}.tsv"
+        # Whether translations share codes (the paper's Fig. 5) is a question for VQ codes;
+        # of several pairs, the first one's dictionary answers it.
+        dictionary = self.corpus / "dict" / f"{self.config.pairs[0]}.tsv"
         has_dictionary = system.interface == "vq" and dictionary.is_file()
         result = diagnose_interface(
             DiagnosticsConfig(
                 checkpoint=run_dir,
                 spm_model=self.spm,
-                texts={lang: Path(f"{self.valid}.{lang}") for lang in (src, tgt)},
+                texts=self._validation_texts(),
                 dictionary=dictionary if has_dictionary else None,
                 max_sentences=self.config.valid_sentences,
             )
@@ -256,6 +299,17 @@ class Pipeline:
             log_to_run(result, tracking_uri=self.tracking_uri, run_id=data["mlflow_run_id"])
         path.write_text(json.dumps(data, indent=1))
         return data
+
+    def _validation_texts(self) -> dict[str, Path]:
+        """Each language's validation text: the pair's both sides; of several pairs, each
+        xx side of its pair and English of the first."""
+        if not self.by_pair:
+            return {lang: Path(f"{self.valid}.{lang}") for lang in self.config.langs}
+        texts = {"en": Path(f"{self.valid}.en")}
+        for pair, data in self.by_pair.items():
+            tgt = pair.split("-")[1]
+            texts[tgt] = Path(f"{data.valid}.{tgt}")
+        return texts
 
     def connect(self, system: System, run_dir: Path, seed: int) -> Path:
         out = self.workdir / "models" / seeded(system.key, seed)
@@ -274,13 +328,17 @@ class Pipeline:
         return out
 
     def finetune_config(
-        self, system: System, setting: str, init: Path | None, seed: int
+        self, system: System, setting: str, init: Path | None, seed: int, pair: str | None = None
     ) -> TrainConfig:
         """The fine-tuning run of ``system`` in ``setting``, from the connected model
-        ``init`` (None: from scratch), with the system's fine-tuning options."""
+        ``init`` (None: from scratch), with the system's fine-tuning options; on ``pair`` of
+        several (run ``<setting>-<system>-<pair>``, tagged ``pair``), else the one pair."""
         cfg = self.config
-        run_dir = self.workdir / "runs" / seeded(f"{setting}-{system.key}", seed)
+        name = f"{setting}-{system.key}" if pair is None else f"{setting}-{system.key}-{pair}"
+        run_dir = self.workdir / "runs" / seeded(name, seed)
         tags = [f"system={system.display}", f"system_key={system.key}", f"setting={setting}"]
+        tags += [f"pair={pair}"] if pair is not None else []
+        parallel, valid = (self.parallel, self.valid) if pair is None else self.by_pair[pair][:2]
         return self._run_config(
             run_dir,
             cfg.finetune_steps,
@@ -289,9 +347,9 @@ class Pipeline:
             stage="finetune",
             interface="none",
             finetune_mode=setting,
-            data=self.parallel if setting == "supervised" else self.mono,
+            data=parallel if setting == "supervised" else self.mono,
             model_options=list(cfg.model_options),
-            valid_prefix=self.valid,
+            valid_prefix=valid,
             valid_interval=cfg.valid_interval,
             valid_max_sentences=cfg.valid_sentences,
             warmup_steps=cfg.warmup_steps,
@@ -303,14 +361,17 @@ class Pipeline:
             **system.finetune,
         )
 
-    def finetune(self, system: System, setting: str, init: Path | None, seed: int) -> Path:
-        config = self.finetune_config(system, setting, init, seed)
+    def finetune(
+        self, system: System, setting: str, init: Path | None, seed: int, pair: str | None = None
+    ) -> Path:
+        config = self.finetune_config(system, setting, init, seed, pair)
         self._train(config)
         return config.output_dir
 
     # Test scores ----------------------------------------------------------------------------
 
-    def test_scores(self, run_dir: Path) -> dict[str, Any]:
+    def test_scores(self, run_dir: Path, pair: str | None = None) -> dict[str, Any]:
+        """Test BLEU and chrF of both directions of ``pair`` (default: the one pair)."""
         path = run_dir / "test-scores.json"
         if path.is_file():
             scores = json.loads(path.read_text())
@@ -322,14 +383,15 @@ class Pipeline:
         search = SearchConfig(
             beam=self.config.beam, no_repeat_ngram=int(trained.get("no_repeat_ngram_size", 0))
         )
-        src, tgt = self.config.langs
+        src, tgt = self.config.langs if pair is None else pair.split("-")
+        test = self.test if pair is None else self.by_pair[pair].test
         scores: dict[str, Any] = {"signatures": {}}
         for a, b in ((src, tgt), (tgt, src)):
             started = time.perf_counter()
-            sources = read_lines(f"{self.test}.{a}")
+            sources = read_lines(f"{test}.{a}")
             hypotheses = translator.translate(sources, src_lang=a, tgt_lang=b, config=search)
             write_lines(run_dir / f"test.{a}-{b}.{b}", hypotheses)
-            result = evaluate(hypotheses, read_lines(f"{self.test}.{b}"))
+            result = evaluate(hypotheses, read_lines(f"{test}.{b}"))
             scores[f"test_bleu_{a}-{b}"] = result.bleu.score
             scores[f"test_chrf_{a}-{b}"] = result.chrf.score
             scores["signatures"] = {"bleu": result.bleu.signature, "chrf": result.chrf.signature}
@@ -353,13 +415,21 @@ class Pipeline:
         path.write_text(json.dumps(scores, indent=1))
         return scores
 
-    def register(self, system: System, setting: str, run_dir: Path, scores: dict[str, Any]) -> None:
+    def register(
+        self,
+        system: System,
+        setting: str,
+        run_dir: Path,
+        scores: dict[str, Any],
+        pair: str | None = None,
+    ) -> None:
         """Registers the run's best model with its lineage and test scores (a second time,
-        the version registered before is reused)."""
+        the version registered before is reused), as a model of its pair."""
+        langs = self.config.langs if pair is None else pair.split("-")
         version = register_best_model(
             self.tracking_uri,
             run_dir / "best",
-            name=default_model_name(self.config.langs, system.key, setting),
+            name=default_model_name(langs, system.key, setting),
             tags={"interface": system.interface, "system_key": system.key},
             scores=scores,
         )

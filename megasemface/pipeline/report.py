@@ -18,6 +18,7 @@ from megasemface.pipeline.config import PipelineConfig
 from megasemface.pipeline.scores import (
     SystemScores,
     baseline_key,
+    collect_pairs,
     collect_systems,
     mean_std,
     paired_p_values,
@@ -172,22 +173,30 @@ def _compare(
     setting: str,
     directions: list[str],
     workdir: Path,
-    test_prefix: Path | None,
+    tests_of: dict[str, Path],
 ) -> _Section | None:
-    """The table, statistics and p-values of one setting; None when it has no scored run."""
+    """The table, statistics and p-values of one setting; None when it has no scored run.
+    ``tests_of``: each pair's test set (none: no p-values)."""
     seeds = config.run_seeds
-    systems = collect_systems(records, config.systems, seeds, setting)
+    if config.multilingual:
+        systems = collect_pairs(records, config.systems, seeds, setting, config.pairs)
+    else:
+        systems = collect_systems(records, config.systems, seeds, setting)
     if not systems:
         return None
     key = baseline_key([s.key for s in systems], setting)
     baseline = next(s for s in systems if s.key == key)
     tests: PValues | None = None
-    if test_prefix is not None:
-        tests = {
-            s.name: paired_p_values(s, baseline, directions, workdir, test_prefix)
-            for s in systems
-            if s is not baseline
-        }
+    if tests_of:
+        tests = {}
+        for s in systems:
+            if s is baseline:
+                continue
+            tests[s.name] = {}
+            for pair, prefix in tests_of.items():
+                a, b = pair.split("-")
+                pair_directions = [f"{a}-{b}", f"{b}-{a}"]
+                tests[s.name] |= paired_p_values(s, baseline, pair_directions, workdir, prefix)
     stats = {s.name: {c: mean_std(v) for c, v in s.bleu(directions).items()} for s in systems}
     return _Section(
         table=paper_table(systems, directions, baseline, tests, seeds),
@@ -199,7 +208,7 @@ def _compare(
             name: {d: r.p_value for d, r in results.items() if r is not None}
             for name, results in (tests or {}).items()
         },
-        runs=[record for system in systems for record in system.runs.values()],
+        runs=[record for system in systems for record in system.all_runs],
     )
 
 
@@ -235,16 +244,27 @@ def build_report(
     workdir: Path,
     test_prefix: Path | None = None,
     diagnostics: Sequence[tuple[str, int, dict[str, Any]]] = (),
+    pair_tests: dict[str, Path] | None = None,
 ) -> Report:
     """``test_prefix``: the test set (``<prefix>.<lang>``), for the copy-the-source floor and
     the paired tests (without it, the tables have no p-values). ``diagnostics``: (system,
-    seed, figures) of the SemFace pre-trainings, a table of their own."""
-    src, tgt = config.langs
-    directions = [f"{src}-{tgt}", f"{tgt}-{src}"]
+    seed, figures) of the SemFace pre-trainings, a table of their own. A pipeline over
+    several pairs: ``pair_tests`` gives each pair's test set instead, and the one table has
+    both directions of every pair."""
+    tests_of = dict(pair_tests or {})
+    if not config.multilingual and test_prefix is not None:
+        tests_of = {config.pair: test_prefix}
+    directions = []
+    for pair in config.pairs:
+        src, tgt = pair.split("-")
+        directions += [f"{src}-{tgt}", f"{tgt}-{src}"]
     seeds = config.run_seeds
     floor = ""
-    if test_prefix is not None:
-        copied = copy_scores(test_prefix, directions)
+    if tests_of:
+        copied = {}
+        for pair, prefix in tests_of.items():
+            src, tgt = pair.split("-")
+            copied |= copy_scores(prefix, [f"{src}-{tgt}", f"{tgt}-{src}"])
         floor = "copying the source unchanged scores BLEU " + ", ".join(
             f"{d} {v:.2f}" for d, v in copied.items()
         )
@@ -253,7 +273,7 @@ def build_report(
     )
     sections = {}
     for setting in config.settings:
-        section = _compare(records, config, setting, directions, workdir, test_prefix)
+        section = _compare(records, config, setting, directions, workdir, tests_of)
         if section is not None:
             sections[setting] = section
     chosen = [record for section in sections.values() for record in section.runs]
@@ -262,6 +282,7 @@ def build_report(
         [
             "name",
             "tags.system",
+            *(["tags.pair"] if config.multilingual else []),
             "tags.setting",
             "tags.seed",
             "metrics.test_bleu",
@@ -281,12 +302,18 @@ def build_report(
             workdir / "test-bleu.png",
             metric="test_bleu",
             label_tag="system",
-            group_tag="setting",
-            title=f"test BLEU, {config.pair} (mean of both directions; {seeds_text}{spread})",
+            # Several pairs: a group per pair (the setting is supervised).
+            group_tag="pair" if config.multilingual else "setting",
+            title=f"test BLEU, {config.name} (mean of both directions; {seeds_text}{spread})",
         ),
         plot_curves(chosen, workdir / "finetune-loss.png", metric="loss", title="fine-tuning loss"),
     ]
-    parts = [f"# megasemface comparison, {config.pair}\n"]
+    parts = [f"# megasemface comparison, {config.name}\n"]
+    if config.multilingual:
+        parts += [
+            f"One pre-training per system over {', '.join(config.languages)}; each pair "
+            "fine-tuned from it and tested in both directions.\n"
+        ]
     for setting, section in sections.items():
         gain = f"gain: average over {section.baseline}"
         parts += [f"## {setting} (test BLEU, {seeds_text}; {gain})\n", section.table, ""]
@@ -302,7 +329,7 @@ def build_report(
     markdown.write_text("\n".join(parts), encoding="utf-8")
     for setting, section in sections.items():
         print(
-            f"\n{setting} fine-tuning, test BLEU ({config.pair}, sacreBLEU, {seeds_text}; gain "
+            f"\n{setting} fine-tuning, test BLEU ({config.name}, sacreBLEU, {seeds_text}; gain "
             f"over {section.baseline}):\n{section.table}"
         )
         if section.note:

@@ -26,6 +26,7 @@ from megasemface.tracking.compare import RunRecord
 __all__ = [
     "SystemScores",
     "baseline_key",
+    "collect_pairs",
     "collect_systems",
     "hypotheses_file",
     "mean_std",
@@ -44,16 +45,33 @@ class SystemScores:
     """The table's row label (``VQ-SemFace``), its runs' ``system`` tag."""
     runs: dict[int, RunRecord]
     """seed -> the run, in ascending seed order."""
+    direction_runs: dict[str, dict[int, RunRecord]] = dataclasses.field(default_factory=dict)
+    """A pipeline over several pairs: direction -> seed -> the run of that direction's pair
+    (``runs``: the first pair's); empty: every direction is ``runs``'."""
 
     @property
     def seeds(self) -> tuple[int, ...]:
         return tuple(self.runs)
 
+    def run_of(self, seed: int, direction: str) -> RunRecord:
+        """The run whose test translations are of ``direction``."""
+        return self.direction_runs.get(direction, self.runs)[seed]
+
+    @property
+    def all_runs(self) -> list[RunRecord]:
+        """Every run of the system: one per seed, of each pair."""
+        chosen = {id(r): r for r in self.runs.values()}
+        for runs in self.direction_runs.values():
+            chosen.update({id(r): r for r in runs.values()})
+        return list(chosen.values())
+
     def bleu(self, directions: Sequence[str]) -> dict[str, list[float]]:
         """Test BLEU per direction and their average ("avg"), one value per seed."""
         columns: dict[str, list[float]] = {d: [] for d in [*directions, "avg"]}
-        for record in self.runs.values():
-            values = [record.metrics.get(f"test_bleu_{d}", math.nan) for d in directions]
+        for seed in self.runs:
+            values = [
+                self.run_of(seed, d).metrics.get(f"test_bleu_{d}", math.nan) for d in directions
+            ]
             for direction, value in zip(directions, values, strict=True):
                 columns[direction].append(value)
             columns["avg"].append(sum(values) / len(values))
@@ -89,6 +107,46 @@ def collect_systems(
     ]
 
 
+def collect_pairs(
+    records: Sequence[RunRecord],
+    systems: Sequence[str],
+    seeds: Sequence[int],
+    setting: str,
+    pairs: Sequence[str],
+) -> list[SystemScores]:
+    """:func:`collect_systems` over several pairs (runs tagged ``pair``): per system, the
+    seeds that have a scored run of every pair, each direction read from its pair's run.
+    Systems without such a seed are left out."""
+    by_pair = {
+        pair: {
+            s.key: s
+            for s in collect_systems(
+                [r for r in records if r.tags.get("pair") == pair], systems, seeds, setting
+            )
+        }
+        for pair in pairs
+    }
+    out = []
+    for key in systems:
+        found = [by_pair[pair].get(key) for pair in pairs]
+        if any(s is None for s in found):
+            continue
+        complete = [seed for seed in seeds if all(seed in s.runs for s in found if s)]
+        if not complete:
+            continue
+        direction_runs = {}
+        for pair, scores in zip(pairs, found, strict=True):
+            a, b = pair.split("-")
+            assert scores is not None
+            for direction in (f"{a}-{b}", f"{b}-{a}"):
+                direction_runs[direction] = {seed: scores.runs[seed] for seed in complete}
+        first = found[0]
+        assert first is not None
+        runs = {seed: first.runs[seed] for seed in complete}
+        out.append(SystemScores(key, first.name, runs, direction_runs))
+    return out
+
+
 def baseline_key(keys: Sequence[str], setting: str) -> str:
     """The row gains are measured from: the paper's Table 3 (supervised) measures from the
     Transformer without pre-training, Table 4 (unsupervised, where a model without
@@ -118,7 +176,7 @@ def _concatenated(
     ``lines`` lines (a moved or partly deleted work directory, another test set)."""
     out: list[str] = []
     for seed in seeds:
-        path = hypotheses_file(workdir, scores.runs[seed], direction)
+        path = hypotheses_file(workdir, scores.run_of(seed, direction), direction)
         hypotheses = read_lines(path) if path.is_file() else []
         if len(hypotheses) != lines:
             return None

@@ -265,6 +265,21 @@ class Trainer:
                     manifest.profile(),
                     "training",
                 )
+                # The dataset input gives the counts; how the loader draws batches from them
+                # (the temperature and each language's resulting share) is the loader's.
+                sampling = self.loader.sampling()
+                tracker.log_dict(sampling, "sampling.json")
+                tracker.log_params(
+                    {
+                        "loader": {
+                            "temperature": sampling["temperature"],
+                            "probability": {
+                                lang: round(info["probability"], 6)
+                                for lang, info in sampling["languages"].items()
+                            },
+                        }
+                    }
+                )
         stop = StopRequest()
         status = "FAILED"
         try:
