@@ -168,6 +168,10 @@ def test_pairs_get_their_share_of_batches(
     steps = 1000
     shared = ShardLoader(source, config(temperature=2.0, pair_share=0.5, max_len=128), pad_id=PAD)
     drawn = Counter(b.lang for b in take(iter(shared), steps))
+    # The run's MLflow record gives the shares the batches are drawn with.
+    recorded = shared.sampling()
+    assert recorded["pair_share"] == 0.5
+    assert {k: v["probability"] for k, v in recorded["languages"].items()} == probs
     # Binomial: 4 standard deviations of a share of 0.5 over 1000 draws is 0.063.
     assert drawn["en-de"] / steps == pytest.approx(0.5, abs=0.063)
     assert drawn["en"] / steps == pytest.approx(probs["en"], abs=0.063)

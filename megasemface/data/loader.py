@@ -54,7 +54,7 @@ from megasemface.data.loader_position import (
 )
 from megasemface.data.shard_format import Chunk, Manifest, ShardFormatError, decode_sample
 
-__all__ = ["DataError", "LoaderConfig", "ShardLoader", "ShardSource", "TokenBatch"]
+__all__ = ["DataError", "LoaderConfig", "ShardLoader", "ShardSource", "TokenBatch", "batch_probs"]
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +176,11 @@ class ShardSource:
         )
 
 
+def batch_probs(source: ShardSource, config: LoaderConfig) -> dict[str, float]:
+    """The probability that a batch is of each language or pair of ``source``."""
+    return sampling_probs(source.sizes, config.temperature, source.pair_lengths, config.pair_share)
+
+
 @dataclasses.dataclass
 class TokenBatch:
     """A batch of sentences of one language, padded to the longest."""
@@ -240,9 +245,7 @@ class _SlotStream:
         for lang in self.langs:
             if not source.shards[lang]:
                 raise DataError(f"language {lang!r} has no shards")
-        probs = sampling_probs(
-            source.sizes, config.temperature, source.pair_lengths, config.pair_share
-        )
+        probs = batch_probs(source, config)
         self.probs = np.array([probs[lang] for lang in self.langs])
         state = state or {}
         self.step: int = state.get("step", 0)
@@ -512,9 +515,10 @@ class ShardLoader:
     def sampling(self) -> dict[str, Any]:
         """How batches are drawn between languages (or pairs): the temperature, and per
         language its sentence count and the probability a batch is of that language."""
-        probs = temperature_probs(self.source.sizes, self.config.temperature)
+        probs = batch_probs(self.source, self.config)
         return {
             "temperature": self.config.temperature,
+            "pair_share": self.config.pair_share,
             "languages": {
                 lang: {"sentences": self.source.sizes[lang], "probability": probs[lang]}
                 for lang in sorted(self.source.sizes)

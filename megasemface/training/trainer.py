@@ -269,17 +269,16 @@ class Trainer:
                 # (the temperature and each language's resulting share) is the loader's.
                 sampling = self.loader.sampling()
                 tracker.log_dict(sampling, "sampling.json")
-                tracker.log_params(
-                    {
-                        "loader": {
-                            "temperature": sampling["temperature"],
-                            "probability": {
-                                lang: round(info["probability"], 6)
-                                for lang, info in sampling["languages"].items()
-                            },
-                        }
-                    }
-                )
+                loader = {
+                    "temperature": sampling["temperature"],
+                    "probability": {
+                        lang: round(info["probability"], 6)
+                        for lang, info in sampling["languages"].items()
+                    },
+                }
+                if sampling["pair_share"] is not None:
+                    loader["pair_share"] = sampling["pair_share"]
+                tracker.log_params({"loader": loader})
         stop = StopRequest()
         status = "FAILED"
         try:
