@@ -28,7 +28,7 @@ from megasemface.cli.parsing import (
     parse_or_status,
     score_logging_error,
 )
-from megasemface.evaluation.lines import (
+from megasemface.data.lines import (
     TextFileError,
     check_writable,
     one_line,

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
+from megasemface.data.lines import TextFileError, read_lines
 from megasemface.data.tokenizer import Tokenizer
-from megasemface.evaluation.lines import TextFileError, read_lines
 
 __all__ = [
     "WORD_START",

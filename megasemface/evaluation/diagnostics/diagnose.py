@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from megasemface.data.lines import read_lines
 from megasemface.evaluation.diagnostics.dictionary import (
     Position,
     Word,
@@ -47,7 +48,6 @@ from megasemface.evaluation.diagnostics.sources import (
     DiagnosticsError,
     load_models,
 )
-from megasemface.evaluation.lines import read_lines
 from megasemface.inference.translate import token_batches
 from megasemface.interfaces.cross_lingual import CrossLingualInterface
 from megasemface.interfaces.vector_quantized import VectorQuantizedInterface

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megasemface.data.lines import read_lines
 from megasemface.distributed.collectives import all_gather_objects, rank, sum_or_max
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.evaluation.lines import read_lines
 from megasemface.evaluation.metrics import evaluate
 from megasemface.models.config import ModelConfig
 from megasemface.models.model_dir import save_model_dir

@@ -1,6 +1,6 @@
 """Line-aligned text files (sources, translations, references) read and written strictly.
 
-Unlike corpus reading (``megasemface/data/textio.py``), which drops and counts bad lines,
+Unlike corpus reading (``textio.py``), which drops and counts bad lines,
 these files are line-aligned with each other, so a bad line is an error naming the file and
 line: dropping it would shift every later line against its reference.
 """
