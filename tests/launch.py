@@ -121,6 +121,15 @@ def losses(out: Path) -> dict[int, float]:
     return found
 
 
+def mlflow_run(out: Path) -> tuple[Any, Any]:
+    """(MLflow client, the one run) of a launched run's own store, ``<out>/mlflow.db``."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (run,) = client.search_runs(client.search_experiments()[0].experiment_id)
+    return client, run
+
+
 def rewind(reference: Path, out: Path, step: int) -> None:
     """Makes ``out`` a copy of the finished run ``reference`` as it stood once its checkpoint
     of ``step`` was complete: the later checkpoints removed, ``latest`` naming ``step``, the

@@ -16,6 +16,7 @@ from launch import (
     kill_after_checkpoint,
     launch,
     losses,
+    mlflow_run,
     train_command,
 )
 
@@ -67,14 +68,6 @@ def _unsupervised(data: dict, out: Path, *args: str, zero: int) -> list[str]:
     )
 
 
-def _mlflow_run(out: Path) -> tuple:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    (run,) = client.search_runs(client.search_experiments()[0].experiment_id)
-    return client, run
-
-
 def test_supervised_finetune_zero2_validates_keeps_best_and_translates(
     launch_data: dict, tmp_path: Path
 ) -> None:
@@ -98,7 +91,7 @@ def test_supervised_finetune_zero2_validates_keeps_best_and_translates(
     result = launch(cmd)
     check_finished(result, out, 6)
     assert "validation" in result.stdout and "valid_bleu" in result.stdout
-    client, run = _mlflow_run(out)
+    client, run = mlflow_run(out)
     # The best model, registered after the last step as a version of the run.
     (version,) = client.search_model_versions("name = 'megasemface-en-de-transformer'")
     assert version.run_id == run.info.run_id and version.tags["system"] == "Transformer"
@@ -159,7 +152,7 @@ def test_unsupervised_finetune_zero3_back_translates_in_lockstep(
     )
     result = launch(cmd, timeout=400)
     check_finished(result, out, 4)
-    client, run = _mlflow_run(out)
+    client, run = mlflow_run(out)
     assert run.data.tags["parent_encoder_run"] == "0123abcd"  # lineage from the model dir
     weights = {
         m.step: m.value for m in client.get_metric_history(run.info.run_id, "denoise_weight")
@@ -188,7 +181,7 @@ def test_killed_unsupervised_finetune_resumes_exactly(launch_data: dict, tmp_pat
     assert losses(out) == losses(reference)
 
     def scores(run_dir: Path) -> dict[str, dict[int, float]]:
-        client, run = _mlflow_run(run_dir)
+        client, run = mlflow_run(run_dir)
         found: dict[str, dict[int, float]] = {}
         for key in ("valid_bleu", "valid_chrf", "best_valid_bleu", "denoise_weight", "bt"):
             history = client.get_metric_history(run.info.run_id, key)

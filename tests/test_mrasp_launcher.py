@@ -12,6 +12,7 @@ from launch import (
     ds_config,
     launch,
     losses,
+    mlflow_run,
     rewind,
     train_command,
 )
@@ -37,14 +38,6 @@ def _mrasp(data: dict, out: Path, dictionary: Path, *args: str, zero: int) -> li
     )
 
 
-def _mlflow(out: Path) -> tuple[Any, Any]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    (run,) = client.search_runs(client.search_experiments()[0].experiment_id)
-    return client, run
-
-
 def _ras_figures(client: Any, run: Any) -> list[tuple[float, float]]:
     """(dictionary words, replaced) shares of the logged steps."""
     words = client.get_metric_history(run.info.run_id, "ras_dictionary_words")
@@ -64,7 +57,7 @@ def test_mrasp_zero2_resumes_exactly_and_connects(
     result = launch(_mrasp(launch_data, reference, dictionary, *args, zero=2))
     check_finished(result, reference, 4)
     assert sorted(losses(reference)) == [1, 2, 3, 4]
-    client, run = _mlflow(reference)
+    client, run = mlflow_run(reference)
     assert run.data.tags["stage"] == "mrasp" and run.data.tags["system"] == "mRASP"
     assert run.data.tags["interface"] == "none" and "parent_mrasp_run" not in run.data.tags
     figures = _ras_figures(client, run)
@@ -99,7 +92,7 @@ def test_mrasp_zero3_then_finetuning_with_ras_keeps_its_lineage(
     pretrain = tmp_path / "mrasp"
     result = launch(_mrasp(launch_data, pretrain, dictionary, "--steps", "3", zero=3))
     check_finished(result, pretrain, 3)
-    _, mrasp_run = _mlflow(pretrain)
+    _, mrasp_run = mlflow_run(pretrain)
     model_dir = write_seq2seq_dir(
         tmp_path / "model", connect_mbart(pretrain), spm_model=launch_data["spm"]
     )
@@ -127,7 +120,7 @@ def test_mrasp_zero3_then_finetuning_with_ras_keeps_its_lineage(
     )
     result = launch(cmd)
     check_finished(result, out, 2)
-    client, run = _mlflow(out)
+    client, run = mlflow_run(out)
     assert run.data.tags["pretraining"] == "mrasp"
     assert run.data.tags["parent_mrasp_run"] == mrasp_run.info.run_id
     assert len(_ras_figures(client, run)) == 2
@@ -152,6 +145,6 @@ def test_decoder_noise_ras_in_the_joint_stage_zero3(
         config=ds_config(3, out.parent),
     )
     check_finished(launch(cmd), out, 3)
-    client, run = _mlflow(out)
+    client, run = mlflow_run(out)
     figures = _ras_figures(client, run)
     assert len(figures) == 3 and all(0 < replaced < words for words, replaced in figures)

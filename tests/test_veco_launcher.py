@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch import check_finished, ds_config, launch, losses, train_command
+from launch import check_finished, ds_config, launch, losses, mlflow_run, train_command
 
 from megasemface.checkpoints import connect_mbart, write_seq2seq_dir
 from megasemface.checkpoints.consolidate import load_stage
@@ -55,14 +55,6 @@ def _veco(shards: Path, spm: Path, out: Path, *args: str, zero: int) -> list[str
     )
 
 
-def _mlflow(out: Path) -> tuple[Any, Any]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    (run,) = client.search_runs(client.search_experiments()[0].experiment_id)
-    return client, run
-
-
 def _connected_model(run_dir: Path, spm: Path, out: Path, run_id: str) -> tuple[dict, Any]:
     """Connects the run, checks what it keeps and its lineage; returns the model directory's
     weights and info."""
@@ -103,7 +95,7 @@ def test_veco_zero2_reads_both_kinds_of_batch_and_connects(
             drawn |= {names[i >> 56] for i in json.loads(line)["ids"]}
     assert "en-de" in drawn and drawn & {"en", "de"}, drawn
 
-    client, run = _mlflow(out)
+    client, run = mlflow_run(out)
     tags = run.data.tags
     assert (tags["stage"], tags["system"], tags["interface"]) == ("veco", "VECO", "none")
     for name in ("is_mlm_x", "is_mlm_y", "cs_mlm_x", "cs_mlm_y", "veco_parallel_batch"):
@@ -124,7 +116,7 @@ def test_veco_zero3_connects_into_a_translation_model(
     out = tmp_path / "veco"
     result = launch(_veco(mixed_shards, launch_data["spm"], out, "--steps", "2", zero=3))
     check_finished(result, out, 2)
-    _, run = _mlflow(out)
+    _, run = mlflow_run(out)
     assert run.data.tags["stage"] == "veco"
     state, info = _connected_model(out, launch_data["spm"], tmp_path / "model", run.info.run_id)
 
