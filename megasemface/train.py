@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args, unknown = build_parser().parse_known_args(argv)
-    from megasemface.distributed.engine import init_distributed, load_ds_config
+    from megasemface.distributed.engine import exit_now, init_distributed, load_ds_config
     from megasemface.training.options import train_config_from_args
     from megasemface.training.preflight import check_before_start
     from megasemface.training.trainer import Trainer
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         # An error every rank raises together is printed by one rank (``quiet`` elsewhere).
         if not getattr(exc, "quiet", False):
             print(f"train: error (rank {os.environ.get('RANK', '0')}): {exc}", file=sys.stderr)
-        return 2
+        exit_now(2)
 
 
 if __name__ == "__main__":

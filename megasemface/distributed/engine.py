@@ -23,7 +23,7 @@ import warnings
 import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -37,11 +37,13 @@ __all__ = [
     "check_safe_to_load",
     "consolidated_state",
     "convert_to_universal",
+    "exit_now",
     "init_distributed",
     "load_ds_config",
     "loading_universal",
     "remove_stale_shm_buffers",
     "unsafe_checkpoint_file",
+    "warn_stale_extension_lock",
 ]
 
 _SHM_BUFFER = "deepspeed_allreduce_buffer_"
@@ -124,6 +126,22 @@ def remove_stale_shm_buffers(shm: Path = Path("/dev/shm"), min_age_s: float = 60
     for path in removed:
         path.unlink(missing_ok=True)
     return removed
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends this rank at once with status ``code``: output flushed, its shared-memory buffer
+    removed, and no interpreter teardown.
+
+    For an error that stops every rank of a launched run. The launcher reports the first
+    non-zero status it sees, and the teardown of a rank whose peers had already exited has
+    been seen to abort it (SIGABRT, "terminate called without an active exception" from the
+    communication backend's threads): the run would then end with that signal's status
+    instead of the error's.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _remove_shm_buffers()
+    os._exit(code)
 
 
 def _remove_shm_buffers() -> None:
