@@ -305,7 +305,8 @@ class Pipeline:
         xx side of its pair and English of the first."""
         if not self.by_pair:
             return {lang: Path(f"{self.valid}.{lang}") for lang in self.config.langs}
-        texts = {"en": Path(f"{self.valid}.en")}
+        source = self.config.all_langs[0]
+        texts = {source: Path(f"{self.valid}.{source}")}
         for pair, data in self.by_pair.items():
             tgt = pair.split("-")[1]
             texts[tgt] = Path(f"{data.valid}.{tgt}")
