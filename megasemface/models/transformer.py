@@ -125,9 +125,15 @@ class TransformerDecoder(nn.Module):
             cache.length = start + length
         return self.final_norm(x)
 
+    def output_layer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weight [V, D] and bias [V] of the output projection, tied to the input token
+        embeddings."""
+        return self.embed.tokens.weight, self.output_bias
+
     def logits(self, hidden_ND: torch.Tensor) -> torch.Tensor:
-        """Output projection tied to the input token embeddings."""
-        return hidden_ND @ self.embed.tokens.weight.t() + self.output_bias
+        """The output projection."""
+        weight_VD, bias_V = self.output_layer()
+        return torch.nn.functional.linear(hidden_ND, weight_VD, bias_V)
 
 
 class Seq2SeqModel(nn.Module):

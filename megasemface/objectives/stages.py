@@ -15,7 +15,6 @@ import dataclasses
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megasemface.interfaces.base import SemanticInterface
@@ -27,6 +26,7 @@ from megasemface.objectives.noising import (
     mask_for_mlm,
     permute_sentences,
 )
+from megasemface.objectives.output_loss import output_cross_entropy
 from megasemface.objectives.sequences import (
     SequenceBatch,
     SpecialTokens,
@@ -41,7 +41,7 @@ __all__ = [
     "SemFaceModel",
     "StageOutput",
     "check_languages",
-    "cross_entropy",
+    "teacher_forced_hidden",
     "teacher_forced_logits",
 ]
 
@@ -130,14 +130,6 @@ def check_languages(config: ModelConfig, special: SpecialTokens) -> None:
         )
 
 
-def cross_entropy(
-    logits_NV: torch.Tensor, targets_N: torch.Tensor, smoothing: float
-) -> torch.Tensor:
-    """Mean token cross-entropy with label smoothing, in fp32."""
-    # fp32 softmax: a 60k-way softmax in bf16 loses the small probabilities.
-    return F.cross_entropy(logits_NV.float(), targets_N, label_smoothing=smoothing)
-
-
 class SemFaceModel(nn.Module):
     """Encoder, semantic interface and decoder for SemFace pre-training."""
 
@@ -209,17 +201,20 @@ class SemFaceModel(nn.Module):
         inputs, lengths, targets = self._masked_with_eos(batch, generator)
         encoded = self.encoder(inputs, lengths_to_mask(lengths, inputs.shape[1]), batch.langs_B)
         head = self.interface.encoder_head(encoded, targets)
-        weight_VD = self.interface.output_embeddings(self.encoder)
-        logits = head.features_ND @ weight_VD.t().to(head.features_ND.dtype) + self.mlm_bias
         wanted = targets[targets != -100]
-        mlm = cross_entropy(logits, wanted, self.objective.label_smoothing)
-        loss = mlm
-        components = {"enc_mlm": mlm.detach()}
+        mlm = output_cross_entropy(
+            head.features_ND,
+            self.interface.output_embeddings(self.encoder),
+            self.mlm_bias,
+            wanted,
+            self.objective.label_smoothing,
+        )
+        loss = mlm.loss
+        components = {"enc_mlm": mlm.loss.detach()}
         for name, value in head.losses.items():
             loss = loss + self.objective.weight_of(name) * value
             components[f"enc_{name}"] = value.detach()
-        accuracy = (logits.detach().argmax(-1) == wanted).float().mean().item()
-        metrics = {**head.metrics, "enc_mlm_accuracy": accuracy}
+        metrics = {**head.metrics, "enc_mlm_accuracy": mlm.accuracy.item()}
         return StageOutput(loss, components, metrics, int(wanted.numel()))
 
     # Decoder stage ------------------------------------------------------------------------
@@ -268,17 +263,17 @@ class SemFaceModel(nn.Module):
             causal=causal,
         )
         selected = targets != -100
-        logits = self.decoder.logits(hidden[selected])
         wanted = targets[selected]
-        lm = cross_entropy(logits, wanted, obj.label_smoothing)
-        loss = lm
-        components = {f"dec_{obj.decoder_objective}": lm.detach()}
+        lm = output_cross_entropy(
+            hidden[selected], *self.decoder.output_layer(), wanted, obj.label_smoothing
+        )
+        loss = lm.loss
+        components = {f"dec_{obj.decoder_objective}": lm.loss.detach()}
         if obj.extractor_diversity:
             for name, value in memory.losses.items():
                 loss = loss + obj.weight_of(name) * value
                 components[f"dec_{name}"] = value.detach()
-        accuracy = (logits.detach().argmax(-1) == wanted).float().mean().item()
-        metrics = {**memory.metrics, "dec_accuracy": accuracy}
+        metrics = {**memory.metrics, "dec_accuracy": lm.accuracy.item()}
         return StageOutput(loss, components, metrics, int(wanted.numel()))
 
     def joint_loss(
@@ -311,11 +306,12 @@ class SemFaceModel(nn.Module):
         return params
 
 
-def teacher_forced_logits(
+def teacher_forced_hidden(
     model: Seq2SeqModel, special: SpecialTokens, src: SequenceBatch, tgt: SequenceBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [N, V] and targets [N] of ``tgt`` given ``src``: the encoder reads ``src </s>``,
-    the decoder ``<tgt lang> tgt`` and predicts ``tgt </s>`` (N: target tokens and </s>)."""
+    """Decoder states [N, D] and targets [N] of ``tgt`` given ``src``: the encoder reads
+    ``src </s>``, the decoder ``<tgt lang> tgt`` and predicts ``tgt </s>`` (N: target tokens
+    and </s>)."""
     sp = special
     source, source_lengths = append_token(src.tokens_BT, src.lengths_B, sp.eos, sp.pad)
     tags = torch.tensor(sp.lang_tags, device=tgt.langs_B.device)[tgt.langs_B]
@@ -330,7 +326,15 @@ def teacher_forced_logits(
         target_mask,
         tgt.langs_B,
     )
-    return model.decoder.logits(hidden[target_mask]), targets[target_mask]
+    return hidden[target_mask], targets[target_mask]
+
+
+def teacher_forced_logits(
+    model: Seq2SeqModel, special: SpecialTokens, src: SequenceBatch, tgt: SequenceBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [N, V] and targets [N] of :func:`teacher_forced_hidden`."""
+    hidden, targets = teacher_forced_hidden(model, special, src, tgt)
+    return model.decoder.logits(hidden), targets
 
 
 class DenoisingSeq2Seq(nn.Module):
@@ -379,11 +383,15 @@ class DenoisingSeq2Seq(nn.Module):
             ratio=obj.infill_ratio,
             poisson_lambda=obj.poisson_lambda,
         )
-        logits, wanted = teacher_forced_logits(
+        hidden, wanted = teacher_forced_hidden(
             self.model, sp, SequenceBatch(source, source_lengths, batch.langs_B), batch
         )
-        loss = cross_entropy(logits, wanted, obj.label_smoothing)
-        accuracy = (logits.detach().argmax(-1) == wanted).float().mean().item()
+        out = output_cross_entropy(
+            hidden, *self.model.decoder.output_layer(), wanted, obj.label_smoothing
+        )
         return StageOutput(
-            loss, {"denoise": loss.detach()}, {"denoise_accuracy": accuracy}, int(wanted.numel())
+            out.loss,
+            {"denoise": out.loss.detach()},
+            {"denoise_accuracy": out.accuracy.item()},
+            int(wanted.numel()),
         )

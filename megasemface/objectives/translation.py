@@ -22,6 +22,7 @@ from torch import nn
 from megasemface.models.config import ModelConfig
 from megasemface.models.transformer import Seq2SeqModel
 from megasemface.objectives.noising import drop_and_shuffle
+from megasemface.objectives.output_loss import output_cross_entropy
 from megasemface.objectives.sequences import (
     SequenceBatch,
     SpecialTokens,
@@ -29,8 +30,7 @@ from megasemface.objectives.sequences import (
 from megasemface.objectives.stages import (
     StageOutput,
     check_languages,
-    cross_entropy,
-    teacher_forced_logits,
+    teacher_forced_hidden,
 )
 
 __all__ = ["TASKS", "TranslationModel"]
@@ -80,16 +80,14 @@ class TranslationModel(nn.Module):
         self, src: SequenceBatch, tgt: SequenceBatch, prefix: str = "mt"
     ) -> StageOutput:
         """Label-smoothed cross-entropy of ``tgt`` given ``src`` (teacher forcing)."""
-        logits, wanted = teacher_forced_logits(self.model, self.special, src, tgt)
-        loss = cross_entropy(logits, wanted, self.label_smoothing)
-        with torch.no_grad():
-            # Without smoothing the loss is the NLL: no second softmax over the vocabulary.
-            nll = loss.detach() if not self.label_smoothing else cross_entropy(logits, wanted, 0.0)
-            accuracy = (logits.argmax(-1) == wanted).float().mean().item()
+        hidden, wanted = teacher_forced_hidden(self.model, self.special, src, tgt)
+        out = output_cross_entropy(
+            hidden, *self.model.decoder.output_layer(), wanted, self.label_smoothing
+        )
         return StageOutput(
-            loss,
-            {prefix: loss.detach(), f"{prefix}_nll": nll},
-            {f"{prefix}_accuracy": accuracy},
+            out.loss,
+            {prefix: out.loss.detach(), f"{prefix}_nll": out.nll},
+            {f"{prefix}_accuracy": out.accuracy.item()},
             int(wanted.numel()),
         )
 

@@ -1,0 +1,152 @@
+"""The output layer and its cross-entropy in one pass over chunks of tokens.
+
+Projecting N hidden states onto a V-word vocabulary and taking the softmax cross-entropy is
+the largest part of a small model's training step: on the demo's d 64 model with 8,000 ids,
+about half of the SemFace joint step (``benchmarks/bench_model.py``). Through autograd it is
+a matmul, a bias add, a log-softmax, an [N, V] zero-filled gradient for the loss, the
+log-softmax backward, an argmax over the logits again for the accuracy, and the matmuls of
+the backward. Here each chunk of tokens is projected once, and its loss, its argmax and the
+gradient of its logits (softmax minus the smoothed one-hot) come from that one buffer while
+it is in cache; the gradients of the hidden states, weight and bias are formed from it at
+once, and backward only scales them by the incoming gradient. Memory: one chunk of fp32
+logits instead of all N (at the paper's 60,000 ids, 280 tokens' worth instead of a batch's).
+
+Shapes: N predicted tokens, D model size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CHUNK_LOGITS", "OutputLoss", "output_cross_entropy"]
+
+CHUNK_LOGITS = 1 << 24
+"""Logits per chunk (64 MiB in fp32): large enough to keep the matmuls efficient."""
+
+
+@dataclasses.dataclass
+class OutputLoss:
+    loss: torch.Tensor
+    """Mean token cross-entropy (label-smoothed if asked), fp32; differentiable."""
+    nll: torch.Tensor
+    """Mean negative log-likelihood of the targets (the loss without smoothing); detached."""
+    accuracy: torch.Tensor
+    """Share of tokens whose most likely id is the target; detached, on the device."""
+
+
+def output_cross_entropy(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    targets_N: torch.Tensor,
+    smoothing: float = 0.0,
+    chunk_logits: int = CHUNK_LOGITS,
+) -> OutputLoss:
+    """``F.cross_entropy(hidden @ weight.T + bias, targets, label_smoothing=smoothing)`` and
+    the argmax accuracy, in fp32 whatever the dtype of the inputs (a large softmax in bf16
+    loses the small probabilities); weight and bias are cast to the hidden states' dtype.
+
+    The gradients are computed in the forward when grad mode is on and an input needs one:
+    call backward on the loss (or drop it) before the next step, as with any loss. With no
+    tokens, the loss and accuracy are NaN, as ``F.cross_entropy``'s mean is.
+    """
+    weight_VD = weight_VD.to(hidden_ND.dtype)
+    bias_V = None if bias_V is None else bias_V.to(hidden_ND.dtype)
+    inputs = (hidden_ND, weight_VD, bias_V)
+    with_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    loss, nll, accuracy = _OutputCrossEntropy.apply(
+        hidden_ND, weight_VD, bias_V, targets_N, smoothing, chunk_logits, with_grad
+    )
+    return OutputLoss(loss, nll, accuracy)
+
+
+class _OutputCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden_ND: torch.Tensor,
+        weight_VD: torch.Tensor,
+        bias_V: torch.Tensor | None,
+        targets_N: torch.Tensor,
+        smoothing: float,
+        chunk_logits: int,
+        with_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, vocab = hidden_ND.shape[0], weight_VD.shape[0]
+        rows = max(1, chunk_logits // vocab)
+        total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
+        total_nll = torch.zeros_like(total)
+        correct = torch.zeros((), dtype=torch.long, device=hidden_ND.device)
+        grad_h = grad_w = grad_b = None
+        if with_grad:
+            grad_h = torch.empty_like(hidden_ND)
+            # Accumulated over chunks in fp32: a bf16 sum of chunks would round at each one.
+            grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+            grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight_VD.device)
+        for start in range(0, tokens, rows):
+            h_CD = hidden_ND[start : start + rows]
+            t_C = targets_N[start : start + rows]
+            z_CV = F.linear(h_CD, weight_VD, bias_V).float()
+            top_C, argmax_C = z_CV.max(dim=-1)
+            correct += (argmax_C == t_C).sum()
+            z_CV.sub_(top_C[:, None])  # in place from here on: the one [C, V] buffer
+            target_C = z_CV.gather(1, t_C[:, None]).squeeze(1)
+            mean_C = z_CV.mean(dim=-1) if smoothing else None
+            sum_C = z_CV.exp_().sum(dim=-1)
+            lse_C = sum_C.log()  # all shifted by the row's max, which cancels
+            nll_C = lse_C - target_C
+            total_nll += nll_C.sum()
+            if mean_C is None:
+                total += nll_C.sum()
+            else:  # (1 - s) nll + s (lse - mean(z)): F.cross_entropy's label smoothing
+                total += ((1.0 - smoothing) * nll_C + smoothing * (lse_C - mean_C)).sum()
+            if grad_w is None or grad_b is None or grad_h is None:
+                continue
+            # d loss / d z = (softmax - (1 - s) onehot - s / V) / N
+            z_CV.mul_((1.0 / (sum_C * tokens))[:, None])
+            z_CV.scatter_add_(
+                1, t_C[:, None], torch.full_like(target_C[:, None], -(1.0 - smoothing) / tokens)
+            )
+            if smoothing:
+                z_CV.sub_(smoothing / (vocab * tokens))
+            g_CV = z_CV.to(hidden_ND.dtype)
+            torch.mm(g_CV, weight_VD, out=grad_h[start : start + rows])
+            if g_CV.dtype == torch.float32:
+                grad_w.addmm_(g_CV.t(), h_CD)
+            else:
+                grad_w += (g_CV.t() @ h_CD).float()
+            grad_b += z_CV.sum(dim=0)
+        if grad_h is not None and grad_w is not None and grad_b is not None:
+            ctx.grads = (
+                grad_h,
+                grad_w.to(weight_VD.dtype),
+                None if bias_V is None else grad_b.to(bias_V.dtype),
+            )
+        # Means over no tokens are NaN, as F.cross_entropy's.
+        count = torch.tensor(float(tokens) if tokens else float("nan"), device=total.device)
+        nll, accuracy = total_nll / count, correct.float() / count
+        ctx.mark_non_differentiable(nll, accuracy)
+        return total / count, nll, accuracy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_loss: torch.Tensor,
+        _grad_nll: torch.Tensor,
+        _grad_accuracy: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, ...]:
+        grad_h, grad_w, grad_b = ctx.grads  # type: ignore[attr-defined]
+        del ctx.grads  # type: ignore[attr-defined]
+        scale = grad_loss.float()
+        return (
+            grad_h * scale.to(grad_h.dtype),
+            grad_w * scale.to(grad_w.dtype),
+            None if grad_b is None else grad_b * scale.to(grad_b.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
