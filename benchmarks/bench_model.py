@@ -6,8 +6,11 @@ backward and Adam) is timed, and its FLOPs are counted with torch's FlopCounterM
 them, the same run measures the machine's fp32 matrix-multiply peak, so that "model FLOPs/s"
 reads as a share of what this machine can do. The VQ layer's share of step time (its calls
 timed in isolation on the same tokens) stands beside its share of the step's FLOPs, for the
-flat and the product codebook. The step, the peak matmul and the VQ calls take turns, and each
-share is the median of per-round ratios, so load from other processes cancels out.
+flat and the product codebook. Beside the step, the same step with the output layer and
+its cross-entropy through autograd (logits, ``F.cross_entropy``, an argmax for the accuracy)
+instead of the fused pass of ``objectives/output_loss.py``: what the fusion buys. The step,
+the peak matmul, the VQ calls and the autograd step take turns, and each share or ratio is the
+median of per-round ratios, so load from other processes cancels out.
 
 Run: ``python benchmarks/bench_model.py [--presets tiny,paper] [--json out.json]``.
 """
@@ -19,12 +22,16 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.config import build_model_config
+from megasemface.objectives import stages
+from megasemface.objectives.output_loss import OutputLoss
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 from megasemface.objectives.stages import SemFaceModel
 
@@ -70,6 +77,24 @@ def _alternating(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, 
     return times
 
 
+def autograd_output_loss(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    targets_N: torch.Tensor,
+    smoothing: float = 0.0,
+) -> OutputLoss:
+    """The output layer and its loss as autograd computes them, unfused: the peer of
+    ``output_cross_entropy``."""
+    bias = None if bias_V is None else bias_V.to(hidden_ND.dtype)
+    logits_NV = F.linear(hidden_ND, weight_VD.to(hidden_ND.dtype), bias).float()
+    loss = F.cross_entropy(logits_NV, targets_N, label_smoothing=smoothing)
+    with torch.no_grad():
+        nll = F.cross_entropy(logits_NV, targets_N) if smoothing else loss.detach()
+        accuracy = (logits_NV.argmax(-1) == targets_N).float().mean()
+    return OutputLoss(loss, nll, accuracy)
+
+
 def _batch(vocab: int, sentences: int, length: int) -> SequenceBatch:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(7, vocab, (sentences, length), generator=g)
@@ -91,6 +116,10 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
         model.joint_loss(batch, generator).loss.backward()
         optimizer.step()
 
+    def autograd_step() -> None:
+        with mock.patch.object(stages, "output_cross_entropy", autograd_output_loss):
+            step()
+
     with FlopCounterMode(display=False) as counter:
         model.joint_loss(batch, generator).loss.backward()
     total = counter.get_total_flops()
@@ -111,7 +140,9 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
         vq_calls()
     vq_flops = counter.get_total_flops()
 
-    times = _alternating({"step": step, "matmul": matmul, "vq": vq_calls}, repeats)
+    times = _alternating(
+        {"step": step, "matmul": matmul, "vq": vq_calls, "autograd": autograd_step}, repeats
+    )
     step_time = statistics.median(times["step"])
     peak_flops = [2 * PEAK_SIZE**3 / t for t in times["matmul"]]
     real_tokens = float(batch.lengths_B.sum())
@@ -129,6 +160,10 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
             v / t for v, t in zip(times["vq"], times["step"], strict=True)
         ),
         "vq_flop_share": vq_flops / total,
+        "autograd_step_s": statistics.median(times["autograd"]),
+        "fused_speedup": statistics.median(
+            a / t for a, t in zip(times["autograd"], times["step"], strict=True)
+        ),
     }
 
 
@@ -139,15 +174,16 @@ def report(results: dict[str, dict[str, float]]) -> str:
         + " GFLOP/s",
         "",
         "| preset, codebook | params | step | tokens/s | model FLOP/s (share of peak) "
-        "| VQ time share / FLOP share |",
-        "|---|---|---|---|---|---|",
+        "| VQ time share / FLOP share | output loss through autograd: step (fused speed-up) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         rows.append(
             f"| {name} | {r['params_m']:.1f}M | {r['step_s'] * 1e3:,.0f} ms "
             f"| {r['tokens_per_s']:,.0f} | {r['flops_per_s'] / 1e9:,.1f} G "
             f"({r['share_of_peak']:.0%}) | {r['vq_time_share']:.0%} / "
-            f"{r['vq_flop_share']:.0%} |"
+            f"{r['vq_flop_share']:.0%} | {r['autograd_step_s'] * 1e3:,.0f} ms "
+            f"({r['fused_speedup']:.2f}x) |"
         )
     return "\n".join(rows)
 
