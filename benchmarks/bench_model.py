@@ -201,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", default="tiny,paper")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the figures as JSON")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = run(args.presets.split(","), args.repeats)
     print(report(results))
     if args.json:
