@@ -192,6 +192,13 @@ def test_unsupervised_generation_blocks_repeated_trigrams_unless_told(tmp_path: 
         PipelineConfig(no_repeat_ngram_size=-1)
 
 
+def test_unsupervised_runs_need_no_parallel_shards(tmp_path: Path) -> None:
+    pipeline = _pipeline(tmp_path, (0,))
+    del pipeline.parallel  # `--settings unsupervised` builds none
+    config = pipeline.finetune_config(SYSTEMS["vq"], "unsupervised", tmp_path / "models", 0)
+    assert config.data == pipeline.mono
+
+
 def test_an_ablation_changes_only_its_options(tmp_path: Path) -> None:
     """An ablation's pre-training run is its interface's (CL-SemFace's or VQ-SemFace's) with
     the ablation's options, in its own directory."""

@@ -339,7 +339,11 @@ class Pipeline:
         run_dir = self.workdir / "runs" / seeded(name, seed)
         tags = [f"system={system.display}", f"system_key={system.key}", f"setting={setting}"]
         tags += [f"pair={pair}"] if pair is not None else []
-        parallel, valid = (self.parallel, self.valid) if pair is None else self.by_pair[pair][:2]
+        if pair is not None:
+            parallel, valid = self.by_pair[pair][:2]
+        else:  # a pipeline of unsupervised runs only builds no parallel shards
+            parallel = self.parallel if setting == "supervised" else None
+            valid = self.valid
         return self._run_config(
             run_dir,
             cfg.finetune_steps,
