@@ -14,11 +14,17 @@ from megasemface.data.shard_builder import build_shards
 from megasemface.data.shard_format import Manifest
 from megasemface.data.textio import parse_lang_path
 from megasemface.data.tokenizer import Tokenizer
+from megasemface.evaluation.diagnostics.figures import teacher_forced_nll
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.config import ModelConfig, build_model_config
 from megasemface.models.transformer import EncoderOutput
 from megasemface.objectives.noising import drop_and_shuffle, mask_for_mlm
-from megasemface.objectives.sequences import SequenceBatch, SpecialTokens, append_token
+from megasemface.objectives.sequences import (
+    SequenceBatch,
+    SpecialTokens,
+    append_token,
+    lengths_to_mask,
+)
 from megasemface.objectives.stages import DenoisingSeq2Seq, ObjectiveConfig, SemFaceModel
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
@@ -170,6 +176,38 @@ def test_each_stage_only_trains_its_own_parameters(kind: str) -> None:
     assert any(_grads(list(model.encoder.parameters())))
     if kind == "vq":
         assert any(_grads(list(model.interface.quantizer.parameters())))
+
+
+def test_encoder_codes_feed_the_decoder_the_codes_the_encoder_picks() -> None:
+    """--decoder-codes encoder: the decoder stage reads the code vectors the encoder's own
+    output picks for ``x </s>`` (a direct computation through the diagnostics' teacher-forced
+    NLL), the extractor plays no part, and no gradient reaches the encoder or the codebook."""
+    config, batch = tiny(), random_batch(tiny())
+    model = model_for("vq", config, decoder_codes="encoder", decoder_noise=False).eval()
+    out = model.decoder_loss(batch, torch.Generator().manual_seed(0))
+    assert set(out.components) == {"dec_clm"}
+
+    src, src_lengths = append_token(batch.tokens_BT, batch.lengths_B, SPECIAL.eos, SPECIAL.pad)
+    mask = lengths_to_mask(src_lengths, src.shape[1])
+    with torch.no_grad():
+        hidden = model.encoder(src, mask, batch.langs_B).hidden_BTD
+        codes = model.interface.quantizer(hidden[mask], sample=False).codes
+        memory = torch.zeros_like(hidden)
+        memory[mask] = model.interface.quantizer.lookup(codes)
+        nll, count = teacher_forced_nll(model.decoder, SPECIAL, batch, memory, mask)
+    torch.testing.assert_close(out.components["dec_clm"], torch.tensor(nll / count))
+
+    with torch.no_grad():
+        for p in model.interface.extractor.parameters():
+            p.add_(1.0)
+    again = model.decoder_loss(batch, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(again.components["dec_clm"], out.components["dec_clm"])
+    out.loss.backward()
+    assert not any(_grads(list(model.encoder.parameters())))
+    assert all(p.grad is None for p in model.interface.quantizer.parameters())
+    assert any(_grads(list(model.decoder.parameters())))
+    with pytest.raises(ValueError, match="decoder_codes"):
+        ObjectiveConfig(decoder_codes="table")  # type: ignore[arg-type]
 
 
 def test_extractor_diversity_trains_the_extractor_with_the_encoders_terms() -> None:

@@ -83,9 +83,11 @@ def test_every_option_survives_the_command_line() -> None:
         for f in dataclasses.fields(TrainConfig)
         if getattr(config, f.name) == getattr(defaults, f.name)
     ]
-    # --register-model needs a tracked fine-tuning run and --finetune-ras supervised
-    # fine-tuning, which this config is not: below.
-    assert same == ["finetune_ras", "register_model"], "set these fields away from their defaults"
+    # --register-model needs a tracked fine-tuning run, --finetune-ras supervised
+    # fine-tuning, and --decoder-codes encoder no --extractor-diversity: below.
+    assert same == ["decoder_codes", "finetune_ras", "register_model"], (
+        "set these fields away from their defaults"
+    )
     assert parse_train_argv(train_argv(config)) == config
     registering = TrainConfig(
         stage="finetune",
@@ -97,6 +99,8 @@ def test_every_option_survives_the_command_line() -> None:
         **PATHS,
     )
     assert parse_train_argv(train_argv(registering)) == registering
+    tied = TrainConfig(stage="joint", interface="vq", decoder_codes="encoder", **PATHS)
+    assert parse_train_argv(train_argv(tied)) == tied
 
 
 def test_the_command_line_holds_what_differs_from_the_defaults() -> None:

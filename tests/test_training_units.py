@@ -181,6 +181,15 @@ def test_train_options_refuse_impossible_combinations() -> None:
     with pytest.raises(ValueError, match="--mse-weight must be >= 0"):
         TrainConfig(stage="joint", interface="cl", mse_weight=-1, **base)
     TrainConfig(stage="joint", interface="vq", extractor_diversity=True, **base)
+    with pytest.raises(ValueError, match="--decoder-codes encoder"):
+        TrainConfig(stage="encoder", interface="vq", decoder_codes="encoder", **base)
+    with pytest.raises(ValueError, match="--decoder-codes encoder"):
+        TrainConfig(
+            stage="joint", interface="vq", decoder_codes="encoder", extractor_diversity=True, **base
+        )
+    with pytest.raises(ValueError, match="--decoder-codes must be"):
+        TrainConfig(stage="joint", interface="vq", decoder_codes="table", **base)
+    TrainConfig(stage="joint", interface="vq", decoder_codes="encoder", **base)
 
 
 def test_cpu_runs_use_torch_adam_for_exact_resume(tmp_path: Path) -> None:

@@ -79,6 +79,11 @@ class SemanticInterface(nn.Module, abc.ABC):
     ) -> InterfaceMemory:
         """The decoder's cross-attention memory for a (noised) sentence."""
 
+    def features_memory(self, features_BTD: torch.Tensor, mask_BT: torch.Tensor) -> InterfaceMemory:
+        """The decoder's memory of given features (the encoder's outputs) instead of the
+        interface's own reading of the tokens; only a VQ codebook quantises features."""
+        raise ValueError(f"the {self.kind!r} interface reads tokens, not features")
+
     @abc.abstractmethod
     def fingerprint(self) -> dict[str, Any]:
         """Type, shapes and content hash: later stages refuse an interface that differs."""

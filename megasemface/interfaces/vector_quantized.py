@@ -82,8 +82,11 @@ class VectorQuantizedInterface(SemanticInterface):
     def decoder_memory(
         self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
     ) -> InterfaceMemory:
-        features = self.extractor(tokens_BT, mask_BT, langs_B).hidden_BTD
-        out: VQOutput = self.quantizer(features[mask_BT], detach_weights=True)
+        return self.features_memory(self.extractor(tokens_BT, mask_BT, langs_B).hidden_BTD, mask_BT)
+
+    def features_memory(self, features_BTD: torch.Tensor, mask_BT: torch.Tensor) -> InterfaceMemory:
+        """The code vectors the fixed codebook picks for ``features`` by Eq. 5."""
+        out: VQOutput = self.quantizer(features_BTD[mask_BT], detach_weights=True)
         if self.training:
             self.decoder_usage.update(out.greedy_codes)
         metrics = {f"dec_{k}": v for k, v in out.metrics().items() if k != "vq_diversity_loss"}

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from megasemface.interfaces.base import SemanticInterface
+from megasemface.interfaces.base import InterfaceMemory, SemanticInterface
 from megasemface.models.config import ModelConfig
 from megasemface.models.transformer import Seq2SeqModel, TransformerDecoder, TransformerEncoder
 from megasemface.objectives.noising import (
@@ -81,6 +81,13 @@ class ObjectiveConfig:
     from the fixed codebook. Without them only the decoder's loss trains it, and it picks a
     small part of the codebook, so the decoder's cross-attention is pre-trained on few of
     the codes the encoder uses."""
+    decoder_codes: Literal["extractor", "encoder"] = "extractor"
+    """VQ-SemFace: what picks the codes the decoder stage reads. ``extractor``: the paper's
+    feature extractor, trained by the decoder's loss. ``encoder`` (not in the paper): the
+    encoder itself, without gradient, through the same VQ layer, so the decoder's
+    cross-attention is pre-trained on the codes the encoder emits for the sentence. Each
+    of the two otherwise learns its own assignment of the fixed codebook, and they pick the
+    same code for under 1% of the tokens (docs/reproduce.md, the study budget)."""
     infill_ratio: float = 0.35
     """mBART baseline: share of tokens masked in Poisson spans."""
     poisson_lambda: float = 3.5
@@ -89,6 +96,10 @@ class ObjectiveConfig:
     def __post_init__(self) -> None:
         if self.decoder_objective not in ("clm", "mlm"):
             raise ValueError(f"decoder_objective must be clm or mlm, got {self.decoder_objective}")
+        if self.decoder_codes not in ("extractor", "encoder"):
+            raise ValueError(
+                f"decoder_codes must be extractor or encoder, got {self.decoder_codes}"
+            )
         if not 0 < self.mlm_prob < 1:
             raise ValueError(f"mlm_prob must be in (0, 1), got {self.mlm_prob}")
 
@@ -242,9 +253,12 @@ class SemFaceModel(nn.Module):
                 drop_prob=obj.word_drop,
                 shuffle_window=obj.shuffle_window,
             )
-        memory = self.interface.decoder_memory(
-            source, lengths_to_mask(source_lengths, source.shape[1]), batch.langs_B
-        )
+        if obj.decoder_codes == "encoder":
+            memory = self._encoder_codes(source, source_lengths, batch.langs_B)
+        else:
+            memory = self.interface.decoder_memory(
+                source, lengths_to_mask(source_lengths, source.shape[1]), batch.langs_B
+            )
         if obj.decoder_objective == "clm":
             tags = torch.tensor(sp.lang_tags, device=batch.langs_B.device)[batch.langs_B]
             inputs, lengths = prepend_tokens(batch.tokens_BT, batch.lengths_B, tags)
@@ -275,6 +289,19 @@ class SemFaceModel(nn.Module):
                 components[f"dec_{name}"] = value.detach()
         metrics = {**memory.metrics, "dec_accuracy": lm.accuracy.item()}
         return StageOutput(loss, components, metrics, int(wanted.numel()))
+
+    def _encoder_codes(
+        self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, langs_B: torch.Tensor
+    ) -> InterfaceMemory:
+        """The interface's memory of the encoder's own output for ``tokens</s>`` (as the
+        encoder reads a sentence); no gradient reaches the encoder from the decoder stage."""
+        tokens_BT, lengths_B = append_token(
+            tokens_BT, lengths_B, self.special.eos, self.special.pad
+        )
+        mask_BT = lengths_to_mask(lengths_B, tokens_BT.shape[1])
+        with torch.no_grad():
+            hidden_BTD = self.encoder(tokens_BT, mask_BT, langs_B).hidden_BTD
+        return self.interface.features_memory(hidden_BTD, mask_BT)
 
     def joint_loss(
         self,

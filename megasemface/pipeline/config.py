@@ -221,6 +221,21 @@ ABLATIONS: dict[str, System] = {
             "vq",
             {"extractor_diversity": True},
         ),
+        System(
+            "vq-tied",
+            "VQ-SemFace, encoder's codes",
+            "joint",
+            "vq",
+            {"decoder_codes": "encoder"},
+        ),
+        System(
+            "vq-tied-bridge",
+            "VQ-SemFace, encoder's codes, codebook bridge",
+            "joint",
+            "vq",
+            bridge="codebook",
+            pretraining="vq-tied",
+        ),
         System("cl-trainable", "CL-SemFace, trained table", "joint", "cl", {"cl_trainable": True}),
         System(
             "vq-bridge",

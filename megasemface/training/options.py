@@ -89,6 +89,9 @@ class TrainConfig:
     extractor_diversity: bool = False
     """VQ: train the decoder stage's extractor with the diversity and token-entropy terms
     too (not in the paper)."""
+    decoder_codes: str = "extractor"
+    """VQ: what picks the decoder stage's codes: ``extractor`` (the paper's) or ``encoder``
+    (the encoder's own codes, without gradient; not in the paper)."""
     token_entropy_weight: float = 0.5
     """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
     on by default, measured better on validation); 0: off."""
@@ -237,6 +240,18 @@ class TrainConfig:
             raise ValueError(
                 "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
                 "--interface vq and --stage decoder or joint"
+            )
+        if self.decoder_codes not in ("extractor", "encoder"):
+            raise ValueError(
+                f"--decoder-codes must be extractor or encoder, got {self.decoder_codes!r}"
+            )
+        if self.decoder_codes == "encoder" and (
+            self.interface != "vq" or self.stage != "joint" or self.extractor_diversity
+        ):
+            raise ValueError(
+                "--decoder-codes encoder feeds the decoder stage the codes of the encoder "
+                "trained beside it: use it with --interface vq and --stage joint, without "
+                "--extractor-diversity (the extractor is then unused)"
             )
         for name in (
             "mse_weight",
@@ -394,6 +409,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--commitment-weight", type=float, default=d.commitment_weight)
     add("--token-entropy-weight", type=float, default=d.token_entropy_weight)
     add("--extractor-diversity", action="store_true")
+    add("--decoder-codes", default=d.decoder_codes, choices=("extractor", "encoder"))
     add("--codebook-warn-fraction", type=float, default=d.codebook_warn_fraction)
     add("--mp-size", type=int, default=d.mp_size)
     add("--steps", type=int, default=d.steps)

@@ -61,6 +61,7 @@ def objective_config_from(config: TrainConfig) -> ObjectiveConfig:
         commitment_weight=config.commitment_weight,
         token_entropy_weight=config.token_entropy_weight,
         extractor_diversity=config.extractor_diversity,
+        decoder_codes=config.decoder_codes,  # type: ignore[arg-type]  # checked by TrainConfig
     )
 
 
