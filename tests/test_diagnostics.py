@@ -10,6 +10,7 @@ check that batching and padding change nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -184,8 +185,8 @@ def _direct(models: DiagnosticModels, lang: str, ids: list[list[int]]) -> dict:
     cosines: list[torch.Tensor] = []
     nll = {"interface": 0.0, "encoder": 0.0, "zeros": 0.0}
     if models.interface_kind == "vq":
-        nll["bridge"] = 0.0
-    count = 0
+        nll["bridge"] = nll["codes"] = 0.0
+    count = same = 0
 
     def code_logits(h: torch.Tensor) -> torch.Tensor:  # Linear-ReLU-Linear, Eq. 5 without noise
         q = interface.quantizer
@@ -208,6 +209,7 @@ def _direct(models: DiagnosticModels, lang: str, ids: list[list[int]]) -> dict:
                 cosines.append(F.cosine_similarity(h, codebook[codes], dim=-1))
                 extracted = argmax_codes(interface.extractor(x, ones, langs).hidden_BTD[0])
                 ext_codes.append(extracted)
+                same += int((extracted == codes).sum())
                 own = codebook[extracted]
             else:
                 own = interface.table[x[0]]
@@ -220,6 +222,8 @@ def _direct(models: DiagnosticModels, lang: str, ids: list[list[int]]) -> dict:
             if models.interface_kind == "vq":  # every position, </s> too, as connected
                 mixture = torch.softmax(code_logits(encoded.hidden_BTD[0]), -1)  # temperature 1
                 memories["bridge"] = ((mixture @ interface.quantizer.codebook)[None], src_mask)
+                chosen = interface.quantizer.codebook[argmax_codes(encoded.hidden_BTD[0])]
+                memories["codes"] = (chosen[None], src_mask)
             inputs = torch.tensor([[sp.lang_tags[index], *sentence]])
             targets = torch.tensor([*sentence, sp.eos])
             for name, (memory, mask) in memories.items():
@@ -232,6 +236,8 @@ def _direct(models: DiagnosticModels, lang: str, ids: list[list[int]]) -> dict:
         "nll": {name: value / count for name, value in nll.items()},
         "nll_tokens": count,
     }
+    if ext_codes:
+        out["code_agreement"] = same / sum(len(s) for s in ids)
     for name, codes in (("encoder_codes", enc_codes), ("extractor_codes", ext_codes)):
         if codes:
             counts = torch.bincount(torch.cat(codes), minlength=models.num_codes or 0).double()
@@ -253,6 +259,7 @@ def _check_against_direct(models: DiagnosticModels, result_dict: dict, data: dic
         assert figures["tokens"] == sum(len(s) for s in ids)
         assert figures["cosine"] == pytest.approx(direct["cosine"], abs=1e-5)
         assert figures["nll_tokens"] == direct["nll_tokens"]
+        assert figures["code_agreement"] == pytest.approx(direct.get("code_agreement"))
         for memory, value in direct["nll"].items():
             assert figures["nll"][memory] == pytest.approx(value, rel=1e-5), memory
         for name in ("encoder_codes", "extractor_codes"):
@@ -280,6 +287,19 @@ def test_vq_figures_equal_the_direct_computation(vq_run: Path, data: dict) -> No
     assert 0 <= agreement.same_code <= 1 and 0 <= agreement.overlap <= 1
 
 
+def test_a_decoder_pretrained_on_the_encoders_codes_reads_them_as_its_interface(
+    vq_run: Path, data: dict
+) -> None:
+    """A run with --decoder-codes encoder: its interface memory is the encoder's own codes,
+    and its (unused) extractor's codes are not reported."""
+    models = dataclasses.replace(load_models(vq_run), decoder_codes="encoder")
+    result = diagnose_interface(_config(data), models)
+    for figures in result.languages:
+        assert figures.nll["interface"] == figures.nll["codes"]
+        assert figures.extractor_codes is None and figures.code_agreement is None
+        assert figures.encoder_codes is not None
+
+
 def test_cl_figures_equal_the_direct_computation(cl_run: Path, data: dict) -> None:
     models = load_models(cl_run)
     result = diagnose_interface(_config(data), models)
@@ -298,7 +318,7 @@ def test_connected_model_dir_gives_the_encoder_memory(vq_run: Path, data: dict) 
     alone = diagnose_interface(_config(data), load_models(None, model_dir))
     assert alone.measures == ["nll"] and alone.interface is None
     assert [x.nll for x in alone.languages] == [
-        {k: v for k, v in x.nll.items() if k not in ("interface", "bridge")}
+        {k: v for k, v in x.nll.items() if k not in ("interface", "codes", "bridge")}
         for x in joint.languages
     ]
     assert any("interface memory" in note for note in alone.notes)

@@ -298,8 +298,9 @@ def test_diagnostics_table_reads_the_figures_of_each_language() -> None:
                 "lang": "en",
                 "encoder_codes": {"used": 322, "perplexity": 169.21},
                 "extractor_codes": {"used": 56, "perplexity": 28.25},
+                "code_agreement": 0.0062,
                 "cosine": 0.0724,
-                "nll": {"interface": 5.7151, "encoder": 6.2149, "zeros": 6.3081},
+                "nll": {"interface": 5.7151, "codes": 5.61, "encoder": 6.2149, "zeros": 6.3081},
             }
         ]
     }
@@ -307,9 +308,10 @@ def test_diagnostics_table_reads_the_figures_of_each_language() -> None:
     table = diagnostics_table([("VQ-SemFace", 0, vq), ("CL-SemFace", 1, cl)]).splitlines()
     assert table[0].startswith("| system | seed | lang | encoder codes |")
     assert table[2] == (
-        "| VQ-SemFace | 0 | en | 322 / 169.2 | 56 / 28.2 | 0.072 | 5.715 | 6.215 | 6.308 |"
+        "| VQ-SemFace | 0 | en | 322 / 169.2 | 56 / 28.2 | 0.6% | 0.072 | 5.715 | 5.610 | 6.215 "
+        "| 6.308 |"
     )
-    assert table[3] == "| CL-SemFace | 1 | de | - | - | 0.500 | - | - | - |"
+    assert table[3] == "| CL-SemFace | 1 | de | - | - | - | 0.500 | - | - | - | - |"
 
 
 def _pair_record(key: str, pair: str, seed: int, forward: float, backward: float) -> RunRecord:

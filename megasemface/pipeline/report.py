@@ -215,9 +215,10 @@ def _compare(
 def diagnostics_table(rows: Sequence[tuple[str, int, dict[str, Any]]]) -> str:
     """Markdown: per system, seed and language, the interface diagnostics (as
     ``Diagnostics.to_dict()`` gives them) that say whether the interface connects: codes the
-    encoder and the decoder stage's extractor pick (used / histogram perplexity), cosine of
-    the encoder's output with its interface vector, and the pre-trained decoder's NLL per
-    token with its interface's memory, the encoder's output and zeros."""
+    encoder and the decoder stage's extractor pick (used / histogram perplexity) and the
+    share of tokens on which they agree, cosine of the encoder's output with its interface
+    vector, and the pre-trained decoder's NLL per token with its interface's memory, the
+    encoder's own codes, the encoder's output and zeros."""
 
     def codes(figures: dict[str, Any] | None) -> str:
         return f"{figures['used']} / {figures['perplexity']:.1f}" if figures else "-"
@@ -225,15 +226,17 @@ def diagnostics_table(rows: Sequence[tuple[str, int, dict[str, Any]]]) -> str:
     def number(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    header = ["system", "seed", "lang", "encoder codes", "extractor codes", "cosine"]
-    header += ["NLL interface", "NLL encoder", "NLL zeros"]
+    header = ["system", "seed", "lang", "encoder codes", "extractor codes", "agree", "cosine"]
+    header += ["NLL interface", "NLL codes", "NLL encoder", "NLL zeros"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for system, seed, data in rows:
         for lang in data["languages"]:
             nll = lang.get("nll") or {}
             cells = [system, str(seed), lang["lang"], codes(lang.get("encoder_codes"))]
-            cells += [codes(lang.get("extractor_codes")), number(lang.get("cosine"))]
-            cells += [number(nll.get(k)) for k in ("interface", "encoder", "zeros")]
+            agree = lang.get("code_agreement")
+            cells += [codes(lang.get("extractor_codes")), "-" if agree is None else f"{agree:.1%}"]
+            cells += [number(lang.get("cosine"))]
+            cells += [number(nll.get(k)) for k in ("interface", "codes", "encoder", "zeros")]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -185,6 +185,8 @@ class _Sums:
 
     encoder_codes: list[torch.Tensor] = dataclasses.field(default_factory=list)
     extractor_codes: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    same_codes: int = 0
+    """Tokens for which the encoder and the extractor pick the same code."""
     cosine: float | None = None
     nll: dict[str, float] = dataclasses.field(default_factory=dict)
     nll_tokens: int = 0
@@ -236,17 +238,24 @@ def _nll_side(
     assert models.decoder is not None
     interface, mask = models.interface, batch.mask_BT
     memories = {}
+    own = None
+    if isinstance(interface, VectorQuantizedInterface) and models.encoder is not None:
+        own = models.encoder(*src, batch.langs_B) if encoded is None else encoded
+        codes = interface.features_memory(own.hidden_BTD, src[1])
+        memories["codes"] = (codes.memory_BSD, codes.mask_BS)
     if models.interface_decoder is not None and interface is not None:
-        memory = interface.decoder_memory(batch.tokens_BT, mask, batch.langs_B)
-        memories["interface"] = (memory.memory_BSD, memory.mask_BS)
+        if models.decoder_codes == "encoder":  # the stage's decoder read the encoder's codes
+            memories["interface"] = memories["codes"]
+        else:
+            memory = interface.decoder_memory(batch.tokens_BT, mask, batch.langs_B)
+            memories["interface"] = (memory.memory_BSD, memory.mask_BS)
     if models.connected_encoder is not None:
         connected = encoded
         if models.connected_encoder is not models.encoder or connected is None:
             connected = models.connected_encoder(*src, batch.langs_B)
         memories["encoder"] = (connected.hidden_BTD, src[1])
     if models.bridge is not None:
-        assert models.encoder is not None  # load_models builds a bridge only with one
-        own = models.encoder(*src, batch.langs_B) if encoded is None else encoded
+        assert own is not None  # load_models builds a bridge only with a VQ encoder
         memories["bridge"] = (models.bridge(own.hidden_BTD), src[1])
     # Zero keys and values are the same at every position: the memory's length is moot.
     memories["zeros"] = (torch.zeros(*batch.tokens_BT.shape, models.config.d_model), mask)
@@ -280,11 +289,15 @@ def _language_pass(
             row_of = {i: r for r, i in enumerate(rows)}
             found = {p: row_of[p[0]] for p in wanted if p[0] in row_of}
             _encoder_side(models, batch, encoded, sums, found)
-        if "usage" in measures and models.interface_decoder is not None:
+        reads_extractor = models.decoder_codes == "extractor"
+        if "usage" in measures and models.interface_decoder is not None and reads_extractor:
             assert isinstance(interface, VectorQuantizedInterface)
             mask = batch.mask_BT
             features = interface.extractor(batch.tokens_BT, mask, batch.langs_B).hidden_BTD
-            sums.extractor_codes.append(interface.quantizer(features[mask], sample=False).codes)
+            codes = interface.quantizer(features[mask], sample=False).codes
+            sums.extractor_codes.append(codes)
+            if sums.encoder_codes:  # the same tokens, in the same order
+                sums.same_codes += int((codes == sums.encoder_codes[-1]).sum())
         if "nll" in measures:
             _nll_side(models, batch, src, encoded, sums)
     return sums
@@ -299,6 +312,8 @@ def _figures(
         figures.encoder_codes = code_usage(torch.cat(sums.encoder_codes), k)
     if sums.extractor_codes and k is not None:
         figures.extractor_codes = code_usage(torch.cat(sums.extractor_codes), k)
+        if sums.encoder_codes:
+            figures.code_agreement = sums.same_codes / tokens
     if sums.cosine is not None:
         figures.cosine = sums.cosine / tokens
     if sums.nll_tokens:

@@ -13,11 +13,12 @@ __all__ = ["METRIC_PREFIX", "Diagnostics", "DictionaryFigures", "LanguageFigures
 
 METRIC_PREFIX = "diag_"
 
-MEMORIES = ("interface", "encoder", "bridge", "zeros")
+MEMORIES = ("interface", "codes", "encoder", "bridge", "zeros")
 """The cross-attention memories of the NLL figures, in the order they are reported."""
 
 _MEMORY_LABELS = {
     "interface": "interface memory",
+    "codes": "encoder's own codes",
     "encoder": "encoder memory",
     "bridge": "encoder through the codebook",
     "zeros": "zero memory",
@@ -38,6 +39,8 @@ class LanguageFigures:
     """Argmax code usage of the encoder's VQ layer over the tokens."""
     extractor_codes: CodeUsageFigures | None = None
     """Argmax code usage of the decoder-stage feature extractor through the same layer."""
+    code_agreement: float | None = None
+    """Share of the tokens for which the encoder and the extractor pick the same code."""
     cosine: float | None = None
     """Mean over tokens of cos(encoder output, its interface vector): VQ, the output after
     the final LayerNorm and its chosen code; CL, the activation before it and the token's
@@ -62,6 +65,8 @@ class LanguageFigures:
                 out[f"{self.lang}_{short}_codes_fraction"] = usage.fraction
                 out[f"{self.lang}_{short}_code_perplexity"] = usage.perplexity
                 out[f"{self.lang}_{short}_dead_codes"] = usage.dead
+        if self.code_agreement is not None:
+            out[f"{self.lang}_code_agreement"] = self.code_agreement
         if self.cosine is not None:
             out[f"{self.lang}_cosine"] = self.cosine
         for memory, value in self.nll.items():
@@ -155,6 +160,12 @@ class Diagnostics:
                 ("  perplexity exp(H)", [_num(u, "perplexity", ".2f") for u in usages]),
                 ("  dead codes", [_num(u, "dead") for u in usages]),
             ]
+        if any(x.code_agreement is not None for x in self.languages):
+            shares = [
+                _pct(x.code_agreement) if x.code_agreement is not None else "-"
+                for x in self.languages
+            ]
+            rows.append(("encoder and extractor agree", shares))
         if any(x.cosine is not None for x in self.languages):
             target = "its code" if self.interface == "vq" else "its table row"
             rows.append(

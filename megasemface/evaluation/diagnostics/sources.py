@@ -73,6 +73,9 @@ class DiagnosticModels:
     """``(tokens, mask, langs) -> EncoderOutput``: the memory of the connected model."""
     bridge: CodebookBridge | None
     """A VQ stage's VQ layer as the codebook bridge (None without a VQ encoder)."""
+    decoder_codes: str
+    """What picked the codes the stage's decoder was pre-trained on: ``extractor`` (the
+    paper's feature extractor) or ``encoder`` (``--decoder-codes encoder``)."""
     step: int | None
     """The checkpoint's training step (None when unknown)."""
     mlflow_run_id: str | None
@@ -204,6 +207,7 @@ def load_models(
         decoder=decoder,
         connected_encoder=connected,
         bridge=bridge,
+        decoder_codes=meta.get("train_config", {}).get("decoder_codes", "extractor"),
         step=source.get("step"),
         mlflow_run_id=meta.get("mlflow_run_id") or None,
         sources=sources,
