@@ -8,9 +8,11 @@ reads as a share of what this machine can do. The VQ layer's share of step time 
 timed in isolation on the same tokens) stands beside its share of the step's FLOPs, for the
 flat and the product codebook. Beside the step, the same step with the output layer and
 its cross-entropy through autograd (logits, ``F.cross_entropy``, an argmax for the accuracy)
-instead of the fused pass of ``objectives/output_loss.py``: what the fusion buys. The step,
-the peak matmul, the VQ calls and the autograd step take turns, and each share or ratio is the
-median of per-round ratios, so load from other processes cancels out.
+instead of the fused pass of ``objectives/output_loss.py``: what the fusion buys. And the
+same step with compiled layers (``train.py --compile``), with the seconds its first call
+spends compiling (into a fresh inductor cache: what a run on a new machine pays). The step,
+the peak matmul, the VQ calls, the autograd step and the compiled step take turns, and each
+share or ratio is the median of per-round ratios, so load from other processes cancels out.
 
 Run: ``python benchmarks/bench_model.py [--presets tiny,paper] [--json out.json]``.
 """
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from unittest import mock
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from megasemface.interfaces.factory import build_interface
+from megasemface.models.compile import compile_layers
 from megasemface.models.config import build_model_config
 from megasemface.objectives import stages
 from megasemface.objectives.output_loss import OutputLoss
@@ -124,6 +129,20 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
         model.joint_loss(batch, generator).loss.backward()
     total = counter.get_total_flops()
 
+    torch.manual_seed(0)
+    compiled = SemFaceModel(config, build_interface("vq", config), SPECIAL)
+    compile_layers(compiled)
+    compiled_optimizer = torch.optim.Adam(compiled.parameters(), lr=1e-4)
+
+    def compiled_step() -> None:
+        compiled_optimizer.zero_grad(set_to_none=True)
+        compiled.joint_loss(batch, generator).loss.backward()
+        compiled_optimizer.step()
+
+    started = time.perf_counter()
+    compiled_step()
+    first_compiled = time.perf_counter() - started
+
     # The VQ layer's two calls per joint step, timed alone on the same number of tokens.
     quantizer = model.interface.quantizer
     tokens = int(batch.lengths_B.sum()) + len(batch.lengths_B)  # with </s>
@@ -141,7 +160,14 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
     vq_flops = counter.get_total_flops()
 
     times = _alternating(
-        {"step": step, "matmul": matmul, "vq": vq_calls, "autograd": autograd_step}, repeats
+        {
+            "step": step,
+            "matmul": matmul,
+            "vq": vq_calls,
+            "autograd": autograd_step,
+            "compiled": compiled_step,
+        },
+        repeats,
     )
     step_time = statistics.median(times["step"])
     peak_flops = [2 * PEAK_SIZE**3 / t for t in times["matmul"]]
@@ -164,6 +190,11 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
         "fused_speedup": statistics.median(
             a / t for a, t in zip(times["autograd"], times["step"], strict=True)
         ),
+        "compiled_step_s": statistics.median(times["compiled"]),
+        "compiled_speedup": statistics.median(
+            t / c for t, c in zip(times["step"], times["compiled"], strict=True)
+        ),
+        "compile_s": first_compiled - statistics.median(times["compiled"]),
     }
 
 
@@ -174,8 +205,9 @@ def report(results: dict[str, dict[str, float]]) -> str:
         + " GFLOP/s",
         "",
         "| preset, codebook | params | step | tokens/s | model FLOP/s (share of peak) "
-        "| VQ time share / FLOP share | output loss through autograd: step (fused speed-up) |",
-        "|---|---|---|---|---|---|---|",
+        "| VQ time share / FLOP share | output loss through autograd: step (fused speed-up) "
+        "| compiled layers: step (speed-up), compile time |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         rows.append(
@@ -183,7 +215,8 @@ def report(results: dict[str, dict[str, float]]) -> str:
             f"| {r['tokens_per_s']:,.0f} | {r['flops_per_s'] / 1e9:,.1f} G "
             f"({r['share_of_peak']:.0%}) | {r['vq_time_share']:.0%} / "
             f"{r['vq_flop_share']:.0%} | {r['autograd_step_s'] * 1e3:,.0f} ms "
-            f"({r['fused_speedup']:.2f}x) |"
+            f"({r['fused_speedup']:.2f}x) | {r['compiled_step_s'] * 1e3:,.0f} ms "
+            f"({r['compiled_speedup']:.2f}x), {r['compile_s']:.0f} s |"
         )
     return "\n".join(rows)
 
@@ -205,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # An empty kernel cache: the first compile pays what a run on a new machine pays; later
+    # rows reuse the graphs of layers of the same shapes, as a pipeline's later runs do.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
     results = run(args.presets.split(","), args.repeats)
     print(report(results))
     if args.json:

@@ -199,6 +199,15 @@ def test_unsupervised_runs_need_no_parallel_shards(tmp_path: Path) -> None:
     assert config.data == pipeline.mono
 
 
+def test_compile_reaches_every_training_run(tmp_path: Path) -> None:
+    assert _config("--compile").compile and not _config().compile
+    pipeline = _pipeline(tmp_path, (0,))
+    pipeline.config = dataclasses.replace(pipeline.config, compile=True)
+    pretrain = pipeline.pretrain_config(SYSTEMS["vq"], 0)
+    finetune = pipeline.finetune_config(SYSTEMS["vq"], "supervised", tmp_path / "models", 0)
+    assert pretrain is not None and pretrain.compile and finetune.compile
+
+
 def test_an_ablation_changes_only_its_options(tmp_path: Path) -> None:
     """An ablation's pre-training run is its interface's (CL-SemFace's or VQ-SemFace's) with
     the ablation's options, in its own directory."""

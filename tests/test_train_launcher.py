@@ -97,7 +97,9 @@ def test_joint_stage_under_zero1_in_bf16(data: dict, tmp_path: Path) -> None:
     check_finished(launch(command(data, out, *args, zero=1)), out, 3)
 
 
-def test_killed_run_resumes_exactly(data: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_killed_run_resumes_exactly(data: dict, tmp_path: Path, compiled: bool) -> None:
+    """Also with --compile: the compiled layers draw dropout as eager ones do."""
     args = [
         "--stage",
         "joint",
@@ -108,6 +110,7 @@ def test_killed_run_resumes_exactly(data: dict, tmp_path: Path) -> None:
         "--save-interval",
         "3",
         "--log-sample-ids",
+        *(["--compile"] if compiled else []),
     ]
     reference = tmp_path / "reference"
     check_finished(launch(command(data, reference, *args)), reference, 7)

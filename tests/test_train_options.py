@@ -48,6 +48,7 @@ def test_every_option_survives_the_command_line() -> None:
         seed=3,
         max_tokens=512,
         num_workers=2,
+        compile=True,
         save_interval=3,
         keep_last=2,
         log_interval=1,

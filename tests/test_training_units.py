@@ -224,6 +224,10 @@ def test_options_are_checked_before_distributed_start_up() -> None:
     with pytest.raises(ValueError, match="fight"):
         lr_schedule_of(TrainConfig(stage="encoder", interface="cl", lr=1e-3, **base), scheduled)
     check_before_start(TrainConfig(stage="joint", interface="vq", mp_size=2, **base), plain, 4)
+    compiled = TrainConfig(stage="joint", interface="vq", compile=True, **base)
+    check_before_start(compiled, {**plain, "zero_optimization": {"stage": 2}})
+    with pytest.raises(ValueError, match="--compile works under ZeRO stage 1 or 2"):
+        check_before_start(compiled, {**plain, "zero_optimization": {"stage": 3}})
     with pytest.raises(ValueError, match="--mp-size 2 does not divide the 3 processes"):
         check_before_start(TrainConfig(stage="joint", interface="vq", mp_size=2, **base), plain, 3)
     with pytest.raises(ValueError, match=r"vq\.num_codes 512 is not divisible by --mp-size 3"):

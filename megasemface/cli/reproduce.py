@@ -98,6 +98,12 @@ def build_parser(
         "seed, the tables show mean ± std and sacreBLEU's paired bootstrap p-values "
         "(default: --seed; the data is built once, with --seed)",
     )
+    add(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="every training run compiles its Transformer layers (train.py --compile)",
+    )
     add("--lr", type=float, help="fine-tuning peak learning rate")
     add("--pretrain-lr", type=float, help="pre-training learning rate")
     add("--denoise-schedule")

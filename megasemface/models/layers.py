@@ -7,6 +7,7 @@ Masks are boolean with True for real tokens.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +151,9 @@ class TransformerLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(d)
         self.ffn = FeedForward(d, config.ffn_dim, config.dropout)
         self.dropout = nn.Dropout(config.dropout)
+        self.compiled_block: Callable[..., torch.Tensor] | None = None
+        """``block`` through torch.compile, for the uncached forward
+        (:func:`megasemface.models.compile.compile_layers`); None: eager."""
 
     def forward(
         self,
@@ -160,6 +164,19 @@ class TransformerLayer(nn.Module):
         cache: tuple[KVCache, KVCache] | None = None,
     ) -> torch.Tensor:
         """``cache``: self- and cross-attention caches of incremental decoding."""
+        if cache is None and self.compiled_block is not None:
+            return self.compiled_block(self, x_BTD, self_mask_B1TT, memory_BSD, memory_mask_B1TS)
+        return self.block(x_BTD, self_mask_B1TT, memory_BSD, memory_mask_B1TS, cache)
+
+    def block(
+        self,
+        x_BTD: torch.Tensor,
+        self_mask_B1TT: torch.Tensor,
+        memory_BSD: torch.Tensor | None = None,
+        memory_mask_B1TS: torch.Tensor | None = None,
+        cache: tuple[KVCache, KVCache] | None = None,
+    ) -> torch.Tensor:
+        """The layer itself (``forward`` picks the compiled or the eager one)."""
         self_cache, cross_cache = cache if cache is not None else (None, None)
         h = self.self_norm(x_BTD)
         x_BTD = x_BTD + self.dropout(self.self_attn(h, h, self_mask_B1TT, self_cache))

@@ -312,6 +312,8 @@ class PipelineConfig:
     valid_interval: int = 200
     max_tokens: int = 2048
     """Tokens per batch and rank."""
+    compile: bool = False
+    """Every training run compiles its Transformer layers (train.py ``--compile``)."""
     warmup_steps: int = 100
     """Fine-tuning warm-up of the inverse square-root schedule."""
     lr: float = 2e-3

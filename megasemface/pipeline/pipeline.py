@@ -206,6 +206,7 @@ class Pipeline:
             preset=cfg.model_preset,
             steps=steps,
             max_tokens=cfg.max_tokens,
+            compile=cfg.compile,
             seed=seed,
             log_interval=max(1, steps // 10),
             save_interval=max(1, steps // 4),

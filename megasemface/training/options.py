@@ -108,6 +108,10 @@ class TrainConfig:
     """Tokens per batch and rank, padding included."""
     num_workers: int = 0
     """Data loader worker processes per rank (0: read in the training process)."""
+    compile: bool = False
+    """Compile each Transformer layer's training forward with torch.compile (inductor; ZeRO
+    1 or 2). The same losses as eager to float rounding, and exact resume; the README's
+    benchmarks say when it pays."""
     save_interval: int = 500
     """Steps between checkpoints."""
     keep_last: int = 3
@@ -416,6 +420,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--seed", type=int, default=d.seed)
     add("--max-tokens", type=int, default=d.max_tokens)
     add("--num-workers", type=int, default=d.num_workers)
+    add("--compile", action="store_true")
     add("--save-interval", type=int, default=d.save_interval)
     add("--keep-last", type=int, default=d.keep_last)
     add("--log-interval", type=int, default=d.log_interval)

@@ -46,6 +46,11 @@ def check_before_start(config: TrainConfig, ds_config: dict[str, Any], world_siz
     if config.output_dir.exists() and not config.output_dir.is_dir():
         raise ValueError(f"--output-dir {config.output_dir} is a file; name a directory")
     lr_schedule_of(config, ds_config)
+    if config.compile and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+        # ZeRO-3's hooks gather each layer's weights inside the compiled forward.
+        raise ValueError(
+            "--compile works under ZeRO stage 1 or 2; leave it out with a stage-3 config"
+        )
     newest = CheckpointManager(config.output_dir, config.keep_last, rank=0).newest()
     if newest is not None:  # a resume: the model-parallel size must be the checkpoint's
         check_parallel_sizes(config.output_dir / "checkpoints" / newest[1], config.mp_size)

@@ -34,6 +34,7 @@ from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.distributed import collectives
 from megasemface.distributed.engine import DeepSpeedEngine, loading_universal
 from megasemface.distributed.groups import ParallelGroups
+from megasemface.models.compile import compile_layers
 from megasemface.tracking.mlflow_tracker import MLflowTracker
 from megasemface.tracking.tracker import NullTracker, Tracker
 from megasemface.training.options import TrainConfig
@@ -78,6 +79,8 @@ class Trainer:
         self.data = RunData.load(config)
         torch.manual_seed(config.seed)  # the model's initialisation
         self.unit = build_unit(config, self.data, groups)
+        if config.compile:  # preflight refused it under ZeRO-3
+            compile_layers(self.unit.model)
         self.checkpoints = CheckpointManager(config.output_dir, config.keep_last, self.rank)
         # Before the engine: another number of data-parallel ranks than the checkpoint's
         # needs an engine that loads DeepSpeed's universal form.
