@@ -12,18 +12,10 @@ from launch import parse_train_argv
 
 from megasemface.cli.reproduce import build_parser, config_from_args, main
 from megasemface.pipeline import pipeline as pipeline_module
-from megasemface.pipeline.config import (
-    ABLATIONS,
-    BUDGETS,
-    RELATED,
-    SETTINGS,
-    SYSTEMS,
-    PipelineConfig,
-    System,
-    seeded,
-)
+from megasemface.pipeline.config import BUDGETS, PipelineConfig, seeded
 from megasemface.pipeline.launcher import TRAIN_SCRIPT
 from megasemface.pipeline.pipeline import PairData, Pipeline
+from megasemface.pipeline.systems import ABLATIONS, RELATED, SETTINGS, SYSTEMS, System
 from megasemface.training.options import TrainConfig, train_argv
 
 

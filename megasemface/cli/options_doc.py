@@ -74,7 +74,7 @@ def render() -> str:
         "same); `--deepspeed_config` is required (see",
         "[ds_configs/README.md](../ds_configs/README.md)). An option of a `TrainConfig` field",
         "sets that field: MLflow logs the fields as each run's parameters `train.<field>`, and",
-        "the pipeline's ablation systems (`megasemface/pipeline/config.py`) name them in their",
+        "the pipeline's ablation systems (`megasemface/pipeline/systems.py`) name them in their",
         "`options`. The meaning of an option is its field's docstring, which is also its",
         "`--help`.",
         "",

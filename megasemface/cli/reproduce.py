@@ -24,16 +24,8 @@ import sys
 import typing
 from pathlib import Path
 
-from megasemface.pipeline.config import (
-    ABLATIONS,
-    BUDGETS,
-    RELATED,
-    SETTINGS,
-    SYSTEMS,
-    PipelineConfig,
-    parse_languages,
-    parse_seeds,
-)
+from megasemface.pipeline.config import BUDGETS, PipelineConfig, parse_languages, parse_seeds
+from megasemface.pipeline.systems import ABLATIONS, RELATED, SETTINGS, SYSTEMS
 
 __all__ = ["build_parser", "config_from_args", "main", "run"]
 

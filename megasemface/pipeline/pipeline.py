@@ -34,7 +34,7 @@ from megasemface.inference.search import SearchConfig
 from megasemface.inference.translate import Translator
 from megasemface.models.config import build_model_config
 from megasemface.pipeline import data_steps
-from megasemface.pipeline.config import PipelineConfig, System, seeded
+from megasemface.pipeline.config import PipelineConfig, seeded
 from megasemface.pipeline.launcher import (
     deepspeed_command,
     default_ds_config,
@@ -43,6 +43,7 @@ from megasemface.pipeline.launcher import (
     training_complete,
 )
 from megasemface.pipeline.report import Report, build_report
+from megasemface.pipeline.systems import System
 from megasemface.tracking.model_registry import default_model_name, register_best_model
 from megasemface.tracking.report_run import log_report_run
 from megasemface.tracking.run_scores import log_scores

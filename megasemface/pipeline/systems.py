@@ -1,0 +1,278 @@
+"""The systems a pipeline compares (the rows of the paper's tables) and the settings they are
+fine-tuned in.
+
+A *system* is one row: how the translation model is initialised before fine-tuning (which
+pre-training run, with which options, connected how). A *setting* is how it is fine-tuned:
+supervised on a low-resource slice of parallel data, or unsupervised (denoising and
+back-translation on monolingual data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from megasemface.models.config import model_option
+from megasemface.training.options import TrainConfig, typed_overrides
+
+__all__ = [
+    "ABLATIONS",
+    "FINETUNE_FIELDS",
+    "PAIR_STAGES",
+    "RELATED",
+    "RUN_FIELDS",
+    "SETTINGS",
+    "SYSTEMS",
+    "System",
+]
+
+
+RUN_FIELDS = frozenset(
+    {
+        "stage",
+        "interface",
+        "data",
+        "spm_model",
+        "output_dir",
+        "cl_table",
+        "model_options",
+        "steps",
+        "seed",
+        "experiment",
+        "run_name",
+        "tracking_uri",
+        "tags",
+        "ras_dictionary",
+    }
+)
+"""TrainConfig fields the pipeline sets for every run from its own configuration, so not a
+system's ``options`` (a system has its own ``stage``, ``interface`` and ``model``; the
+pipeline gives its RAS dictionary to the runs that substitute)."""
+
+PAIR_STAGES = ("mrasp", "veco")
+"""Pre-training stages that read the parallel pairs: their systems run only supervised."""
+
+_RAS_FILE = [Path("en-de.tsv")]
+"""A dictionary in the configs that check a system's options (no file is read there)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """One pre-training recipe and how its stages are connected.
+
+    Raises:
+        ValueError: naming the system, for options its pre-training run cannot take.
+    """
+
+    key: str
+    display: str
+    """The name in tables and plots (the paper's row label)."""
+    stage: str | None
+    """train.py --stage of the pre-training run; None: no pre-training."""
+    interface: str = "none"
+    options: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
+    """TrainConfig fields of the pre-training run by name (ablations), e.g.
+    ``{"diversity_weight": 0.0}``; they replace the pipeline's values (docs/options.md lists
+    the fields)."""
+    model: Mapping[str, bool | int | float | str] = dataclasses.field(
+        default_factory=dict, hash=False
+    )
+    """Model options of the pre-training run, dotted as ``--model`` names them, e.g.
+    ``{"vq.diversity_loss": "eq6"}``; after the pipeline's own."""
+    connect: str = "semface"
+    """semface (encoder and decoder of the run), xlm (encoder into both), mbart, mrasp or
+    veco (the run's sequence-to-sequence model as it is)."""
+    bridge: str = "none"
+    """semface: how the encoder reaches the cross-attention (``ModelConfig.bridge``)."""
+    pretraining: str | None = None
+    """The system whose pre-training run this one connects, when it differs only in how it
+    is connected (that run is trained once and shared); None: its own."""
+    finetune: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
+    """TrainConfig fields of its fine-tuning runs by name, e.g. ``{"finetune_ras": True}``."""
+
+    def __post_init__(self) -> None:
+        try:
+            options = self._checked_options()
+            finetune = self._checked_finetune()
+        except ValueError as exc:
+            raise ValueError(f"system {self.key!r}: {exc}") from None
+        # Read-only, as the rest of a frozen System.
+        object.__setattr__(self, "options", types.MappingProxyType(options))
+        object.__setattr__(self, "model", types.MappingProxyType(dict(self.model)))
+        object.__setattr__(self, "finetune", types.MappingProxyType(finetune))
+
+    @property
+    def pretraining_ras(self) -> bool:
+        """Its pre-training substitutes words (mRASP, or RAS in the decoder noise)."""
+        return self.stage == "mrasp" or bool(self.options.get("decoder_noise_ras"))
+
+    @property
+    def finetuning_ras(self) -> bool:
+        """Its supervised fine-tuning substitutes source words."""
+        return bool(self.finetune.get("finetune_ras"))
+
+    @property
+    def pretraining_pairs(self) -> bool:
+        """Its pre-training reads parallel pairs (mRASP's, VECO's)."""
+        return self.stage in PAIR_STAGES
+
+    def runs_in(self, setting: str) -> bool:
+        """Whether it has a run in ``setting``: one that trains on parallel pairs (mRASP's
+        and VECO's pre-training, RAS in fine-tuning) has no unsupervised setting."""
+        return setting == "supervised" or not (self.pretraining_pairs or self.finetuning_ras)
+
+    def _checked_options(self) -> dict[str, Any]:
+        if self.stage is None:
+            if self.options or self.model:
+                raise ValueError("options belong to a pre-training run, and it has none")
+            return {}
+        reserved = sorted(RUN_FIELDS & set(self.options))
+        if reserved:
+            raise ValueError(f"the pipeline sets {', '.join(reserved)} for every run")
+        options = typed_overrides(self.options)
+        for key, value in self.model.items():
+            model_option(key, value)  # a known option, a value of its type
+        # What TrainConfig refuses together (e.g. extractor_diversity with a CL interface).
+        paths: dict[str, Any] = {"data": Path(), "spm_model": Path(), "output_dir": Path()}
+        ras = self.stage == "mrasp" or options.get("decoder_noise_ras")
+        paths |= {"ras_dictionary": _RAS_FILE} if ras else {}
+        TrainConfig(stage=self.stage, interface=self.interface, **paths, **options)
+        return options
+
+    def _checked_finetune(self) -> dict[str, Any]:
+        reserved = sorted((RUN_FIELDS | FINETUNE_FIELDS) & set(self.finetune))
+        if reserved:
+            raise ValueError(f"the pipeline sets {', '.join(reserved)} for every fine-tuning")
+        finetune = typed_overrides(self.finetune)
+        paths: dict[str, Any] = {"data": Path(), "spm_model": Path(), "output_dir": Path()}
+        paths |= {"ras_dictionary": _RAS_FILE} if finetune.get("finetune_ras") else {}
+        TrainConfig(stage="finetune", interface="none", **paths, **finetune)
+        return finetune
+
+    @property
+    def model_options(self) -> list[str]:
+        """``model`` as train.py's ``--model`` KEY=VALUE options."""
+        return [model_option(key, value) for key, value in self.model.items()]
+
+
+FINETUNE_FIELDS = frozenset(
+    {
+        "finetune_mode",
+        "init_from",
+        "valid_prefix",
+        "valid_interval",
+        "valid_max_sentences",
+        "warmup_steps",
+        "lr",
+        "denoise_schedule",
+        "no_repeat_ngram_size",
+    }
+)
+"""TrainConfig fields the pipeline sets for every fine-tuning run, so not a system's
+``finetune`` options."""
+
+SYSTEMS: dict[str, System] = {
+    s.key: s
+    for s in (
+        System("transformer", "Transformer", None),
+        System("xlm", "XLM", "encoder", "none", connect="xlm"),
+        System("mbart", "mBART", "mbart", "none", connect="mbart"),
+        System("cl", "CL-SemFace", "joint", "cl"),
+        System("vq", "VQ-SemFace", "joint", "vq"),
+    )
+}
+"""The paper's Tables 3 and 4, in their order."""
+
+ABLATIONS: dict[str, System] = {
+    s.key: s
+    for s in (
+        System("cl-no-mse", "CL-SemFace w/o MSE", "joint", "cl", {"mse_weight": 0.0}),
+        System("vq-no-div", "VQ-SemFace w/o diversity", "joint", "vq", {"diversity_weight": 0.0}),
+        System("vq-no-l2", "VQ-SemFace w/o L2", "joint", "vq", {"l2_weight": 0.0}),
+        System("cl-mlm", "CL-SemFace decoder MLM", "joint", "cl", {"decoder_objective": "mlm"}),
+        System("vq-mlm", "VQ-SemFace decoder MLM", "joint", "vq", {"decoder_objective": "mlm"}),
+        System(
+            "vq-eq6",
+            "VQ-SemFace, Eq. 6 diversity",
+            "joint",
+            "vq",
+            model={"vq.diversity_loss": "eq6"},
+        ),
+        System("vq-commit", "VQ-SemFace + commitment", "joint", "vq", {"commitment_weight": 0.25}),
+        System(
+            "vq-paper-losses",
+            "VQ-SemFace, paper's losses",
+            "joint",
+            "vq",
+            {"token_entropy_weight": 0.0, "diversity_weight": 1.0},
+        ),
+        System(
+            "vq-extractor-div",
+            "VQ-SemFace, extractor diversity",
+            "joint",
+            "vq",
+            {"extractor_diversity": True},
+        ),
+        System(
+            "vq-tied",
+            "VQ-SemFace, encoder's codes",
+            "joint",
+            "vq",
+            {"decoder_codes": "encoder"},
+        ),
+        System(
+            "vq-tied-bridge",
+            "VQ-SemFace, encoder's codes, codebook bridge",
+            "joint",
+            "vq",
+            bridge="codebook",
+            pretraining="vq-tied",
+        ),
+        System("cl-trainable", "CL-SemFace, trained table", "joint", "cl", {"cl_trainable": True}),
+        System(
+            "vq-bridge",
+            "VQ-SemFace, codebook bridge",
+            "joint",
+            "vq",
+            bridge="codebook",
+            pretraining="vq",
+        ),
+        System("vq-ras", "VQ-SemFace, RAS noise", "joint", "vq", {"decoder_noise_ras": True}),
+        System(
+            "vq-ras-ft",
+            "VQ-SemFace, RAS fine-tuning",
+            "joint",
+            "vq",
+            finetune={"finetune_ras": True},
+            pretraining="vq",
+        ),
+    )
+}
+"""The paper's Table 5, then what differs from the paper: Eq. 6 as printed (the default
+diversity loss is wav2vec 2.0's form), the paper's VQ losses alone (the default adds a
+per-token entropy term, with diversity weight 2), and options beyond the paper that are off
+by default: a commitment term tying the encoder's outputs to their codes, diversity terms
+for the decoder stage's extractor, a trained CL table, VQ-SemFace's pre-training connected
+through its codebook instead of without the interface, and mRASP's random aligned
+substitution in the decoder stage's noise (the interface reads a copy with some words in the
+other language) or on the source side of supervised fine-tuning (VQ-SemFace's pre-training
+run, fine-tuned with RAS; it has no unsupervised setting)."""
+
+RELATED: dict[str, System] = {
+    s.key: s
+    for s in (
+        System("mrasp", "mRASP", "mrasp", "none", connect="mrasp"),
+        System("veco", "VECO", "veco", "none", connect="veco"),
+    )
+}
+"""Related work beside the paper's systems (``--systems related``), not in ``--systems
+paper``: mRASP pre-trains the whole sequence-to-sequence model on the parallel pairs with
+random aligned substitution; VECO pre-trains it with in-sequence and cross-sequence MLM on
+the monolingual text and the parallel pairs together. Both are then fine-tuned as the others
+(docs/pretraining.md says how they differ from the papers) and have no unsupervised
+setting."""
+
+SETTINGS = ("supervised", "unsupervised")
