@@ -13,6 +13,9 @@ endif
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megasemface-installed
 PYTEST_ARGS ?=
+# Two test files at a time: a launched run spends much of its time in one process (imports),
+# so the second core would idle. A file's tests stay in one worker (its fixtures run once).
+TEST_JOBS ?= 2
 DEMO_ARGS ?=
 
 .PHONY: setup demo test lint format bench clean
@@ -30,7 +33,7 @@ demo: setup
 	$(PY) -m megasemface.demo $(DEMO_ARGS)
 
 test: setup lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

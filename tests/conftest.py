@@ -110,12 +110,13 @@ def launch_data(
 @pytest.fixture(scope="module")
 def no_leftover_shared_memory() -> Iterator[None]:
     """Training runs remove their DeepSpeed shm all-reduce buffers at exit; a killed run
-    cannot, so a launching test module removes what its runs left (it would hold RAM until
-    reboot)."""
-    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    cannot, so a launching test module removes what is left (it would hold RAM until
+    reboot): the buffers no live process maps, so that the runs of tests beside this one
+    (``make test`` runs two test files at a time) keep theirs."""
+    from megasemface.distributed.engine import remove_stale_shm_buffers
+
     yield
-    for path in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
-        path.unlink(missing_ok=True)
+    remove_stale_shm_buffers(min_age_s=5.0)
 
 
 @pytest.fixture
