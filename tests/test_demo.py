@@ -90,6 +90,15 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     (report,) = select_runs(f"sqlite:///{workdir / 'mlflow.db'}", tags={"stage": "report"})
     assert "mean ± std over 2 seeds" in report.tags["mlflow.note.content"]
 
+    # Another setting is not answered with the runs of the old one: the first run it changes
+    # is named with what changed and what to do, and nothing is removed.
+    assert main([*args, "--systems", "transformer", "--lr", "0.0007"]) == 2
+    error = capsys.readouterr().err.strip()
+    run_dir = workdir / "runs" / "supervised-transformer"
+    assert error.startswith(f"error: {run_dir} was trained with other settings (lr: ")
+    assert "0.0007" in error and "\n" not in error
+    assert (run_dir / "test-scores.json").is_file()
+
 
 def test_pipeline_without_catalogs_says_what_to_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

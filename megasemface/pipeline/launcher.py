@@ -7,6 +7,8 @@ reads as a list of steps with live progress rather than pages of logs.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -19,7 +21,14 @@ from pathlib import Path
 from megasemface.checkpoints.layout import MARKER, checkpoint_tag
 from megasemface.training.options import TrainConfig, train_argv
 
-__all__ = ["LaunchError", "deepspeed_command", "run_logged", "training_complete"]
+__all__ = [
+    "LaunchError",
+    "changed_settings",
+    "deepspeed_command",
+    "lineage",
+    "run_logged",
+    "training_complete",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"
@@ -122,3 +131,89 @@ def run_logged(
 def training_complete(run_dir: Path, steps: int) -> bool:
     """The run's final checkpoint is complete (train.py writes its marker last)."""
     return (run_dir / "checkpoints" / checkpoint_tag(steps) / MARKER).is_file()
+
+
+# Settings that name, log or pace a run, or say how it is computed, without changing what it
+# computes: a finished run is reused whatever they are.
+_NOT_RESULTS = frozenset(
+    {
+        "output_dir",
+        "experiment",
+        "run_name",
+        "tracking_uri",
+        "no_tracking",
+        "tags",
+        "register_model",
+        "log_interval",
+        "log_sample_ids",
+        "codebook_warn_fraction",
+        "save_interval",
+        "keep_last",
+        "max_consecutive_skips",
+        "num_workers",
+        "compile",
+        "steps",  # a longer run continues a shorter one
+    }
+)
+
+
+def changed_settings(run_dir: Path, config: TrainConfig) -> list[str]:
+    """What ``config`` changes in the settings the run in ``run_dir`` was started with, one
+    ``name: recorded -> wanted`` each; empty for a run not started yet or started alike.
+
+    The pipeline reuses a finished run and resumes an unfinished one: either is only right
+    for the same settings, or a changed option would silently come back with the old
+    results. Settings that do not change what a run computes are not compared (names,
+    logging, checkpoint pacing, compilation, the number of steps). A setting the record
+    lacks (a run of an earlier version) counts as its default. Paths inside the work
+    directory are compared relative to it, so that a moved work directory is still reused.
+
+    Raises:
+        LaunchError: the run's record (``config.json``) cannot be read.
+    """
+    path = run_dir / "config.json"
+    if not path.is_file():
+        return []
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))["train"]
+        old_root = Path(recorded["output_dir"]).parent.parent
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise LaunchError(
+            f"{path} is not a readable run record ({exc}); remove {run_dir} to train it again"
+        ) from exc
+    new_root = Path(config.output_dir).parent.parent
+
+    def relocated(value: object) -> object:
+        if isinstance(value, list):
+            return [relocated(item) for item in value]
+        if isinstance(value, str) and value.startswith(f"{old_root}/"):
+            return f"{new_root}{value[len(str(old_root)) :]}"
+        return value
+
+    defaults = {
+        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        for f in dataclasses.fields(TrainConfig)
+    }
+    changes = []
+    for name, wanted in config.to_dict().items():
+        if name in _NOT_RESULTS:
+            continue
+        before = relocated(recorded[name]) if name in recorded else defaults[name]
+        if before != wanted:
+            changes.append(f"{name}: {before!r} -> {wanted!r}")
+    return changes
+
+
+def lineage(path: Path) -> tuple[str | None, dict[str, str]]:
+    """The MLflow run and the parent runs recorded in ``path``: a run directory (its newest
+    complete checkpoint; ``(None, {})`` before the first) or a model directory (no run of
+    its own). What the pipeline checks a reused step against its inputs with."""
+    model = path / "config.json"
+    if (path / "model.safetensors").is_file() and model.is_file():
+        meta = json.loads(model.read_text(encoding="utf-8")).get("meta", {})
+        return None, dict(meta.get("parent_runs", {}))
+    complete = sorted((path / "checkpoints").glob(f"step-*/{MARKER}"))
+    if not complete:
+        return None, {}
+    meta = json.loads((complete[-1].parent / "meta.json").read_text(encoding="utf-8"))
+    return meta.get("mlflow_run_id"), dict(meta.get("parent_runs") or {})

@@ -36,9 +36,12 @@ from megasemface.models.config import build_model_config
 from megasemface.pipeline import data_steps
 from megasemface.pipeline.config import PipelineConfig, seeded
 from megasemface.pipeline.launcher import (
+    LaunchError,
+    changed_settings,
     deepspeed_command,
     default_ds_config,
     launch_environment,
+    lineage,
     run_logged,
     training_complete,
 )
@@ -221,6 +224,21 @@ class Pipeline:
 
     def _train(self, config: TrainConfig) -> None:
         run_dir = config.output_dir
+        changed = changed_settings(run_dir, config)
+        if changed:
+            raise LaunchError(
+                f"{run_dir} was trained with other settings ({'; '.join(changed)}): remove that "
+                "directory to train it again with these, or give another --workdir"
+            )
+        if config.init_from is not None:
+            _, wanted = lineage(config.init_from)
+            _, started = lineage(run_dir)
+            if started and started != wanted:
+                raise LaunchError(
+                    f"{run_dir} was started from another pre-training (runs {started}) than "
+                    f"{config.init_from} holds now ({wanted}): remove that directory to "
+                    "train it again"
+                )
         if training_complete(run_dir, config.steps):
             print(f"reusing {run_dir} (finished, {config.steps} steps)")
             return
@@ -317,6 +335,14 @@ class Pipeline:
     def connect(self, system: System, run_dir: Path, seed: int) -> Path:
         out = self.workdir / "models" / seeded(system.key, seed)
         if (out / "config.json").is_file():
+            source, _ = lineage(run_dir)
+            made_from = set(lineage(out)[1].values())
+            if source is not None and made_from and made_from != {source}:
+                raise LaunchError(
+                    f"{out} was connected from another run (MLflow {', '.join(made_from)}) "
+                    f"than {run_dir} holds now ({source}): remove it, and the runs fine-tuned "
+                    "from it, to connect it again"
+                )
             print(f"reusing {out}")
             return out
         if system.connect in SEQ2SEQ_STAGES:  # the run's model as it is

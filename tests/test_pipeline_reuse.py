@@ -1,0 +1,164 @@
+"""The pipeline reuses a run only for the settings it was trained with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megasemface.pipeline.config import PipelineConfig
+from megasemface.pipeline.launcher import LaunchError, changed_settings, lineage
+from megasemface.pipeline.pipeline import Pipeline
+from megasemface.pipeline.systems import SYSTEMS
+from megasemface.training.options import TrainConfig
+
+
+def _config(workdir: Path, **values: object) -> TrainConfig:
+    return TrainConfig(
+        stage="finetune",
+        interface="none",
+        data=workdir / "shards" / "parallel",
+        spm_model=workdir / "spm" / "joint.model",
+        output_dir=workdir / "runs" / "supervised-transformer",
+        init_from=workdir / "models" / "transformer",
+        lr=2e-3,
+        tags=["seed=0"],
+        **values,  # type: ignore[arg-type]
+    )
+
+
+def _record(config: TrainConfig, drop: tuple[str, ...] = ()) -> Path:
+    """A run directory whose config.json holds ``config``, as train.py writes it."""
+    run_dir = config.output_dir
+    run_dir.mkdir(parents=True)
+    train = {k: v for k, v in config.to_dict().items() if k not in drop}
+    (run_dir / "config.json").write_text(json.dumps({"train": train, "model": {}}))
+    return run_dir
+
+
+def test_a_run_not_started_or_started_alike_is_reused(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    assert changed_settings(config.output_dir, config) == []
+    _record(config)
+    assert changed_settings(config.output_dir, config) == []
+
+
+def test_each_changed_setting_is_named_with_both_values(tmp_path: Path) -> None:
+    run_dir = _record(_config(tmp_path))
+    wanted = _config(tmp_path, no_repeat_ngram_size=3, model_options=["d_model=128"])
+    assert changed_settings(run_dir, wanted) == [
+        "model_options: [] -> ['d_model=128']",
+        "no_repeat_ngram_size: 0 -> 3",
+    ]
+    other_init = _config(tmp_path)
+    other_init.init_from = tmp_path / "models" / "vq"
+    assert changed_settings(run_dir, other_init) == [
+        f"init_from: '{tmp_path}/models/transformer' -> '{tmp_path}/models/vq'"
+    ]
+
+
+def test_what_does_not_change_the_results_is_not_compared(tmp_path: Path) -> None:
+    run_dir = _record(_config(tmp_path))
+    wanted = _config(tmp_path, steps=2000, compile=True, log_interval=1, keep_last=1, run_name="x")
+    wanted.tags = ["seed=0", "note=again"]
+    assert changed_settings(run_dir, wanted) == []
+
+
+def test_a_record_of_an_earlier_version_counts_missing_settings_as_their_defaults(
+    tmp_path: Path,
+) -> None:
+    run_dir = _record(_config(tmp_path), drop=("no_repeat_ngram_size", "decoder_codes"))
+    assert changed_settings(run_dir, _config(tmp_path)) == []
+    assert changed_settings(run_dir, _config(tmp_path, no_repeat_ngram_size=3)) == [
+        "no_repeat_ngram_size: 0 -> 3"
+    ]
+
+
+def test_a_moved_work_directory_is_still_reused(tmp_path: Path) -> None:
+    _record(_config(tmp_path / "old"))
+    (tmp_path / "old").rename(tmp_path / "new")
+    moved = _config(tmp_path / "new")
+    assert changed_settings(moved.output_dir, moved) == []
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"model": {}}', "[]", ""])
+def test_an_unreadable_record_is_one_line_naming_it(tmp_path: Path, text: str) -> None:
+    config = _config(tmp_path)
+    config.output_dir.mkdir(parents=True)
+    (config.output_dir / "config.json").write_text(text)
+    with pytest.raises(LaunchError) as caught:
+        changed_settings(config.output_dir, config)
+    message = str(caught.value)
+    assert str(config.output_dir / "config.json") in message and "\n" not in message
+    assert f"remove {config.output_dir}" in message
+
+
+def _model_dir(path: Path, parents: dict[str, str]) -> Path:
+    """A connected model directory as the pipeline writes it (the weights file stands for
+    itself: only the record is read)."""
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"")
+    meta = {"kind": "seq2seq", "meta": {"parent_runs": parents}}
+    (path / "config.json").write_text(json.dumps(meta))
+    return path
+
+
+def _finished(config: TrainConfig, run_id: str, parents: dict[str, str]) -> Path:
+    """A run directory with a complete final checkpoint recording its lineage."""
+    run_dir = _record(config)
+    tag = run_dir / "checkpoints" / f"step-{config.steps:08d}"
+    tag.mkdir(parents=True)
+    (tag / "meta.json").write_text(json.dumps({"mlflow_run_id": run_id, "parent_runs": parents}))
+    (tag / "COMPLETE").write_text("")
+    return run_dir
+
+
+def _pipeline(workdir: Path) -> Pipeline:
+    return Pipeline(PipelineConfig(workdir=workdir))
+
+
+def test_lineage_reads_runs_and_model_directories(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    assert lineage(config.output_dir) == (None, {})  # not started
+    _finished(config, "run-b", {"encoder": "run-a"})
+    assert lineage(config.output_dir) == ("run-b", {"encoder": "run-a"})
+    model = _model_dir(tmp_path / "models" / "vq", {"encoder": "run-a", "decoder": "run-a"})
+    assert lineage(model) == (None, {"encoder": "run-a", "decoder": "run-a"})
+
+
+def test_a_fine_tuning_of_another_pre_training_is_not_reused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path)
+    _finished(config, "ft", {"encoder": "old", "decoder": "old"})
+    _model_dir(config.init_from, {"encoder": "old", "decoder": "old"})  # type: ignore[arg-type]
+    _pipeline(tmp_path)._train(config)
+    assert f"reusing {config.output_dir}" in capsys.readouterr().out
+
+    new = tmp_path / "models" / "new"
+    _model_dir(new, {"encoder": "new", "decoder": "new"})
+    (tmp_path / "models" / "transformer" / "config.json").write_bytes(
+        (new / "config.json").read_bytes()
+    )
+    with pytest.raises(LaunchError, match="was started from another pre-training") as caught:
+        _pipeline(tmp_path)._train(config)
+    assert "\n" not in str(caught.value) and f"{config.output_dir}" in str(caught.value)
+
+
+def test_a_connection_of_another_pre_training_is_not_reused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    system = SYSTEMS["vq"]
+    pretrain = _config(tmp_path)
+    pretrain.output_dir = tmp_path / "runs" / "pretrain-vq"
+    _finished(pretrain, "pre", {})
+    connected = _model_dir(tmp_path / "models" / "vq", {"encoder": "pre", "decoder": "pre"})
+    assert _pipeline(tmp_path).connect(system, pretrain.output_dir, 0) == connected
+    assert f"reusing {connected}" in capsys.readouterr().out
+
+    meta = pretrain.output_dir / "checkpoints" / f"step-{pretrain.steps:08d}" / "meta.json"
+    meta.write_text(json.dumps({"mlflow_run_id": "retrained", "parent_runs": {}}))
+    with pytest.raises(LaunchError, match="was connected from another run") as caught:
+        _pipeline(tmp_path).connect(system, pretrain.output_dir, 0)
+    assert "retrained" in str(caught.value) and "\n" not in str(caught.value)
