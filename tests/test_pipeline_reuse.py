@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from megasemface.models.model_dir import FORMAT
 from megasemface.pipeline.config import PipelineConfig
 from megasemface.pipeline.launcher import LaunchError, changed_settings, lineage
 from megasemface.pipeline.pipeline import Pipeline
@@ -99,7 +100,7 @@ def _model_dir(path: Path, parents: dict[str, str]) -> Path:
     itself: only the record is read)."""
     path.mkdir(parents=True)
     (path / "model.safetensors").write_bytes(b"")
-    meta = {"kind": "seq2seq", "meta": {"parent_runs": parents}}
+    meta = {"format": FORMAT, "kind": "seq2seq", "meta": {"parent_runs": parents}}
     (path / "config.json").write_text(json.dumps(meta))
     return path
 
@@ -162,3 +163,14 @@ def test_a_connection_of_another_pre_training_is_not_reused(
     with pytest.raises(LaunchError, match="was connected from another run") as caught:
         _pipeline(tmp_path).connect(system, pretrain.output_dir, 0)
     assert "retrained" in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]"])
+def test_an_unreadable_checkpoint_record_is_one_line_naming_it(tmp_path: Path, text: str) -> None:
+    config = _config(tmp_path)
+    run_dir = _finished(config, "run", {})
+    meta = run_dir / "checkpoints" / f"step-{config.steps:08d}" / "meta.json"
+    meta.write_text(text)
+    with pytest.raises(LaunchError) as caught:
+        lineage(run_dir)
+    assert str(meta) in str(caught.value) and "\n" not in str(caught.value)

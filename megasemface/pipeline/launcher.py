@@ -18,7 +18,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from megasemface.checkpoints.layout import MARKER, checkpoint_tag
+from megasemface.checkpoints.layout import (
+    MARKER,
+    checkpoint_tag,
+    complete_checkpoints,
+    is_model_dir,
+)
 from megasemface.training.options import TrainConfig, train_argv
 
 __all__ = [
@@ -207,13 +212,23 @@ def changed_settings(run_dir: Path, config: TrainConfig) -> list[str]:
 def lineage(path: Path) -> tuple[str | None, dict[str, str]]:
     """The MLflow run and the parent runs recorded in ``path``: a run directory (its newest
     complete checkpoint; ``(None, {})`` before the first) or a model directory (no run of
-    its own). What the pipeline checks a reused step against its inputs with."""
-    model = path / "config.json"
-    if (path / "model.safetensors").is_file() and model.is_file():
-        meta = json.loads(model.read_text(encoding="utf-8")).get("meta", {})
-        return None, dict(meta.get("parent_runs", {}))
-    complete = sorted((path / "checkpoints").glob(f"step-*/{MARKER}"))
-    if not complete:
+    its own). What the pipeline checks a reused step against its inputs with.
+
+    Raises:
+        LaunchError: the record (the model's ``config.json``, the checkpoint's ``meta.json``)
+            cannot be read.
+    """
+    if is_model_dir(path):
+        record = path / "config.json"
+    elif (path / "checkpoints").is_dir() and (done := complete_checkpoints(path)):
+        record = done[-1] / "meta.json"
+    else:
         return None, {}
-    meta = json.loads((complete[-1].parent / "meta.json").read_text(encoding="utf-8"))
-    return meta.get("mlflow_run_id"), dict(meta.get("parent_runs") or {})
+    try:
+        data = json.loads(record.read_text(encoding="utf-8"))
+        meta = (data.get("meta") or {}) if record.name == "config.json" else data
+        return meta.get("mlflow_run_id"), dict(meta.get("parent_runs") or {})
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError) as exc:
+        raise LaunchError(
+            f"{record} is not a readable record of {path} ({exc}); remove {path} to make it again"
+        ) from exc
