@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 from megasemface.checkpoints import connect_mbart, connect_runs, write_seq2seq_dir
 from megasemface.checkpoints.connect import SEQ2SEQ_STAGES
+from megasemface.checkpoints.layout import is_model_dir
 from megasemface.data.lines import read_lines, write_lines
 from megasemface.evaluation.diagnostics import DiagnosticsConfig, diagnose_interface, log_to_run
 from megasemface.evaluation.metrics import evaluate
@@ -230,7 +231,9 @@ class Pipeline:
                 f"{run_dir} was trained with other settings ({'; '.join(changed)}): remove that "
                 "directory to train it again with these, or give another --workdir"
             )
-        if config.init_from is not None:
+        # A fine-tuning records its model directory's parent runs as its own (a run started
+        # from another run's checkpoint records that run instead: not compared here).
+        if config.init_from is not None and is_model_dir(config.init_from):
             _, wanted = lineage(config.init_from)
             _, started = lineage(run_dir)
             if started and started != wanted:
