@@ -203,6 +203,13 @@ ABLATIONS: dict[str, System] = {
         ),
         System("vq-commit", "VQ-SemFace + commitment", "joint", "vq", {"commitment_weight": 0.25}),
         System(
+            "vq-k4096",
+            "VQ-SemFace, 4,096 codes",
+            "joint",
+            "vq",
+            model={"vq.num_codes": 4096},
+        ),
+        System(
             "vq-paper-losses",
             "VQ-SemFace, paper's losses",
             "joint",
