@@ -52,6 +52,7 @@ def bad(launch_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     _model_dir(root, "truncated", init, {"model.safetensors": weights[: len(weights) // 2]})
     _model_dir(root, "empty-weights", init, {"model.safetensors": b""})
     _model_dir(root, "bad-config", init, {"config.json": b'{"format": "megasemface-model",'})
+    _model_dir(root, "latin1-config", init, {"config.json": b'{"format": "caf\xe9"}'})
     pretraining = json.dumps({**config, "kind": "pretraining"}).encode()
     _model_dir(root, "pretraining", init, {"config.json": pretraining})
 
@@ -94,6 +95,8 @@ CASES = [
     case("latin1-dictionary", "build_cl_embeddings",
          "--shards {mono} --out {out}/cl --gold-dict {bad}/gold.tsv", "{bad}/gold.tsv:2"),
     case("not-a-run", "merge_checkpoints", "consolidate {bad}/dir --out {out}/m", "{bad}/dir"),
+    case("latin1-model-config", "merge_checkpoints",
+         "consolidate {bad}/latin1-config --out {out}/m", "{bad}/latin1-config"),
     case("seq2seq-as-mbart", "merge_checkpoints", "connect --mbart {init} --out {out}/m", "{init}"),
     case("truncated-weights", "translate", "--model-dir {bad}/truncated " + TRANSLATE,
          "{bad}/truncated/model.safetensors"),

@@ -102,7 +102,7 @@ def is_model_dir(path: Path) -> bool:
         return False
     try:
         return json.loads(config.read_text(encoding="utf-8")).get("format") == FORMAT
-    except (json.JSONDecodeError, AttributeError):
+    except (ValueError, AttributeError):  # not JSON, not UTF-8, not an object
         return False
 
 
