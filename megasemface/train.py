@@ -80,4 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    status = main()
+    from megasemface.distributed.engine import end_process
+
+    end_process(status)

@@ -62,13 +62,18 @@ def train_command(
     config: Path,
     procs: int = 2,
     live: bool = False,
+    local: bool = False,
 ) -> list[str]:
-    """``deepspeed`` running train.py (or, with ``live``, this file) on the tiny preset."""
+    """``deepspeed`` running train.py (or, with ``live``, this file) on the tiny preset; with
+    ``local``, megasemface's own launcher of one machine's ranks (what the pipeline runs)."""
     script = Path(__file__) if live else ROOT / "megasemface" / "train.py"
+    launcher = (
+        [sys.executable, "-m", "megasemface.distributed.launch", "--nproc", str(procs)]
+        if local
+        else [str(DEEPSPEED), "--num_accelerators", str(procs)]
+    )
     return [
-        str(DEEPSPEED),
-        "--num_accelerators",
-        str(procs),
+        *launcher,
         "--master_port",
         str(free_port()),
         str(script),

@@ -89,6 +89,24 @@ def test_vq_encoder_stage_zero2(vq_encoder_run: Path) -> None:
     assert config["deepspeed"]["zero_optimization"]["stage"] == 2
 
 
+def test_local_launcher_trains_as_deepspeeds_does(
+    data: dict, vq_encoder_run: Path, tmp_path: Path
+) -> None:
+    """The pipeline's launcher of one machine's ranks (megasemface.distributed.launch)
+    gives train.py what DeepSpeed's gives it: the same run, bit for bit."""
+    out = tmp_path / "run"
+    args = ["--stage", "encoder", "--interface", "vq", "--steps", "4"]
+    cl = ["--cl-table", str(data["cl"])]
+    cmd = train_command(data, out, *cl, *args, config=CONFIGS[2], local=True)
+    check_finished(launch(cmd), out, 4)
+    assert losses(out) == losses(vq_encoder_run)
+    tag = "step-00000004"
+    local = consolidated_state(out / "checkpoints", tag)
+    reference = consolidated_state(vq_encoder_run / "checkpoints", tag)
+    assert local.keys() == reference.keys()
+    assert all(torch.equal(local[k], reference[k]) for k in local)
+
+
 def test_joint_stage_under_zero1_in_bf16(data: dict, tmp_path: Path) -> None:
     """bf16 works on the CPU accelerator too. (Every stage under ZeRO-2 or 3 in fp32:
     tests/test_stage_losses.py.)"""

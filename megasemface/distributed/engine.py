@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 import warnings
 import zipfile
@@ -37,6 +38,7 @@ __all__ = [
     "check_safe_to_load",
     "consolidated_state",
     "convert_to_universal",
+    "end_process",
     "exit_now",
     "init_distributed",
     "load_ds_config",
@@ -141,6 +143,25 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     _remove_shm_buffers()
+    os._exit(code)
+
+
+def end_process(code: int) -> NoReturn:
+    """Ends a rank whose run is over with status ``code``, without the interpreter's
+    teardown.
+
+    Freeing torch's, DeepSpeed's and MLflow's modules object by object takes 3-4 s per rank
+    on a 2-core machine after the run has done everything it had to: as long as the run's
+    start-up again, for every launch of a pipeline. What a normal exit does before that
+    still happens here, in its order: non-daemon threads are joined, then the exit
+    handlers run (the tracker's, the shared-memory buffer's, the logging module's).
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # what the interpreter calls at exit, before the teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 

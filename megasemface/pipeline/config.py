@@ -85,7 +85,7 @@ class PipelineConfig:
     shard_jobs: int = 2
     """Encoding processes of the shard builder."""
     procs: int = 2
-    """Processes of the deepspeed launcher (GPUs, or CPU processes)."""
+    """Training processes on this machine (GPUs, or CPU processes)."""
     deepspeed_config: Path | None = None
     """Default: ds_configs/cpu_fp32_zero2.json on CPU, ds_configs/zero2_bf16.json on GPU."""
     hostfile: Path | None = None

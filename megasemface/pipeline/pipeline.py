@@ -39,8 +39,8 @@ from megasemface.pipeline.config import PipelineConfig, seeded
 from megasemface.pipeline.launcher import (
     LaunchError,
     changed_settings,
-    deepspeed_command,
     default_ds_config,
+    launch_command,
     launch_environment,
     lineage,
     run_logged,
@@ -246,7 +246,7 @@ class Pipeline:
             print(f"reusing {run_dir} (finished, {config.steps} steps)")
             return
         cfg = self.config
-        cmd = deepspeed_command(
+        cmd = launch_command(
             config, ds_config=self.ds_config, procs=cfg.procs, hostfile=cfg.hostfile
         )
         seconds = run_logged(cmd, run_dir / "launcher.log", env=launch_environment(cfg.procs))
