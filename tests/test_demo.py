@@ -55,6 +55,16 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     results = (workdir / "results.md").read_text()
     assert "| VQ-SemFace | 0 | en |" in results and "| CL-SemFace | 0 | de |" in results
     _assert_mlflow_shows_the_runs(workdir)
+    # Where the time went: every step's wall time, summed per kind and in total.
+    timings = json.loads((workdir / "timings.json").read_text())
+    kinds = [step["kind"] for step in timings["steps"]]
+    assert kinds.count("pre-training") == 2 and kinds.count("fine-tuning") == 3
+    assert {"data", "diagnostics", "translation", "report"} <= set(kinds)
+    assert sum(s["seconds"] for s in timings["steps"]) == pytest.approx(
+        timings["total_seconds"], abs=0.1
+    )
+    assert sum(timings["by_kind"].values()) == pytest.approx(timings["total_seconds"], abs=0.1)
+    assert f"each step: {workdir / 'timings.json'}" in first
 
     assert main(args) == 0
     second = capsys.readouterr().out

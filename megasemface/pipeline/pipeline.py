@@ -56,6 +56,11 @@ from megasemface.training.options import TrainConfig
 __all__ = ["PairData", "Pipeline"]
 
 
+def _clock(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}:{rest:02d}"
+
+
 class PairData(NamedTuple):
     """One pair's data of a pipeline over several languages."""
 
@@ -78,6 +83,8 @@ class Pipeline:
         self.model_config = build_model_config(config.model_preset, list(config.model_options))
         self.started = time.perf_counter()
         self.count = 0
+        self.steps: list[tuple[str, str, float]] = []
+        """(kind, title, start in seconds from the pipeline's start) of every step so far."""
         self.ras_dictionary: Path | None = None
         """The word dictionary of the runs that substitute (random aligned substitution)."""
         self.mixed: Path | None = None
@@ -88,10 +95,37 @@ class Pipeline:
         """Several languages: each pair's parallel shards, validation and test sets (one
         pair: ``parallel``, ``valid`` and ``test``)."""
 
-    def _step(self, title: str) -> None:
+    def _step(self, title: str, kind: str = "data") -> None:
         self.count += 1
-        minutes, seconds = divmod(int(time.perf_counter() - self.started), 60)
+        now = time.perf_counter() - self.started
+        self.steps.append((kind, title, now))
+        minutes, seconds = divmod(int(now), 60)
         print(f"\n== {self.count}. {title}  [{minutes:02d}:{seconds:02d}]", flush=True)
+
+    def _record_times(self) -> Path:
+        """Writes ``<workdir>/timings.json`` (each step's wall time, the sum per kind of step,
+        the total) and prints the sums: where this invocation's time went. A step reused
+        from an earlier invocation counts its few seconds of checking."""
+        total = time.perf_counter() - self.started
+        ends = [start for _, _, start in self.steps[1:]] + [total]
+        steps = [
+            {"kind": kind, "step": title, "seconds": round(end - start, 2)}
+            for (kind, title, start), end in zip(self.steps, ends, strict=True)
+        ]
+        by_kind: dict[str, float] = {}
+        for step in steps:
+            by_kind[step["kind"]] = by_kind.get(step["kind"], 0.0) + step["seconds"]
+        record = {
+            "total_seconds": round(total, 2),
+            "by_kind": {kind: round(seconds, 2) for kind, seconds in by_kind.items()},
+            "steps": steps,
+        }
+        path = self.workdir / "timings.json"
+        path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        minutes, seconds = divmod(int(total), 60)
+        shares = ", ".join(f"{kind} {_clock(s)}" for kind, s in by_kind.items())
+        print(f"\npipeline finished in {minutes} min {seconds} s ({shares}); each step: {path}")
+        return path
 
     # The whole pipeline -----------------------------------------------------------------
 
@@ -144,7 +178,7 @@ class Pipeline:
             self.test = data_steps.slice_parallel(cfg, self.corpus, "test", cfg.test_sentences)
         for seed in cfg.run_seeds:
             self.run_seed(systems, seed)
-        self._step("comparison")
+        self._step("comparison", "report")
         tests = {pair: data.test for pair, data in self.by_pair.items()}
         report = build_report(
             cfg,
@@ -159,8 +193,7 @@ class Pipeline:
         )
         if run_id is not None:
             print(f"the report is also MLflow run {run_id} (tag stage=report)")
-        minutes, seconds = divmod(int(time.perf_counter() - self.started), 60)
-        print(f"\npipeline finished in {minutes} min {seconds} s")
+        self._record_times()
         return report
 
     def run_seed(self, systems: list[System], seed: int) -> None:
@@ -174,11 +207,13 @@ class Pipeline:
             if system.stage is None:
                 inits[system.key] = None
                 continue
-            self._step(f"pre-training {system.display} ({system.stage} stage){of_seed}")
+            self._step(
+                f"pre-training {system.display} ({system.stage} stage){of_seed}", "pre-training"
+            )
             run = self.pretrain(system, seed)
             inits[system.key] = self.connect(system, run, seed)
             if system.interface != "none":
-                self._step(f"interface diagnostics of {system.display}{of_seed}")
+                self._step(f"interface diagnostics of {system.display}{of_seed}", "diagnostics")
                 self.diagnostics.append((system.display, seed, self.diagnose(system, run)))
         for setting in cfg.settings:
             left_out = [s.display for s in systems if not s.runs_in(setting)]
@@ -189,10 +224,13 @@ class Pipeline:
                 # pre-trained model, its runs named and tagged with the pair.
                 for pair in cfg.pairs if cfg.multilingual else (None,):
                     on = f"{pair} " if pair else ""
-                    self._step(f"fine-tuning {system.display}, {on}{setting}{of_seed}")
+                    self._step(
+                        f"fine-tuning {system.display}, {on}{setting}{of_seed}", "fine-tuning"
+                    )
                     run_dir = self.finetune(system, setting, inits[system.key], seed, pair)
                     self._step(
-                        f"translating the {on}test set with {system.display}, {setting}{of_seed}"
+                        f"translating the {on}test set with {system.display}, {setting}{of_seed}",
+                        "translation",
                     )
                     scores = self.test_scores(run_dir, pair)
                     self.register(system, setting, run_dir, scores, pair)
