@@ -151,9 +151,9 @@ def end_process(code: int) -> NoReturn:
     teardown.
 
     Freeing torch's, DeepSpeed's and MLflow's modules object by object takes 3-4 s per rank
-    on a 2-core machine after the run has done everything it had to: as long as the run's
-    start-up again, for every launch of a pipeline. What a normal exit does before that
-    still happens here, in its order: non-daemon threads are joined, then the exit
+    on a 2-core machine after the run has done everything it had to, about as long as the
+    run's start-up, and a pipeline pays it at every launch. What a normal exit does before
+    that still happens here, in its order: non-daemon threads are joined, then the exit
     handlers run (the tracker's, the shared-memory buffer's, the logging module's).
     """
     for thread in threading.enumerate():
