@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megasemface.models.config import ModelConfig
+from megasemface.models.dropout import Dropout
 
 __all__ = [
     "Embeddings",
@@ -126,7 +127,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d_model, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.dropout(F.gelu(self.fc1(x))))
@@ -150,7 +151,7 @@ class TransformerLayer(nn.Module):
         )
         self.ffn_norm = nn.LayerNorm(d)
         self.ffn = FeedForward(d, config.ffn_dim, config.dropout)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.compiled_block: Callable[..., torch.Tensor] | None = None
         """``block`` through torch.compile, for the uncached forward
         (:func:`megasemface.models.compile.compile_layers`); None: eager."""
@@ -199,7 +200,7 @@ class Embeddings(nn.Module):
         self.languages = nn.Embedding(config.num_langs, config.d_model)
         self.positions = nn.Embedding(config.max_len, config.d_model)
         self.norm = nn.LayerNorm(config.d_model)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.max_len = config.max_len
         nn.init.normal_(self.tokens.weight, std=config.d_model**-0.5)
         nn.init.normal_(self.positions.weight, std=config.d_model**-0.5)
