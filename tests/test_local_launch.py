@@ -109,3 +109,29 @@ def test_bad_arguments_get_one_line(tmp_path: Path) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip() == "launch: error: --nproc must be at least 1, got 0"
+
+
+# A rank's end after its run: a thread pool left idle (as inductor's compile pool is), a
+# non-daemon thread still writing, an exit handler.
+END_SCRIPT = """
+import atexit, concurrent.futures, pathlib, sys, threading, time
+from megasemface.distributed.engine import end_process
+out = pathlib.Path(sys.argv[1])
+pool = concurrent.futures.ThreadPoolExecutor(2)
+pool.submit(time.sleep, 0.01).result()
+def write():
+    time.sleep(0.5)
+    (out / "thread").write_text("done")
+threading.Thread(target=write).start()
+atexit.register(lambda: (out / "atexit").write_text((out / "thread").read_text()))
+end_process(5)
+"""
+
+
+def test_end_process_joins_threads_then_runs_exit_handlers(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", END_SCRIPT, str(tmp_path)], cwd=ROOT, timeout=60, check=False
+    )
+    assert result.returncode == 5
+    # The handler ran after the thread had finished; an idle thread pool did not hold it up.
+    assert (tmp_path / "atexit").read_text() == "done"

@@ -153,13 +153,15 @@ def end_process(code: int) -> NoReturn:
     Freeing torch's, DeepSpeed's and MLflow's modules object by object takes 3-4 s per rank
     on a 2-core machine after the run has done everything it had to, about as long as the
     run's start-up, and a pipeline pays it at every launch. What a normal exit does before
-    that still happens here, in its order: non-daemon threads are joined, then the exit
-    handlers run (the tracker's, the shared-memory buffer's, the logging module's).
+    that still happens here, in its order: threading's own exit hooks run and non-daemon
+    threads are joined, then the exit handlers run (the tracker's, the shared-memory
+    buffer's, the logging module's).
     """
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # what the interpreter calls at exit, before the teardown
+    # What the interpreter calls first at exit. Joining the threads without it would wait
+    # forever on the idle workers of a ThreadPoolExecutor (inductor's compile pool under
+    # --compile): they leave when one of threading's exit hooks tells them to.
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()  # what the interpreter calls next, before the teardown
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
