@@ -18,12 +18,12 @@ def test_drops_at_the_rate_asked_and_keeps_the_expectation(p: float) -> None:
     y = dropout(torch.ones(N), p)
     rate = float((y == 0).float().mean())
     # Four standard deviations of a binomial rate: a wrong rate or a biased quarter of the
-    # 64-bit draws (the top one has fewer random bits) would be far outside.
+    # 64-bit draws would be far outside.
     assert abs(rate - p) < 4 * math.sqrt(p * (1 - p) / N)
     kept = y[y != 0]
     assert torch.allclose(kept, torch.full_like(kept, float(kept[0])))
     assert float(kept[0]) == pytest.approx(1 / (1 - p), rel=1e-3)
-    # The exact expectation: scaled by the rate actually used (p on a 2**-15 grid).
+    # The exact expectation: scaled by the rate actually used (p on a 2**-16 grid).
     assert float(y.double().mean()) == pytest.approx(1.0, abs=4 * math.sqrt(p / (1 - p) / N))
 
 
@@ -40,7 +40,7 @@ def test_gradient_is_the_mask_scaled() -> None:
     y = dropout(x, 0.2)
     y.backward(torch.ones_like(y))
     kept = y != 0
-    scale = 2**15 / (2**15 - round(0.2 * 2**15))  # the rate used, on its 2**-15 grid
+    scale = 2**16 / (2**16 - round(0.2 * 2**16))  # the rate used, on its 2**-16 grid
     assert torch.equal(y, x.detach() * kept * scale)
     assert torch.equal(x.grad, kept.float() * scale)
 

@@ -2,18 +2,17 @@
 
 ``F.dropout`` on CPU draws its mask with ``bernoulli_``: one Mersenne-Twister number per
 element. At d 512 with 6+6 layers that is about an eighth of a training step on 2 cores
-(``benchmarks/bench_peer.py``), as much as all the layer norms, GELUs and the optimizer
-together. Here each 64-bit draw gives four 15-bit numbers, and an element is kept when
-its number is at least ``round(p * 2**15)``: the same generator (``torch.manual_seed``,
-checkpointed with the run), a quarter of the draws. The drop rate is ``p`` rounded to a
-multiple of 2**-15 (0.1 becomes 0.100006), and the kept values are scaled by the inverse
-of the rate actually used, so the expectation stays exact. On other devices dropout is
-``F.dropout``, whose mask comes from a fused counter-based generator already.
+(``benchmarks/bench_peer.py``), as much as everything but the matrix multiplies. Here each
+64-bit draw gives four 16-bit numbers, and an element is dropped when its number falls
+below ``round(p * 2**16)``: the same generator (``torch.manual_seed``, checkpointed with the
+run), a quarter of the draws. The drop rate is ``p`` rounded to a multiple of 2**-16 (0.1
+becomes 0.100006), and the kept values are scaled by the inverse of the rate actually used,
+so the expectation stays exact. The draws are one out-of-place ``torch.randint``, which
+``torch.compile`` keeps in its graph (an in-place ``random_`` would break it). On other
+devices dropout is ``F.dropout``, whose mask comes from a fused counter-based generator.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +20,8 @@ from torch import nn
 
 __all__ = ["Dropout", "dropout"]
 
-_BITS = 15
-"""Random bits per element: the low 15 of each int16 quarter of a non-negative int64 draw
-(``random_`` fills an int64 with 63 random bits, so the top quarter has 15)."""
+_BITS = 16
+"""Random bits per element: an int16 quarter of a 64-bit draw."""
 
 
 def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -31,16 +29,15 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     others so that the expectation is ``x``."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    if p == 0.0 or x.numel() == 0:
-        return x
     if x.device.type != "cpu":
         return F.dropout(x, p, training=True)
-    threshold = round(p * 2**_BITS)
+    threshold = min(round(p * 2**_BITS), 2**_BITS - 1)
     if threshold == 0:
         return x
-    draws = torch.empty(math.ceil(x.numel() / 4), dtype=torch.int64).random_()
-    numbers = draws.view(torch.int16)[: x.numel()].bitwise_and_(2**_BITS - 1)
-    keep = (numbers >= threshold).view(x.shape)
+    # Uniform over all 64 bits, so each int16 quarter is uniform over [-2**15, 2**15).
+    draws = torch.randint(-(2**63), 2**63 - 1, ((x.numel() + 3) // 4,), dtype=torch.int64)
+    numbers = draws.view(torch.int16)[: x.numel()]
+    keep = (numbers >= threshold - 2 ** (_BITS - 1)).view(x.shape)
     return (x * keep).mul_(2**_BITS / (2**_BITS - threshold))
 
 
