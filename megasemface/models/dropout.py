@@ -27,8 +27,7 @@ _BITS = 16
 def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     """Training-mode dropout: zeroes each element with probability ``p`` and scales the
     others so that the expectation is ``x``."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    _check_probability(p)
     if x.device.type != "cpu":
         return F.dropout(x, p, training=True)
     threshold = min(round(p * 2**_BITS), 2**_BITS - 1)
@@ -41,13 +40,17 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     return (x * keep).mul_(2**_BITS / (2**_BITS - threshold))
 
 
+def _check_probability(p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+
+
 class Dropout(nn.Module):
     """``nn.Dropout`` with :func:`dropout` in training mode."""
 
     def __init__(self, p: float) -> None:
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        _check_probability(p)
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
