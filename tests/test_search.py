@@ -17,6 +17,7 @@ from megasemface.inference.search import (
     beam_search,
     greedy_search,
     max_lengths,
+    min_lengths,
     search,
 )
 from megasemface.models.config import build_model_config
@@ -314,6 +315,40 @@ def test_length_limits(model: Seq2SeqModel, beam: int) -> None:
     assert limits.tolist() == [3, 17, 19]
 
 
+class EndsAtOnce(Table):
+    """Every prefix ends next with probability 0.9, else continues with A."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+
+    def decode_step(
+        self,
+        prefix: torch.Tensor,
+        langs: torch.Tensor,
+        memory: EncoderOutput,
+        cache: DecoderCache | None = None,
+    ) -> torch.Tensor:
+        probs = torch.zeros(prefix.shape[0], self.VOCAB, dtype=torch.float64)
+        probs[:, EOS], probs[:, Table.A] = 0.9, 0.1
+        return probs.log().float()
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_minimum_length_relative_to_the_source(beam: int) -> None:
+    lengths = [9, 3, 5, 1, 7]  # with </s>
+    batch = make_batch(lengths)
+    free = run(EndsAtOnce(), batch, SearchConfig(beam=beam))
+    assert [len(h.tokens) for h in free] == [0] * 5
+    # int(a * source length + b) tokens at least, per sentence
+    config = SearchConfig(beam=beam, min_len_a=0.5, min_len=1)
+    held = run(EndsAtOnce(), batch, config)
+    assert [len(h.tokens) for h in held] == [5, 2, 3, 1, 4]
+    assert min_lengths(torch.tensor(lengths), config).tolist() == [5, 2, 3, 1, 4]
+    # the maximum still ends a sentence first
+    capped = SearchConfig(beam=beam, min_len_a=2.0, max_len_a=1.0, max_len_b=0)
+    assert [len(h.tokens) for h in run(EndsAtOnce(), batch, capped)] == lengths
+
+
 @pytest.mark.parametrize("beam", [1, 3])
 def test_lockstep_extra_steps_change_nothing(model: Seq2SeqModel, beam: int) -> None:
     batch = make_batch([5, 2, 8])
@@ -411,6 +446,8 @@ def test_bad_inputs(model: Seq2SeqModel) -> None:
         )
     with pytest.raises(ValueError, match="beam"):
         SearchConfig(beam=0)
+    with pytest.raises(ValueError, match="min_len_a"):
+        SearchConfig(min_len_a=-0.5)
 
 
 def _ngrams(tokens: list[int], n: int) -> list[tuple[int, ...]]:

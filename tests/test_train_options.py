@@ -74,6 +74,7 @@ def test_every_option_survives_the_command_line() -> None:
         max_len_a=1.5,
         max_len_b=3,
         no_repeat_ngram_size=3,
+        bt_min_len_a=0.5,
         ras_dictionary=[Path("dict/en-de.tsv"), Path("dict/de-fr.tsv")],
         ras_prob=0.5,
         decoder_noise_ras=True,
@@ -160,6 +161,8 @@ def test_options_the_units_read_are_checked_up_front() -> None:
         TrainConfig(num_workers=-1, **base)
     with pytest.raises(ValueError, match="--no-repeat-ngram-size must be >= 0"):
         TrainConfig(no_repeat_ngram_size=-1, **base)
+    with pytest.raises(ValueError, match="--bt-min-len-a must be in"):
+        TrainConfig(bt_min_len_a=1.5, max_len_a=1.2, **base)
 
 
 def test_every_field_has_a_docstring() -> None:

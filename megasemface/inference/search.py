@@ -82,7 +82,11 @@ class SearchConfig:
     max_len_b: int = 10
     """...capped by the decoder's position embeddings."""
     min_len: int = 0
-    """``</s>`` is forbidden before this many tokens (unless the maximum comes first)."""
+    """``</s>`` is forbidden before ``int(min_len_a * source_length + min_len)`` tokens
+    (unless the maximum comes first); this is the constant..."""
+    min_len_a: float = 0.0
+    """...and this the share of the source's length (with ``</s>``): 0.5 keeps a translation
+    from ending before half its source's length."""
     no_repeat_ngram: int = 0
     """No n-gram of this size is generated twice in one output (fairseq's
     ``--no-repeat-ngram-size``); 0: no limit. Stops a weak model's loops ("the the the")."""
@@ -103,8 +107,10 @@ class SearchConfig:
             raise ValueError(
                 f"max_len_a and max_len_b must be >= 0, got {self.max_len_a}, {self.max_len_b}"
             )
-        if self.min_len < 0:
-            raise ValueError(f"min_len must be >= 0, got {self.min_len}")
+        if self.min_len < 0 or self.min_len_a < 0:
+            raise ValueError(
+                f"min_len and min_len_a must be >= 0, got {self.min_len}, {self.min_len_a}"
+            )
         if self.no_repeat_ngram < 0:
             raise ValueError(f"no_repeat_ngram must be >= 0, got {self.no_repeat_ngram}")
         if not math.isfinite(self.lenpen):
@@ -135,6 +141,12 @@ def max_lengths(
         raise ValueError(f"max_positions must be >= 1, got {max_positions}")
     wanted = (config.max_len_a * src_lengths_B.double() + config.max_len_b).floor().long()
     return wanted.clamp(max=max_positions - 1)
+
+
+def min_lengths(src_lengths_B: torch.Tensor, config: SearchConfig) -> torch.Tensor:
+    """Tokens each sentence must generate before ``</s>`` may end it (the maximum of
+    :func:`max_lengths` still ends it first)."""
+    return (config.min_len_a * src_lengths_B.double() + config.min_len).floor().long()
 
 
 def search(
@@ -204,6 +216,7 @@ def greedy_search(
     """
     state = _start(scorer, src_BS, src_mask_BS, src_langs_B, tgt_tags, tgt_langs, keep_going)
     limit_R = max_lengths(src_mask_BS.sum(1), config, max_positions)
+    least_R = min_lengths(src_mask_BS.sum(1), config)
     sentence_R = torch.arange(state.batch, device=src_BS.device)
     prefix_RT = state.tags_B[:, None]
     langs_R = state.langs_B
@@ -219,6 +232,7 @@ def greedy_search(
         logp_RV = _constrain(
             scorer.decode_step(prefix_RT, langs_R, memory, cache),
             step,
+            least_R,
             limit_R,
             config,
             eos_id,
@@ -236,7 +250,8 @@ def greedy_search(
                 )
             keep = (~done_R).nonzero().flatten()
             prefix_RT, token_R, sums_R = prefix_RT[keep], token_R[keep], sums_R[keep]
-            sentence_R, langs_R, limit_R = sentence_R[keep], langs_R[keep], limit_R[keep]
+            sentence_R, langs_R = sentence_R[keep], langs_R[keep]
+            limit_R, least_R = limit_R[keep], least_R[keep]
             memory = _select(memory, keep)
             cache = cache.select(keep) if cache is not None else None
         prefix_RT = torch.cat([prefix_RT, token_R[:, None]], dim=1)
@@ -274,6 +289,7 @@ def beam_search(
     state = _start(scorer, src_BS, src_mask_BS, src_langs_B, tgt_tags, tgt_langs, keep_going)
     device = src_BS.device
     limit_B = max_lengths(src_mask_BS.sum(1), config, max_positions)
+    least_B = min_lengths(src_mask_BS.sum(1), config)
     sentence_B = torch.arange(state.batch, device=device)
     expand_R = sentence_B.repeat_interleave(beam)
     prefix_RT = state.tags_B[expand_R][:, None]
@@ -294,6 +310,7 @@ def beam_search(
         logp_RV = _constrain(
             scorer.decode_step(prefix_RT, langs_R, memory, cache),
             step,
+            least_B.repeat_interleave(beam),
             limit_B.repeat_interleave(beam),
             config,
             eos_id,
@@ -342,6 +359,7 @@ def beam_search(
             keep_B = torch.tensor(keep, dtype=torch.long, device=device)
             keep_R = (keep_B[:, None] * beam + torch.arange(beam, device=device)).flatten()
             sentence_B, limit_B, sums_BK = sentence_B[keep_B], limit_B[keep_B], sums_BK[keep_B]
+            least_B = least_B[keep_B]
             prefix_RT, langs_R = prefix_RT[keep_R], langs_R[keep_R]
             memory = _select(memory, keep_R)
             cache = cache.select(keep_R) if cache is not None else None
@@ -432,6 +450,7 @@ def _continue(local_unfinished: bool, keep_going: KeepGoing | None) -> bool:
 def _constrain(
     logp_RV: torch.Tensor,
     step: int,
+    least_R: torch.Tensor,
     limit_R: torch.Tensor,
     config: SearchConfig,
     eos_id: int,
@@ -449,8 +468,10 @@ def _constrain(
         logp_RV = logp_RV.index_fill(1, banned, -math.inf)
     if config.no_repeat_ngram:
         logp_RV = _block_repeated_ngrams(logp_RV, prefix_RT[:, 1:], config.no_repeat_ngram)
-    if step < config.min_len:
-        logp_RV = logp_RV.index_fill(1, torch.tensor([eos_id], device=logp_RV.device), -math.inf)
+    early_R = least_R > step
+    if bool(early_R.any()):
+        logp_RV = logp_RV.clone()
+        logp_RV[:, eos_id] = torch.where(early_R, -math.inf, logp_RV[:, eos_id])
     forced_R = limit_R <= step
     if bool(forced_R.any()):
         only_eos = torch.full_like(logp_RV, -math.inf)

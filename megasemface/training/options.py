@@ -173,6 +173,11 @@ class TrainConfig:
     """Generation (validation, back-translation): no n-gram of this size twice in one output
     (0: no limit). Keeps a weak model's loops ("the the the") out of the back-translations
     it then learns from."""
+    bt_min_len_a: float = 0.0
+    """Back-translation only: a generated sentence may not end before this share of its
+    source's length (0: no minimum). Keeps a direction that has collapsed onto a few short
+    outputs from feeding them to the other direction as sources; validation and test
+    translations are not constrained."""
     # Random aligned substitution (mRASP) -------------------------------------------------
     ras_dictionary: list[Path] = dataclasses.field(default_factory=list)
     """Random aligned substitution: word dictionaries, files named <src>-<tgt>.tsv of
@@ -280,6 +285,8 @@ class TrainConfig:
             raise ValueError("--num-workers must be >= 0")
         if self.no_repeat_ngram_size < 0:
             raise ValueError("--no-repeat-ngram-size must be >= 0 (0: no limit)")
+        if not 0 <= self.bt_min_len_a <= self.max_len_a:
+            raise ValueError("--bt-min-len-a must be in [0, --max-len-a] (0: no minimum)")
         for name in (
             "steps",
             "save_interval",
@@ -446,6 +453,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--max-len-a", type=float, default=d.max_len_a)
     add("--max-len-b", type=int, default=d.max_len_b)
     add("--no-repeat-ngram-size", type=int, default=d.no_repeat_ngram_size)
+    add("--bt-min-len-a", type=float, default=d.bt_min_len_a)
     add("--register-model", metavar="NAME")
     add = _adder(parser.add_argument_group("random aligned substitution (mRASP)"), actions, docs)
     add("--ras-dictionary", type=Path, action="append", default=[], metavar="SRC-TGT.tsv")

@@ -149,9 +149,15 @@ class TranslationUnit(TrainUnit):
         return SequenceBatch(tokens, lengths, self.data.lang_index(lang, len(rows)))
 
     def generate(
-        self, engine: DeepSpeedEngine, src: SequenceBatch, tgt_lang: str, beam: int
+        self,
+        engine: DeepSpeedEngine,
+        src: SequenceBatch,
+        tgt_lang: str,
+        beam: int,
+        min_len_a: float = 0.0,
     ) -> list[list[int]]:
-        """Translations of ``src`` (token ids, no specials), in lockstep with every rank."""
+        """Translations of ``src`` (token ids, no specials), in lockstep with every rank;
+        none ends before ``min_len_a`` x its source's length."""
         sp, tokenizer, languages = self.data.special, self.data.tokenizer, self.data.languages
         source, lengths = append_token(src.tokens_BT, src.lengths_B, sp.eos, sp.pad)
         cfg = self.config
@@ -159,6 +165,7 @@ class TranslationUnit(TrainUnit):
             beam=beam,
             max_len_a=cfg.max_len_a,
             max_len_b=cfg.max_len_b,
+            min_len_a=min_len_a,
             no_repeat_ngram=cfg.no_repeat_ngram_size,
         )
         hypotheses = search(
@@ -296,7 +303,10 @@ class UnsupervisedUnit(TranslationUnit):
             self.generate(engine, self.batch_of([], batch.lang), self.data.languages[0], beam=1)
             back = None
         else:
-            back = self.batch_of(self.generate(engine, mono, other, beam=1), other)
+            generated = self.generate(
+                engine, mono, other, beam=1, min_len_a=self.config.bt_min_len_a
+            )
+            back = self.batch_of(generated, other)
         engine.train()
         weight = schedule_value(self.denoise_points, step)
         return engine.forward("unsupervised", mono, generator, back, weight)
