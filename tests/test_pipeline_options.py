@@ -184,6 +184,20 @@ def test_unsupervised_generation_blocks_repeated_trigrams_unless_told(tmp_path: 
         PipelineConfig(no_repeat_ngram_size=-1)
 
 
+def test_back_translation_minimum_length_is_a_system_of_the_vq_pre_training(
+    tmp_path: Path,
+) -> None:
+    pipeline = _pipeline(tmp_path, (0,))
+    init = tmp_path / "models" / "vq"
+    system = ABLATIONS["vq-bt-len"]
+    held = pipeline.finetune_config(system, "unsupervised", init, 0)
+    plain = pipeline.finetune_config(SYSTEMS["vq"], "unsupervised", init, 0)
+    assert held.bt_min_len_a == 0.5 and plain.bt_min_len_a == 0.0
+    same = {"output_dir": plain.output_dir, "run_name": plain.run_name, "tags": plain.tags}
+    assert dataclasses.replace(held, bt_min_len_a=0.0, **same) == plain
+    assert system.pretraining == "vq"
+
+
 def test_unsupervised_runs_need_no_parallel_shards(tmp_path: Path) -> None:
     pipeline = _pipeline(tmp_path, (0,))
     del pipeline.parallel  # `--settings unsupervised` builds none

@@ -201,6 +201,37 @@ def test_translate_stdin_to_stdout(model_dir: Path, data: tuple[Path, Path]) -> 
     assert "BLEU = " in result.stderr.decode() and "chrF2 = " in result.stderr.decode()
 
 
+def test_translate_minimum_length_relative_to_the_source(
+    spm_model: Path, data: tuple[Path, Path], tmp_path: Path
+) -> None:
+    tokenizer = Tokenizer.load(spm_model)
+    config = build_model_config("tiny", [f"vocab_size={tokenizer.vocab_size}", "max_len=64"])
+    torch.manual_seed(0)
+    model = Seq2SeqModel(config)
+    with torch.no_grad():  # </s> first, unless it is forbidden
+        model.decoder.output_bias[tokenizer.eos_id] = 100.0
+    model_dir = save_model_dir(
+        tmp_path / "ends-at-once",
+        model.state_dict(),
+        kind="seq2seq",
+        model_config=config,
+        languages=tokenizer.languages,
+        spm_model=spm_model,
+    )
+    sources = read_lines(data[0])[:5]
+    write_lines(tmp_path / "src.en", sources)
+    common = ["--model-dir", str(model_dir), "--src-lang", "en", "--tgt-lang", "de", "--beam", "1"]
+    common += ["--input", str(tmp_path / "src.en")]
+    assert main([*common, "--output", str(tmp_path / "free")]) == 0
+    assert read_lines(tmp_path / "free") == [""] * 5
+    assert main([*common, "--output", str(tmp_path / "held"), "--min-len-a", "0.5"]) == 0
+    search = SearchConfig(beam=1, min_len_a=0.5)
+    held = Translator.from_model_dir(model_dir).translate(
+        sources, src_lang="en", tgt_lang="de", config=search
+    )
+    assert read_lines(tmp_path / "held") == held and all(held)
+
+
 def test_translate_errors(
     model_dir: Path, data: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -61,7 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most max_len_a * source tokens + max_len_b tokens are generated",
     )
     parser.add_argument("--max-len-b", type=int, default=defaults.max_len_b)
-    parser.add_argument("--min-len", type=int, default=defaults.min_len)
+    parser.add_argument(
+        "--min-len",
+        type=int,
+        default=defaults.min_len,
+        help="no output ends before min_len_a * source tokens + min_len tokens",
+    )
+    parser.add_argument("--min-len-a", type=float, default=defaults.min_len_a)
     parser.add_argument(
         "--no-repeat-ngram-size",
         type=int,
@@ -102,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             max_len_a=args.max_len_a,
             max_len_b=args.max_len_b,
             min_len=args.min_len,
+            min_len_a=args.min_len_a,
             no_repeat_ngram=args.no_repeat_ngram_size,
         )
         check_writable(args.output)
