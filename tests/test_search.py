@@ -114,8 +114,13 @@ class Table:
     VOCAB = 8
     A, B = 6, 7
 
-    def __init__(self, table: dict[tuple[int, ...], dict[int, float]]) -> None:
+    def __init__(
+        self,
+        table: dict[tuple[int, ...], dict[int, float]],
+        default: dict[int, float] | None = None,
+    ) -> None:
         self.table = table
+        self.default = default or {EOS: 1.0}
 
     def encode(self, src: torch.Tensor, mask: torch.Tensor, langs: torch.Tensor) -> EncoderOutput:
         hidden = torch.zeros(src.shape[0], src.shape[1], 1)
@@ -131,7 +136,7 @@ class Table:
         rows = []
         for generated in prefix[:, 1:].tolist():
             probs = torch.zeros(self.VOCAB, dtype=torch.float64)
-            for token, p in self.table.get(tuple(generated), {EOS: 1.0}).items():
+            for token, p in self.table.get(tuple(generated), self.default).items():
                 probs[token] = p
             rows.append(probs.log().float())
         return torch.stack(rows)
@@ -315,38 +320,21 @@ def test_length_limits(model: Seq2SeqModel, beam: int) -> None:
     assert limits.tolist() == [3, 17, 19]
 
 
-class EndsAtOnce(Table):
-    """Every prefix ends next with probability 0.9, else continues with A."""
-
-    def __init__(self) -> None:
-        super().__init__({})
-
-    def decode_step(
-        self,
-        prefix: torch.Tensor,
-        langs: torch.Tensor,
-        memory: EncoderOutput,
-        cache: DecoderCache | None = None,
-    ) -> torch.Tensor:
-        probs = torch.zeros(prefix.shape[0], self.VOCAB, dtype=torch.float64)
-        probs[:, EOS], probs[:, Table.A] = 0.9, 0.1
-        return probs.log().float()
-
-
 @pytest.mark.parametrize("beam", [1, 3])
 def test_minimum_length_relative_to_the_source(beam: int) -> None:
     lengths = [9, 3, 5, 1, 7]  # with </s>
     batch = make_batch(lengths)
-    free = run(EndsAtOnce(), batch, SearchConfig(beam=beam))
+    ends_at_once = Table({}, default={EOS: 0.9, Table.A: 0.1})
+    free = run(ends_at_once, batch, SearchConfig(beam=beam))
     assert [len(h.tokens) for h in free] == [0] * 5
     # int(a * source length + b) tokens at least, per sentence
     config = SearchConfig(beam=beam, min_len_a=0.5, min_len=1)
-    held = run(EndsAtOnce(), batch, config)
+    held = run(ends_at_once, batch, config)
     assert [len(h.tokens) for h in held] == [5, 2, 3, 1, 4]
     assert min_lengths(torch.tensor(lengths), config).tolist() == [5, 2, 3, 1, 4]
     # the maximum still ends a sentence first
     capped = SearchConfig(beam=beam, min_len_a=2.0, max_len_a=1.0, max_len_b=0)
-    assert [len(h.tokens) for h in run(EndsAtOnce(), batch, capped)] == lengths
+    assert [len(h.tokens) for h in run(ends_at_once, batch, capped)] == lengths
 
 
 @pytest.mark.parametrize("beam", [1, 3])
