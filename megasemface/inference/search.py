@@ -468,10 +468,11 @@ def _constrain(
         logp_RV = logp_RV.index_fill(1, banned, -math.inf)
     if config.no_repeat_ngram:
         logp_RV = _block_repeated_ngrams(logp_RV, prefix_RT[:, 1:], config.no_repeat_ngram)
-    early_R = least_R > step
-    if bool(early_R.any()):
-        logp_RV = logp_RV.clone()
-        logp_RV[:, eos_id] = torch.where(early_R, -math.inf, logp_RV[:, eos_id])
+    if config.min_len or config.min_len_a:  # no per-step comparison without a minimum
+        early_R = least_R > step
+        if bool(early_R.any()):
+            logp_RV = logp_RV.clone()
+            logp_RV[:, eos_id] = torch.where(early_R, -math.inf, logp_RV[:, eos_id])
     forced_R = limit_R <= step
     if bool(forced_R.any()):
         only_eos = torch.full_like(logp_RV, -math.inf)
