@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups
+from megasemface.evaluation.diagnostics.figures import code_log_probs
 from megasemface.interfaces.gumbel_quantizer import (
     SPLIT_PARAMETERS,
     GumbelVectorQuantizer,
@@ -19,7 +20,7 @@ from megasemface.interfaces.gumbel_quantizer import (
     split_codebook,
 )
 from megasemface.interfaces.vq_random import gumbel_noise
-from megasemface.models.config import VQConfig
+from megasemface.models.config import ModelConfig, VQConfig
 
 D = 8
 
@@ -45,10 +46,21 @@ def features(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch
     return torch.randn(n, D, generator=gen).to(dtype).requires_grad_()
 
 
+def dense_logits(vq: GumbelVectorQuantizer, h: torch.Tensor) -> torch.Tensor:
+    """The code logits written out: Linear-ReLU-Linear, or minus the squared distance to each
+    code over sqrt(width) (Eq. 4), grouped for the product layout."""
+    if vq.config.logits == "mlp":
+        return F.relu(vq.hidden(h)) @ vq.logits_weight.t() + vq.logits_bias
+    table = vq.codebook if vq.layout == "product" else vq.codebook[None]  # [G, V, w]
+    width = table.shape[-1]
+    parts = h.view(h.shape[0], table.shape[0], width)  # [N, G, w], G = 1 for flat
+    dist = (parts[:, :, None, :] - table[None]).square().sum(-1)  # [N, G, V]
+    return (-dist / math.sqrt(width)).flatten(1)
+
+
 def dense_flat(vq: GumbelVectorQuantizer, h: torch.Tensor, key: int, sample: bool):
     """Eq. 5 and Eq. 6 written out densely with plain autograd: the reference."""
-    act = F.relu(vq.hidden(h))
-    logits = act @ vq.logits_weight.t() + vq.logits_bias
+    logits = dense_logits(vq, h)
     scores = logits + gumbel_noise(key, 0, h.shape[0], 0, vq.num_codes) if sample else logits
     soft = torch.softmax(scores / vq.temperature, dim=-1)
     hard = F.one_hot(scores.argmax(-1), vq.num_codes).float()
@@ -79,13 +91,14 @@ def test_straight_through_forward_is_exactly_the_chosen_code(layout: str) -> Non
         assert torch.equal(out.quantized, vq.codebook[out.codes])
 
 
+@pytest.mark.parametrize("logits", ["mlp", "distance"])
 @pytest.mark.parametrize("from_gumbel", [False, True])
 @pytest.mark.parametrize("sample", [True, False])
 @pytest.mark.parametrize("entropy_weight", [0.0, 0.7])
 def test_flat_gradients_match_dense_reference(
-    from_gumbel: bool, sample: bool, entropy_weight: float
+    logits: str, from_gumbel: bool, sample: bool, entropy_weight: float
 ) -> None:
-    vq = make_vq(diversity_from_gumbel=from_gumbel)
+    vq = make_vq(diversity_from_gumbel=from_gumbel, logits=logits)
     vq.set_step(2)
     h = features(13)
     target = torch.randn(13, D, generator=torch.Generator().manual_seed(1))
@@ -130,6 +143,33 @@ def test_eval_is_the_noise_free_argmax(layout: str) -> None:
     noisy = [vq(h).codes for _ in range(3)]
     assert any(not torch.equal(c, first.codes) for c in noisy)
     assert not torch.equal(noisy[0], noisy[1])
+
+
+@pytest.mark.parametrize("layout", ["flat", "product"])
+def test_distance_logits_pick_the_nearest_code(layout: str) -> None:
+    """Eq. 4: the noise-free code is the nearest one (per group), the codebook is the only
+    weight, and the logits are minus the squared distance over sqrt(width), up to the
+    per-token constant ||h||^2 / sqrt(width) that no softmax sees."""
+    vq = make_vq(layout, logits="distance").eval()
+    assert [name for name, _ in vq.named_parameters()] == ["codebook"]
+    h = features(17).detach()
+    table = vq.codebook.detach() if layout == "product" else vq.codebook.detach()[None]
+    groups, entries, width = table.shape
+    parts = h.view(17, groups, width)
+    nearest = [torch.cdist(parts[:, g], table[g]).argmin(-1) for g in range(groups)]
+    expected = nearest[0] if layout == "flat" else nearest[0] * entries + nearest[1]
+    assert torch.equal(vq(h).codes, expected)
+    norms = (parts.square().sum(-1) / math.sqrt(width)).repeat_interleave(entries, dim=1)
+    torch.testing.assert_close(vq.code_logits(h), dense_logits(vq, h) + norms)
+    log_probs = code_log_probs(vq, vq.config, h)  # checks itself against the layer's argmax
+    assert log_probs.shape == (17, vq.num_codes)
+
+
+def test_distance_logits_config_checks() -> None:
+    with pytest.raises(ValueError, match=r"vq\.logits"):
+        VQConfig(logits="cosine")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bridge 'codebook'"):
+        ModelConfig(vq=VQConfig(logits="distance"), bridge="codebook")
 
 
 def test_ties_resolve_to_the_smallest_index() -> None:
@@ -215,8 +255,9 @@ def test_product_layout_shapes_codes_and_diversity() -> None:
     assert vq.num_codes == 25 and vq(h, sample=True).codes.max() < 25
 
 
-def test_product_gradients_reach_everything() -> None:
-    vq = make_vq("product").train()
+@pytest.mark.parametrize("logits", ["mlp", "distance"])
+def test_product_gradients_reach_everything(logits: str) -> None:
+    vq = make_vq("product", logits=logits).train()
     h = features(11)
     out = vq(h)
     (out.quantized.square().sum() + out.diversity_loss).backward()
@@ -224,16 +265,17 @@ def test_product_gradients_reach_everything() -> None:
     assert h.grad is not None and h.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("logits", ["mlp", "distance"])
 @pytest.mark.parametrize("layout", ["flat", "product"])
-def test_frozen_weights_pass_gradient_to_the_input_only(layout: str) -> None:
-    vq = make_vq(layout).train().freeze()
+def test_frozen_weights_pass_gradient_to_the_input_only(layout: str, logits: str) -> None:
+    vq = make_vq(layout, logits=logits).train().freeze()
     h = features(12)
     out = vq(h)
     out.quantized.square().sum().backward()
     assert all(p.grad is None for p in vq.parameters())
     assert h.grad is not None and h.grad.abs().sum() > 0
     # The same gradient reaches h as with trainable weights.
-    live = make_vq(layout).train()
+    live = make_vq(layout, logits=logits).train()
     h2 = h.detach().clone().requires_grad_()
     live(h2, noise_key=0).quantized.square().sum().backward()
     frozen_h = h.detach().clone().requires_grad_()

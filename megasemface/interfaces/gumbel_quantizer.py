@@ -16,6 +16,17 @@ perplexity (``VQConfig.diversity_loss``):
   moves by at most ``ln(K) / K``: too weak to keep a codebook from collapsing. Kept for the
   ablation that shows it.
 
+Logits (``VQConfig.logits``). The paper states the code of ``h`` as the nearest neighbour
+``argmin_k ||h - z_k||`` (Eq. 4) and computes it with the Linear-ReLU-Linear above, as
+wav2vec 2.0 does (``mlp``, the default). The logits then owe nothing to the codes' position,
+so ``h`` may lie anywhere relative to its code; when the stages are connected without the
+interface, the pre-trained decoder reads ``h`` in place of the codes it was trained on.
+``distance`` takes Eq. 4 literally: ``l_k = -||h - z_k||^2 / sqrt(w)`` (w the codes'
+width), so the noise-free code is the nearest one, the straight-through gradient moves
+``h`` towards the codes that lower the loss and away from the others, and the layer has no
+weights but the codebook. Both are the GEMM ``a W^T + b`` of the flat kernel (for
+``distance``: ``a = h``, ``W = 2 z / sqrt(w)``, ``b = -||z||^2 / sqrt(w)``).
+
 Code usage. What the model actually picks is the noise-free argmax (the code used at inference
 and when stages are connected), so :class:`VQOutput` carries it in training too
 (``greedy_codes``), and :class:`~megasemface.interfaces.code_usage.CodeUsage` accumulates it
@@ -175,8 +186,9 @@ class GumbelVectorQuantizer(nn.Module):
     ``forward(h)`` takes the real tokens only, flattened ([N, d], padding removed), so padding
     never enters the statistics; all ranks of one model-parallel group must pass the same ``h``.
     Parameters: ``hidden`` (Linear d -> H, replicated), ``logits_weight`` [Kl, H] and
-    ``logits_bias`` [Kl] (flat: this rank's shard; product: [G*V, H], [G*V]) and ``codebook``
-    ([Kl, d] flat shard; [G, V, dg] product). :data:`SPLIT_PARAMETERS` lists the split keys.
+    ``logits_bias`` [Kl] (flat: this rank's shard; product: [G*V, H], [G*V]), none of the three
+    with ``distance`` logits, and ``codebook`` ([Kl, d] flat shard; [G, V, dg] product).
+    :data:`SPLIT_PARAMETERS` lists the split keys.
 
     Randomness is keyed by ``seed``, the step set by :meth:`set_step` (which also sets the
     temperature, ``max(start * decay**step, end)``), a per-step call counter (so gradient-
@@ -200,7 +212,7 @@ class GumbelVectorQuantizer(nn.Module):
         self.layout = vq.layout
         self._step = 0
         self._calls = 0
-        self.hidden = nn.Linear(d_model, vq.hidden_dim)
+        self.distance = vq.logits == "distance"
         if vq.layout == "flat":
             if vq.num_codes % groups.mp_size:
                 raise ValueError(
@@ -218,12 +230,18 @@ class GumbelVectorQuantizer(nn.Module):
             self.num_local = vq.groups * vq.entries
             self.code_offset = 0
             rows, width = self.num_local, d_model // vq.groups
-        self.logits_weight = nn.Parameter(torch.empty(rows, vq.hidden_dim))
-        self.logits_bias = nn.Parameter(torch.empty(rows))
+        self.hidden: nn.Linear | None = None
+        self.logits_weight: nn.Parameter | None = None
+        self.logits_bias: nn.Parameter | None = None
+        if not self.distance:
+            self.hidden = nn.Linear(d_model, vq.hidden_dim)
+            self.logits_weight = nn.Parameter(torch.empty(rows, vq.hidden_dim))
+            self.logits_bias = nn.Parameter(torch.empty(rows))
         if vq.layout == "flat":
             self.codebook = nn.Parameter(torch.empty(rows, width))
             for param in (self.logits_weight, self.logits_bias, self.codebook):
-                mark_model_parallel_parameter(param, 0)
+                if param is not None:
+                    mark_model_parallel_parameter(param, 0)
         else:
             self.codebook = nn.Parameter(torch.empty(vq.groups, vq.entries, width))
         self.reset_parameters()
@@ -242,21 +260,23 @@ class GumbelVectorQuantizer(nn.Module):
         """
         vq, d = self.config, self.d_model
         seed = self.seed
-        bound_h = 1.0 / math.sqrt(d)
-        self.hidden.weight.copy_(
-            init_rows(seed, TAG_HIDDEN_W, 0, vq.hidden_dim, d, "uniform", bound_h)
-        )
-        self.hidden.bias.copy_(
-            init_rows(seed, TAG_HIDDEN_B, 0, vq.hidden_dim, 1, "uniform", bound_h)[:, 0]
-        )
         start, stop = self.code_offset, self.code_offset + self.num_local
-        bound_l = 1.0 / math.sqrt(vq.hidden_dim)
-        self.logits_weight.copy_(
-            init_rows(seed, TAG_LOGITS_W, start, stop, vq.hidden_dim, "uniform", bound_l)
-        )
-        self.logits_bias.copy_(
-            init_rows(seed, TAG_LOGITS_B, start, stop, 1, "uniform", bound_l)[:, 0]
-        )
+        if self.hidden is not None:
+            assert self.logits_weight is not None and self.logits_bias is not None
+            bound_h = 1.0 / math.sqrt(d)
+            self.hidden.weight.copy_(
+                init_rows(seed, TAG_HIDDEN_W, 0, vq.hidden_dim, d, "uniform", bound_h)
+            )
+            self.hidden.bias.copy_(
+                init_rows(seed, TAG_HIDDEN_B, 0, vq.hidden_dim, 1, "uniform", bound_h)[:, 0]
+            )
+            bound_l = 1.0 / math.sqrt(vq.hidden_dim)
+            self.logits_weight.copy_(
+                init_rows(seed, TAG_LOGITS_W, start, stop, vq.hidden_dim, "uniform", bound_l)
+            )
+            self.logits_bias.copy_(
+                init_rows(seed, TAG_LOGITS_B, start, stop, 1, "uniform", bound_l)[:, 0]
+            )
         table = init_rows(seed, TAG_CODEBOOK, start, stop, self.codebook.shape[-1], "normal", 1)
         self.codebook.copy_(table.view_as(self.codebook))
 
@@ -307,25 +327,52 @@ class GumbelVectorQuantizer(nn.Module):
             raise ValueError(f"expected h of shape [N, {self.d_model}], got {tuple(h.shape)}")
         sample = self.training if sample is None else sample
         key = self._noise_key(noise_key) if sample else 0
-        # Match the weights' dtype (bf16 features into an fp32 layer) unless autocast decides.
-        x = h if torch.is_autocast_enabled(h.device.type) else h.to(self.hidden.weight.dtype)
-        weights = (
-            self.hidden.weight,
-            self.hidden.bias,
-            self.logits_weight,
-            self.logits_bias,
-            self.codebook,
-        )
-        if detach_weights:
-            weights = tuple(w.detach() for w in weights)
-            act = F.relu(F.linear(x, weights[0], weights[1]))  # [N, H]
-        else:
-            # A module call: ZeRO-3 gathers a sub-module's weights again before its backward
-            # only for calls of that sub-module.
-            act = F.relu(self.hidden(x))
+        act, logits_weight, logits_bias = self._logit_inputs(h, detach_weights)
+        codebook = self.codebook.detach() if detach_weights else self.codebook
+        weights = (logits_weight, logits_bias, codebook)
         if self.layout == "flat":
-            return self._forward_flat(h, act, sample, key, weights[2:])
-        return self._forward_product(h, act, sample, key, weights[2:])
+            return self._forward_flat(h, act, sample, key, weights)
+        return self._forward_product(h, act, sample, key, weights)
+
+    def _logit_inputs(self, h: Tensor, detach_weights: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``(a, W, b)`` with the code logits ``l = a W^T + b``: [N, H], [rows, H], [rows].
+
+        ``mlp``: a = ReLU(Linear(h)) and the layer's ``logits_weight`` and ``logits_bias``.
+        ``distance``: a = h, W = 2 z / sqrt(w), b = -||z||^2 / sqrt(w) for the codes z of width
+        w (block-diagonal over the groups of the product layout), i.e. ``-||h - z||^2 /
+        sqrt(w)`` up to the per-token constant ``||h||^2 / sqrt(w)``, which no softmax or
+        argmax sees. The distances between a LayerNorm'd output and N(0, 1) codes spread by
+        about sqrt(8 w): over sqrt(w) the logits spread by about 3 at any width, as the MLP's
+        do, so the temperature schedule and the Gumbel noise act alike.
+        """
+        # Match the weights' dtype (bf16 features into an fp32 layer) unless autocast decides.
+        x = h if torch.is_autocast_enabled(h.device.type) else h.to(self.codebook.dtype)
+        if self.distance:
+            codebook = self.codebook.detach() if detach_weights else self.codebook
+            scale = 1.0 / math.sqrt(codebook.shape[-1])
+            # A new tensor, not the parameter: under ZeRO-3 the parameter's storage is
+            # released after the forward, and the bias's backward reads this one.
+            scaled = codebook * (2.0 * scale)
+            bias = scaled.float().square().sum(dim=-1).reshape(-1) / (-4.0 * scale)
+            if self.layout == "flat":
+                return x, scaled, bias
+            return x, torch.block_diag(*scaled.unbind(0)), bias
+        assert self.hidden is not None
+        assert self.logits_weight is not None and self.logits_bias is not None
+        if detach_weights:
+            act = F.relu(F.linear(x, self.hidden.weight.detach(), self.hidden.bias.detach()))
+            return act, self.logits_weight.detach(), self.logits_bias.detach()
+        # A module call: ZeRO-3 gathers a sub-module's weights again before its backward only
+        # for calls of that sub-module.
+        return F.relu(self.hidden(x)), self.logits_weight, self.logits_bias
+
+    @torch.no_grad()
+    def code_logits(self, h: Tensor) -> Tensor:
+        """Noise-free logits [N, rows] fp32 of this rank's codes (flat: its Kl-code shard;
+        product: the G*V table entries, group-major), the ``l`` of Eq. 5."""
+        act, weight, bias = self._logit_inputs(h, detach_weights=True)
+        with torch.autocast(h.device.type, enabled=False):
+            return F.linear(act.float(), weight.float(), bias.float())
 
     def _forward_flat(
         self, h: Tensor, act: Tensor, sample: bool, key: int, weights: tuple[Tensor, ...]

@@ -39,8 +39,14 @@ class VQConfig:
     """Product layout: number of tables."""
     entries: int = 320
     """Product layout: codes per table."""
+    logits: Literal["mlp", "distance"] = "mlp"
+    """How a hidden state h becomes code logits. mlp: Linear-ReLU-Linear (the paper's
+    section 2.3, as wav2vec 2.0); distance: ``-||h - z_k||^2 / sqrt(width)`` for each code
+    z_k, so the noise-free code is Eq. 4's nearest neighbour and the straight-through
+    gradient pulls h towards the codes it picks (no logit weights). See
+    interfaces/gumbel_quantizer.py."""
     hidden_dim: int = 1024
-    """Width of the Linear-ReLU-Linear that turns a hidden state into code logits."""
+    """Width of the Linear-ReLU-Linear that turns a hidden state into code logits (mlp)."""
     temperature_start: float = 2.0
     """Gumbel-softmax temperature at step 0 (wav2vec 2.0's schedule)..."""
     temperature_end: float = 0.5
@@ -62,6 +68,8 @@ class VQConfig:
     def __post_init__(self) -> None:
         if self.layout not in ("flat", "product"):
             raise ValueError(f"vq.layout must be 'flat' or 'product', got {self.layout!r}")
+        if self.logits not in ("mlp", "distance"):
+            raise ValueError(f"vq.logits must be 'mlp' or 'distance', got {self.logits!r}")
         if self.diversity_loss not in ("perplexity", "eq6"):
             raise ValueError(
                 f"vq.diversity_loss must be 'perplexity' or 'eq6', got {self.diversity_loss!r}"
@@ -112,6 +120,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.bridge not in ("none", "codebook"):
             raise ValueError(f"bridge must be 'none' or 'codebook', got {self.bridge!r}")
+        if self.bridge == "codebook" and self.vq.logits != "mlp":
+            raise ValueError(
+                "bridge 'codebook' reads the VQ layer's Linear-ReLU-Linear logits; "
+                f"vq.logits {self.vq.logits!r} has none (use vq.logits=mlp or bridge=none)"
+            )
         if self.bridge_temperature <= 0:
             raise ValueError(f"bridge_temperature must be > 0, got {self.bridge_temperature}")
         for name in ("vocab_size", "num_langs", "d_model", "num_heads", "ffn_dim", "max_len"):

@@ -203,6 +203,13 @@ ABLATIONS: dict[str, System] = {
         ),
         System("vq-commit", "VQ-SemFace + commitment", "joint", "vq", {"commitment_weight": 0.25}),
         System(
+            "vq-dist",
+            "VQ-SemFace, distance logits (Eq. 4)",
+            "joint",
+            "vq",
+            model={"vq.logits": "distance"},
+        ),
+        System(
             "vq-k4096",
             "VQ-SemFace, 4,096 codes",
             "joint",
@@ -269,7 +276,8 @@ ABLATIONS: dict[str, System] = {
 """The paper's Table 5, then what differs from the paper: Eq. 6 as printed (the default
 diversity loss is wav2vec 2.0's form), the paper's VQ losses alone (the default adds a
 per-token entropy term, with diversity weight 2), and options beyond the paper that are off
-by default: a commitment term tying the encoder's outputs to their codes, diversity terms
+by default: a commitment term tying the encoder's outputs to their codes, code logits from
+the distance to each code (Eq. 4's nearest neighbour) instead of the MLP, diversity terms
 for the decoder stage's extractor, a trained CL table, VQ-SemFace's pre-training connected
 through its codebook instead of without the interface, and mRASP's random aligned
 substitution in the decoder stage's noise (the interface reads a copy with some words in the

@@ -101,22 +101,16 @@ def cosine_sum(a_ND: Tensor, b_ND: Tensor) -> float:
 def code_log_probs(quantizer: GumbelVectorQuantizer, vq: VQConfig, h_ND: Tensor) -> Tensor:
     """log p(code | h) [N, K] over all K codes: Eq. 5 without the Gumbel noise, at tau = 1.
 
-    The logits are the layer's Linear-ReLU-Linear (its ``hidden``, ``logits_weight`` and
-    ``logits_bias``; the last two are the layer's ``SPLIT_PARAMETERS``). For the product
+    The logits are the layer's own (:meth:`GumbelVectorQuantizer.code_logits`). For the product
     layout a combination's log-probability is the sum of its groups' log-softmaxes, indexed
     like the layer's code ids (``sum_g idx_g V**(G-g-1)``). One token's ranking of the codes
     does not depend on the temperature; only averages over tokens do.
 
     Raises:
         RuntimeError: the argmax disagrees with the layer's own noise-free choice
-            (``forward(h, sample=False).codes``) beyond float ties: the layer's logits are no
-            longer computed this way, and this function must follow.
+            (``forward(h, sample=False).codes``) beyond float ties.
     """
-    with torch.autocast(h_ND.device.type, enabled=False):
-        act = F.relu(quantizer.hidden(h_ND.to(quantizer.hidden.weight.dtype)))
-        logits = F.linear(
-            act.float(), quantizer.logits_weight.float(), quantizer.logits_bias.float()
-        )
+    logits = quantizer.code_logits(h_ND)
     if vq.layout == "flat":
         log_probs = logits.log_softmax(dim=-1)
     else:
@@ -129,8 +123,8 @@ def code_log_probs(quantizer: GumbelVectorQuantizer, vq: VQConfig, h_ND: Tensor)
     gap = log_probs.max(dim=-1).values - log_probs.gather(1, chosen[:, None])[:, 0]
     if bool(((mine != chosen) & (gap > _TIE)).any()):
         raise RuntimeError(
-            "code_log_probs disagrees with the VQ layer's own argmax: the layer no longer "
-            "computes its code logits as Linear-ReLU-Linear; update code_log_probs"
+            "code_log_probs disagrees with the VQ layer's own argmax: code_logits no longer "
+            "computes the logits the layer's forward uses"
         )
     return log_probs
 
