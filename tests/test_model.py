@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.models.bridge import CodebookBridge, bridge_state
 from megasemface.models.config import (
     PRESETS,
     ModelConfig,
@@ -181,6 +184,27 @@ def test_connect_checks_shapes_before_building_a_damaged_config() -> None:
     assert parameter_shapes(config) == {
         k: tuple(v.shape) for k, v in Seq2SeqModel(config).state_dict().items()
     }
+
+
+@pytest.mark.parametrize("layout", ["flat", "product"])
+def test_codebook_bridge_with_distance_logits_mixes_by_the_vq_layers_logits(layout: str) -> None:
+    """With ``vq.logits=distance`` the bridge holds the codebook only and weighs the codes by
+    the VQ layer's own logits (minus the scaled squared distances)."""
+    options = ["vocab_size=100", f"vq.layout={layout}", "vq.logits=distance"]
+    config = build_model_config("tiny", [*options, "bridge=codebook"])
+    groups = ParallelGroups.single()
+    quantizer = GumbelVectorQuantizer(config.vq, config.d_model, groups, seed=5).eval()
+    stage_state = {"interface.quantizer." + k: v for k, v in quantizer.state_dict().items()}
+    bridge = CodebookBridge(config).eval()
+    assert [name for name, _ in bridge.named_parameters()] == ["codebook"]
+    bridge.load_state_dict(bridge_state(stage_state, "distance"))
+    h = torch.randn(2, 6, config.d_model, generator=torch.Generator().manual_seed(1))
+    logits = quantizer.code_logits(h.reshape(12, -1))
+    g = 1 if layout == "flat" else config.vq.groups
+    probs = torch.softmax(logits.view(12, g, -1) / config.bridge_temperature, dim=-1)
+    table = quantizer.codebook.detach().reshape(g, -1, config.d_model // g)
+    expected = torch.einsum("ngv,gvk->ngk", probs, table).reshape(2, 6, -1)
+    torch.testing.assert_close(bridge(h), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["flat", "product"])

@@ -38,6 +38,12 @@ RUNS: dict[str, tuple[int, str, tuple[str, ...], str | None]] = {
     "cl-decoder": (2, "mono", ("--stage", "decoder", "--interface", "cl"), None),
     "cl-joint": (3, "mono", ("--stage", "joint", "--interface", "cl"), None),
     "vq-joint": (3, "mono", ("--stage", "joint", "--interface", "vq"), None),
+    "vq-joint-distance": (
+        3,
+        "mono",
+        ("--stage", "joint", "--interface", "vq", "--model", "vq.logits=distance"),
+        None,
+    ),
     "mbart": (3, "mono", ("--stage", "mbart", "--interface", "none"), None),
     "finetune-supervised": (2, "parallel", ("--stage", "finetune"), "init"),
     "finetune-unsupervised": (

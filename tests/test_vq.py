@@ -20,7 +20,7 @@ from megasemface.interfaces.gumbel_quantizer import (
     split_codebook,
 )
 from megasemface.interfaces.vq_random import gumbel_noise
-from megasemface.models.config import ModelConfig, VQConfig
+from megasemface.models.config import VQConfig
 
 D = 8
 
@@ -165,11 +165,9 @@ def test_distance_logits_pick_the_nearest_code(layout: str) -> None:
     assert log_probs.shape == (17, vq.num_codes)
 
 
-def test_distance_logits_config_checks() -> None:
+def test_unknown_logits_are_refused() -> None:
     with pytest.raises(ValueError, match=r"vq\.logits"):
         VQConfig(logits="cosine")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="bridge 'codebook'"):
-        ModelConfig(vq=VQConfig(logits="distance"), bridge="codebook")
 
 
 def test_ties_resolve_to_the_smallest_index() -> None:

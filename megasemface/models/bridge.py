@@ -8,7 +8,8 @@ MLM head reads the codes): at the demo budget the cosine between an output and i
 
 The bridge keeps the encoder stage's VQ layer in the translation model, without noise or
 argmax: each encoder output ``h`` becomes ``softmax(l(h) / tau) @ codebook``, with ``l`` the
-layer's Linear-ReLU-Linear logits. That is a point in the span of the codes the decoder was
+layer's logits (its Linear-ReLU-Linear, or minus the scaled squared distances to the codes for
+``vq.logits=distance``). That is a point in the span of the codes the decoder was
 trained on (close to the argmax code when the distribution is confident), continuous and
 differentiable, so fine-tuning trains the encoder, the logits and the codes as one model.
 
@@ -22,6 +23,7 @@ activation memory stays bounded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -31,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megasemface.models.config import ModelConfig
 
-__all__ = ["BRIDGE_SOURCES", "CodebookBridge", "bridge_state"]
+__all__ = ["BRIDGE_SOURCES", "CodebookBridge", "bridge_sources", "bridge_state"]
 
 BRIDGE_SOURCES: dict[str, str] = {
     "hidden.weight": "interface.quantizer.hidden.weight",
@@ -43,10 +45,19 @@ BRIDGE_SOURCES: dict[str, str] = {
 """Each bridge parameter and the encoder-stage state key it is initialised from."""
 
 
-def bridge_state(stage_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def bridge_sources(logits: str) -> dict[str, str]:
+    """:data:`BRIDGE_SOURCES` for ``vq.logits`` ``mlp``; the codebook alone for ``distance``
+    (the distance logits have no weights of their own)."""
+    if logits == "distance":
+        return {"codebook": BRIDGE_SOURCES["codebook"]}
+    return dict(BRIDGE_SOURCES)
+
+
+def bridge_state(stage_state: Mapping[str, Tensor], logits: str = "mlp") -> dict[str, Tensor]:
     """The bridge's state from a VQ-SemFace stage's state (gathered, not a model-parallel
-    shard); KeyError names the first VQ weight missing."""
-    return {name: stage_state[key] for name, key in BRIDGE_SOURCES.items()}
+    shard) whose VQ layer has ``vq.logits`` ``logits``; KeyError names the first VQ weight
+    missing."""
+    return {name: stage_state[key] for name, key in bridge_sources(logits).items()}
 
 
 class CodebookBridge(nn.Module):
@@ -65,17 +76,30 @@ class CodebookBridge(nn.Module):
         self.entries = rows // self.groups
         self.temperature = config.bridge_temperature
         self.chunk_tokens = vq.chunk_tokens
-        self.hidden = nn.Linear(config.d_model, vq.hidden_dim)
-        self.logits = nn.Linear(vq.hidden_dim, rows)
+        self.distance = vq.logits == "distance"
+        self.hidden: nn.Linear | None = None
+        self.logits: nn.Linear | None = None
+        if not self.distance:
+            self.hidden = nn.Linear(config.d_model, vq.hidden_dim)
+            self.logits = nn.Linear(vq.hidden_dim, rows)
         # The quantizer's table shape, so its state loads as it is: [K, d] or [G, V, d / G].
         width = config.d_model // self.groups
         shape = (rows, width) if self.groups == 1 else (self.groups, self.entries, width)
         self.codebook = nn.Parameter(torch.randn(shape))
 
     def _mix(self, h_ND: Tensor) -> Tensor:
-        scores = self.logits(F.relu(self.hidden(h_ND))).float() / self.temperature
-        probs = torch.softmax(scores.view(h_ND.shape[0], self.groups, self.entries), dim=-1)
-        table = self.codebook.float().view(self.groups, self.entries, -1)
+        n_tok = h_ND.shape[0]
+        table = self.codebook.float().view(self.groups, self.entries, -1)  # [G, V, w]
+        if self.logits is None:
+            # -||h - z||^2 / sqrt(w) up to a per-token constant, as the VQ layer computes it.
+            parts = h_ND.float().view(n_tok, self.groups, -1)
+            dots = torch.einsum("ngk,gvk->ngv", parts, table)
+            logits = (2 * dots - table.square().sum(-1)) / math.sqrt(table.shape[-1])
+        else:
+            assert self.hidden is not None
+            logits = self.logits(F.relu(self.hidden(h_ND))).float()
+        scores = logits.view(n_tok, self.groups, self.entries) / self.temperature
+        probs = torch.softmax(scores, dim=-1)
         mixed = torch.einsum("ngv,gvk->ngk", probs, table)
         return mixed.reshape(h_ND.shape[0], -1).to(h_ND.dtype)
 

@@ -120,11 +120,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.bridge not in ("none", "codebook"):
             raise ValueError(f"bridge must be 'none' or 'codebook', got {self.bridge!r}")
-        if self.bridge == "codebook" and self.vq.logits != "mlp":
-            raise ValueError(
-                "bridge 'codebook' reads the VQ layer's Linear-ReLU-Linear logits; "
-                f"vq.logits {self.vq.logits!r} has none (use vq.logits=mlp or bridge=none)"
-            )
         if self.bridge_temperature <= 0:
             raise ValueError(f"bridge_temperature must be > 0, got {self.bridge_temperature}")
         for name in ("vocab_size", "num_langs", "d_model", "num_heads", "ffn_dim", "max_len"):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megasemface.models.bridge import BRIDGE_SOURCES, bridge_state
+from megasemface.models.bridge import bridge_sources, bridge_state
 from megasemface.models.config import ModelConfig
 from megasemface.models.transformer import Seq2SeqModel, parameter_shapes
 
@@ -119,11 +119,11 @@ def connect_stages(
                 + ("" if decoder_state is not None else " and no decoder stage")
             )
         try:
-            bridge = bridge_state(encoder_state)
+            bridge = bridge_state(encoder_state, config.vq.logits)
         except KeyError as missing:
             raise ConnectError(f"the encoder-stage state lacks its VQ layer ({missing})") from None
         take(bridge, "bridge.", "encoder-stage")
-        for name, key in BRIDGE_SOURCES.items():
+        for name, key in bridge_sources(config.vq.logits).items():
             provenance["bridge." + name] = f"encoder-stage:{key}"
     if decoder_state is None:
         take(encoder, "decoder.", "encoder-stage")  # XLM: encoder weights for the decoder

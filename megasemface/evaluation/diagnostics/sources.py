@@ -187,7 +187,7 @@ def load_models(
         bridge_config = dataclasses.replace(stage_model.config, bridge="codebook")
         with torch.device("meta"):
             bridge = CodebookBridge(bridge_config)
-        bridge.load_state_dict(bridge_state(state), assign=True)
+        bridge.load_state_dict(bridge_state(state, bridge_config.vq.logits), assign=True)
         bridge.eval()
     decoder = interface_decoder
     if decoder is None and seq2seq is not None:
