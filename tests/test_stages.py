@@ -210,6 +210,24 @@ def test_encoder_codes_feed_the_decoder_the_codes_the_encoder_picks() -> None:
         ObjectiveConfig(decoder_codes="table")  # type: ignore[arg-type]
 
 
+def test_trained_encoder_codes_are_the_same_memory_and_train_the_encoder() -> None:
+    """--decoder-codes encoder-trained: the decoder reads what it reads with ``encoder``, and
+    its loss reaches the encoder (through the straight-through codes), not the VQ layer."""
+    config, batch = tiny(), random_batch(tiny())
+    losses, grads = {}, {}
+    for codes in ("encoder", "encoder-trained"):
+        torch.manual_seed(0)
+        model = model_for("vq", config, decoder_codes=codes, decoder_noise=False).eval()
+        out = model.decoder_loss(batch, torch.Generator().manual_seed(0))
+        out.loss.backward()
+        losses[codes] = out.loss.detach()
+        grads[codes] = _grads(list(model.encoder.parameters()))
+        assert all(p.grad is None for p in model.interface.quantizer.parameters())
+        assert any(_grads(list(model.decoder.parameters())))
+    torch.testing.assert_close(losses["encoder-trained"], losses["encoder"], rtol=0, atol=0)
+    assert not any(grads["encoder"]) and any(grads["encoder-trained"])
+
+
 def test_extractor_diversity_trains_the_extractor_with_the_encoders_terms() -> None:
     """With --extractor-diversity the decoder loss adds the extractor's diversity and token
     entropy at the encoder's weights; their gradient reaches the extractor, never the

@@ -101,8 +101,9 @@ def test_every_option_survives_the_command_line() -> None:
         **PATHS,
     )
     assert parse_train_argv(train_argv(registering)) == registering
-    tied = TrainConfig(stage="joint", interface="vq", decoder_codes="encoder", **PATHS)
-    assert parse_train_argv(train_argv(tied)) == tied
+    for codes in ("encoder", "encoder-trained"):
+        tied = TrainConfig(stage="joint", interface="vq", decoder_codes=codes, **PATHS)
+        assert parse_train_argv(train_argv(tied)) == tied
 
 
 def test_the_command_line_holds_what_differs_from_the_defaults() -> None:

@@ -46,6 +46,10 @@ __all__ = [
 ]
 
 
+DECODER_CODES = ("extractor", "encoder", "encoder-trained")
+"""The values of ``ObjectiveConfig.decoder_codes``."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class ObjectiveConfig:
     """Pre-training objectives and loss weights."""
@@ -81,13 +85,18 @@ class ObjectiveConfig:
     from the fixed codebook. Without them only the decoder's loss trains it, and it picks a
     small part of the codebook, so the decoder's cross-attention is pre-trained on few of
     the codes the encoder uses."""
-    decoder_codes: Literal["extractor", "encoder"] = "extractor"
+    decoder_codes: Literal["extractor", "encoder", "encoder-trained"] = "extractor"
     """VQ-SemFace: what picks the codes the decoder stage reads. ``extractor``: the paper's
     feature extractor, trained by the decoder's loss. ``encoder`` (not in the paper): the
     encoder itself, without gradient, through the same VQ layer, so the decoder's
     cross-attention is pre-trained on the codes the encoder emits for the sentence. Each
     of the two otherwise learns its own assignment of the fixed codebook, and they pick the
-    same code for under 1% of the tokens (docs/reproduce.md, the study budget)."""
+    same code for under 1% of the tokens (docs/reproduce.md, the study budget).
+    ``encoder-trained`` (not in the paper): the same, and the decoder's loss trains the
+    encoder too, through the straight-through gradient of its codes (the codebook stays
+    the encoder loss's), so the codes carry what the decoder needs to rebuild the sentence:
+    the stages are then pre-trained together, as a denoising autoencoder through the codes
+    beside the MLM, not separately."""
     infill_ratio: float = 0.35
     """mBART baseline: share of tokens masked in Poisson spans."""
     poisson_lambda: float = 3.5
@@ -96,9 +105,9 @@ class ObjectiveConfig:
     def __post_init__(self) -> None:
         if self.decoder_objective not in ("clm", "mlm"):
             raise ValueError(f"decoder_objective must be clm or mlm, got {self.decoder_objective}")
-        if self.decoder_codes not in ("extractor", "encoder"):
+        if self.decoder_codes not in DECODER_CODES:
             raise ValueError(
-                f"decoder_codes must be extractor or encoder, got {self.decoder_codes}"
+                f"decoder_codes must be one of {', '.join(DECODER_CODES)}, got {self.decoder_codes}"
             )
         if not 0 < self.mlm_prob < 1:
             raise ValueError(f"mlm_prob must be in (0, 1), got {self.mlm_prob}")
@@ -253,8 +262,9 @@ class SemFaceModel(nn.Module):
                 drop_prob=obj.word_drop,
                 shuffle_window=obj.shuffle_window,
             )
-        if obj.decoder_codes == "encoder":
-            memory = self._encoder_codes(source, source_lengths, batch.langs_B)
+        if obj.decoder_codes != "extractor":
+            trained = obj.decoder_codes == "encoder-trained"
+            memory = self._encoder_codes(source, source_lengths, batch.langs_B, trained)
         else:
             memory = self.interface.decoder_memory(
                 source, lengths_to_mask(source_lengths, source.shape[1]), batch.langs_B
@@ -291,15 +301,20 @@ class SemFaceModel(nn.Module):
         return StageOutput(loss, components, metrics, int(wanted.numel()))
 
     def _encoder_codes(
-        self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, langs_B: torch.Tensor
+        self,
+        tokens_BT: torch.Tensor,
+        lengths_B: torch.Tensor,
+        langs_B: torch.Tensor,
+        trained: bool,
     ) -> InterfaceMemory:
         """The interface's memory of the encoder's own output for ``tokens</s>`` (as the
-        encoder reads a sentence); no gradient reaches the encoder from the decoder stage."""
+        encoder reads a sentence); the decoder stage's gradient reaches the encoder only
+        when ``trained``, and never the VQ layer's weights."""
         tokens_BT, lengths_B = append_token(
             tokens_BT, lengths_B, self.special.eos, self.special.pad
         )
         mask_BT = lengths_to_mask(lengths_B, tokens_BT.shape[1])
-        with torch.no_grad():
+        with torch.set_grad_enabled(trained and torch.is_grad_enabled()):
             hidden_BTD = self.encoder(tokens_BT, mask_BT, langs_B).hidden_BTD
         return self.interface.features_memory(hidden_BTD, mask_BT)
 

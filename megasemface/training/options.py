@@ -19,6 +19,9 @@ from typing import Any
 from megasemface.models.config import ModelConfig, build_model_config
 from megasemface.training.schedules import parse_schedule
 
+# ObjectiveConfig.decoder_codes's values, repeated so that parsing options imports no torch.
+DECODER_CODES = ("extractor", "encoder", "encoder-trained")
+
 __all__ = [
     "STAGES",
     "TrainConfig",
@@ -90,8 +93,10 @@ class TrainConfig:
     """VQ: train the decoder stage's extractor with the diversity and token-entropy terms
     too (not in the paper)."""
     decoder_codes: str = "extractor"
-    """VQ: what picks the decoder stage's codes: ``extractor`` (the paper's) or ``encoder``
-    (the encoder's own codes, without gradient; not in the paper)."""
+    """VQ: what picks the decoder stage's codes: ``extractor`` (the paper's), ``encoder``
+    (the encoder's own codes, without gradient; not in the paper) or ``encoder-trained``
+    (the encoder's own codes, and the decoder's loss trains the encoder too; not in the
+    paper)."""
     token_entropy_weight: float = 0.5
     """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
     on by default, measured better on validation); 0: off."""
@@ -250,16 +255,17 @@ class TrainConfig:
                 "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
                 "--interface vq and --stage decoder or joint"
             )
-        if self.decoder_codes not in ("extractor", "encoder"):
+        if self.decoder_codes not in DECODER_CODES:
             raise ValueError(
-                f"--decoder-codes must be extractor or encoder, got {self.decoder_codes!r}"
+                f"--decoder-codes must be one of {', '.join(DECODER_CODES)}, "
+                f"got {self.decoder_codes!r}"
             )
-        if self.decoder_codes == "encoder" and (
+        if self.decoder_codes != "extractor" and (
             self.interface != "vq" or self.stage != "joint" or self.extractor_diversity
         ):
             raise ValueError(
-                "--decoder-codes encoder feeds the decoder stage the codes of the encoder "
-                "trained beside it: use it with --interface vq and --stage joint, without "
+                f"--decoder-codes {self.decoder_codes} feeds the decoder stage the codes of the "
+                "encoder trained beside it: use it with --interface vq and --stage joint, without "
                 "--extractor-diversity (the extractor is then unused)"
             )
         for name in (
@@ -420,7 +426,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--commitment-weight", type=float, default=d.commitment_weight)
     add("--token-entropy-weight", type=float, default=d.token_entropy_weight)
     add("--extractor-diversity", action="store_true")
-    add("--decoder-codes", default=d.decoder_codes, choices=("extractor", "encoder"))
+    add("--decoder-codes", default=d.decoder_codes, choices=DECODER_CODES)
     add("--codebook-warn-fraction", type=float, default=d.codebook_warn_fraction)
     add("--mp-size", type=int, default=d.mp_size)
     add("--steps", type=int, default=d.steps)

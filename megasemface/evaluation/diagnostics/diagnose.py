@@ -244,7 +244,7 @@ def _nll_side(
         codes = interface.features_memory(own.hidden_BTD, src[1])
         memories["codes"] = (codes.memory_BSD, codes.mask_BS)
     if models.interface_decoder is not None and interface is not None:
-        if models.decoder_codes == "encoder":  # the stage's decoder read the encoder's codes
+        if models.decoder_codes != "extractor":  # the stage's decoder read the encoder's codes
             memories["interface"] = memories["codes"]
         else:
             memory = interface.decoder_memory(batch.tokens_BT, mask, batch.langs_B)
