@@ -210,7 +210,14 @@ def test_codebook_bridge_with_distance_logits_mixes_by_the_vq_layers_logits(layo
 @pytest.mark.parametrize("layout", ["flat", "product"])
 def test_codebook_bridge_is_the_soft_code_mixture(layout: str) -> None:
     config = build_model_config(
-        "tiny", ["vocab_size=100", f"vq.layout={layout}", "bridge=codebook", "vq.chunk_tokens=5"]
+        "tiny",
+        [
+            "vocab_size=100",
+            f"vq.layout={layout}",
+            "vq.logits=mlp",
+            "bridge=codebook",
+            "vq.chunk_tokens=5",
+        ],
     )
     torch.manual_seed(0)
     model = Seq2SeqModel(config).eval()
@@ -232,7 +239,7 @@ def test_codebook_bridge_is_the_soft_code_mixture(layout: str) -> None:
     torch.testing.assert_close(bridged, torch.cat(parts, -1), rtol=1e-5, atol=1e-6)
     # 21 tokens in chunks of 5, recomputed in backward: the same gradients as in one piece.
     config_whole = build_model_config(
-        "tiny", ["vocab_size=100", f"vq.layout={layout}", "bridge=codebook"]
+        "tiny", ["vocab_size=100", f"vq.layout={layout}", "vq.logits=mlp", "bridge=codebook"]
     )
     whole = Seq2SeqModel(config_whole)
     whole.load_state_dict(model.state_dict())
@@ -246,7 +253,7 @@ def test_codebook_bridge_is_the_soft_code_mixture(layout: str) -> None:
 
 
 def test_connect_with_the_bridge_takes_the_vq_layer() -> None:
-    config = build_model_config("tiny", ["vocab_size=100", "bridge=codebook"])
+    config = build_model_config("tiny", ["vocab_size=100", "vq.logits=mlp", "bridge=codebook"])
     enc, dec = _stage_states(config)
     torch.manual_seed(3)
     vq = {
@@ -271,3 +278,11 @@ def test_connect_with_the_bridge_takes_the_vq_layer() -> None:
         connect_stages(config, {**enc, **vq}, _meta(config), dec, _meta(config))
     with pytest.raises(ConnectError, match="no decoder stage"):
         connect_stages(config, {**enc, **vq}, meta)
+    # Distance logits: the codebook is the whole VQ layer, and all the bridge takes.
+    config = build_model_config("tiny", ["vocab_size=100", "bridge=codebook"])
+    assert config.vq.logits == "distance"
+    table = {"interface.quantizer.codebook": vq["interface.quantizer.codebook"]}
+    model, provenance = connect_stages(config, {**enc, **table}, meta, dec, meta)
+    assert [k for k in model.state_dict() if k.startswith("bridge.")] == ["bridge.codebook"]
+    assert provenance["bridge.codebook"] == "encoder-stage:interface.quantizer.codebook"
+    assert "random" not in provenance.values()

@@ -38,10 +38,10 @@ RUNS: dict[str, tuple[int, str, tuple[str, ...], str | None]] = {
     "cl-decoder": (2, "mono", ("--stage", "decoder", "--interface", "cl"), None),
     "cl-joint": (3, "mono", ("--stage", "joint", "--interface", "cl"), None),
     "vq-joint": (3, "mono", ("--stage", "joint", "--interface", "vq"), None),
-    "vq-joint-distance": (
+    "vq-joint-mlp": (
         3,
         "mono",
-        ("--stage", "joint", "--interface", "vq", "--model", "vq.logits=distance"),
+        ("--stage", "joint", "--interface", "vq", "--model", "vq.logits=mlp"),
         None,
     ),
     "mbart": (3, "mono", ("--stage", "mbart", "--interface", "none"), None),

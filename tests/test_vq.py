@@ -26,7 +26,10 @@ D = 8
 
 
 def make_vq(layout: str = "flat", seed: int = 3, **overrides: object) -> GumbelVectorQuantizer:
+    """A small layer; with the MLP logits unless told (their weights let the tests below
+    write the logits out; the tests parametrized on ``logits`` cover the default too)."""
     options: dict[str, object] = {
+        "logits": "mlp",
         "layout": layout,
         "num_codes": 40,
         "groups": 2,
@@ -281,11 +284,14 @@ def test_frozen_weights_pass_gradient_to_the_input_only(layout: str, logits: str
     torch.testing.assert_close(frozen_h.grad, h2.grad, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("logits", ["mlp", "distance"])
 @pytest.mark.parametrize("from_gumbel", [False, True])
-def test_chunking_gives_identical_results(from_gumbel: bool) -> None:
+def test_chunking_gives_identical_results(from_gumbel: bool, logits: str) -> None:
     results = []
     for chunk in (3, 7, 1000):
-        vq = make_vq(num_codes=48, chunk_tokens=chunk, diversity_from_gumbel=from_gumbel)
+        vq = make_vq(
+            num_codes=48, chunk_tokens=chunk, diversity_from_gumbel=from_gumbel, logits=logits
+        )
         h = features(29)
         out = vq(h, noise_key=5)
         (out.quantized.sin().sum() + 2 * out.diversity_loss).backward()
@@ -294,7 +300,8 @@ def test_chunking_gives_identical_results(from_gumbel: bool) -> None:
     for out, grads, grad_h in results[:-1]:
         assert torch.equal(out.codes, ref.codes)
         assert torch.equal(out.quantized, ref.quantized)
-        torch.testing.assert_close(out.diversity_loss, ref.diversity_loss, rtol=1e-6, atol=0)
+        # pbar sums the chunks' probabilities in another order: the last bits differ.
+        torch.testing.assert_close(out.diversity_loss, ref.diversity_loss, rtol=4e-6, atol=0)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad_h, ref_h, rtol=1e-5, atol=1e-6)
@@ -316,27 +323,31 @@ def _peak_bytes(fn) -> int:
     return peak
 
 
-def test_activation_memory_is_bounded_by_the_chunk() -> None:
+@pytest.mark.parametrize("logits", ["mlp", "distance"])
+def test_activation_memory_is_bounded_by_the_chunk(logits: str) -> None:
     n_tok, n_codes, hidden = 1024, 4096, 16
     h = features(n_tok)
-    vq = make_vq(num_codes=n_codes, hidden_dim=hidden, chunk_tokens=16)
+    vq = make_vq(num_codes=n_codes, hidden_dim=hidden, chunk_tokens=16, logits=logits)
     params = {p.data_ptr() for p in vq.parameters()}
-    saved: list[torch.Tensor] = []
+    saved: dict[int, torch.Tensor] = {}  # by storage: a tensor saved twice is held once
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         if t.data_ptr() not in params:
-            saved.append(t)
+            saved[t.data_ptr()] = t
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         out = vq(h)
-    # Activations kept for backward: O(N (H + d)) plus a few O(K) statistics, no [N, K].
-    assert all(t.numel() < n_tok * n_codes // 8 for t in saved)
-    assert sum(t.numel() for t in saved) <= n_tok * (2 * hidden + 2 * D + 8) + 8 * n_codes
+    # Activations kept for backward: O(N (H + d)) plus a few O(K) statistics, no [N, K];
+    # distance logits also keep their GEMM weight, the scaled table (K x d, parameter-sized).
+    table = n_codes * D if logits == "distance" else 0
+    assert all(t.numel() < n_tok * n_codes // 8 for t in saved.values() if t.numel() != table)
+    bound = n_tok * (2 * hidden + 2 * D + 8) + 8 * n_codes + table
+    assert sum(t.numel() for t in saved.values()) <= bound
     out.quantized.sum().backward()
 
     def run(chunk: int) -> int:
-        vq = make_vq(num_codes=n_codes, hidden_dim=hidden, chunk_tokens=chunk)
+        vq = make_vq(num_codes=n_codes, hidden_dim=hidden, chunk_tokens=chunk, logits=logits)
         vq(h).quantized.sum()  # warm up allocations outside the measurement
 
         def step() -> None:
@@ -406,7 +417,7 @@ def test_flat_split_checks_divisibility_and_init_is_split_independent() -> None:
     with pytest.raises(ValueError, match="divisible"):
         GumbelVectorQuantizer(cfg, D, fake, seed=0)
     full = make_vq(num_codes=3000)  # spans several init blocks of 1024 rows
-    cfg = VQConfig(num_codes=3000, hidden_dim=16)
+    cfg = VQConfig(num_codes=3000, hidden_dim=16, logits="mlp")
     shards = []
     for rank in range(3):
         groups = ParallelGroups(
@@ -487,7 +498,9 @@ def test_diversity_gradient_does_not_vanish_with_the_codebook_size(codes: int) -
 
     def grad_wrt_entropy(form: str) -> float:
         vq = GumbelVectorQuantizer(
-            VQConfig(num_codes=codes, hidden_dim=4, diversity_loss=form, chunk_tokens=64),
+            VQConfig(
+                num_codes=codes, hidden_dim=4, diversity_loss=form, chunk_tokens=64, logits="mlp"
+            ),
             D,
             ParallelGroups.single(),
             seed=0,

@@ -34,6 +34,7 @@ from megasemface.models.config import VQConfig
 
 D = 8
 FLAT = VQConfig(
+    logits="mlp",
     num_codes=64,
     hidden_dim=16,
     chunk_tokens=5,
@@ -43,7 +44,7 @@ FLAT = VQConfig(
 )
 FLAT_GUMBEL = dataclasses.replace(FLAT, diversity_from_gumbel=True)
 FLAT_DISTANCE = dataclasses.replace(FLAT, logits="distance")
-PRODUCT = VQConfig(layout="product", groups=2, entries=6, hidden_dim=16)
+PRODUCT = VQConfig(layout="product", groups=2, entries=6, hidden_dim=16, logits="mlp")
 SEED = 11
 STEP = 3
 TOKENS_PER_DP = (7, 12)  # unequal on purpose: the global mean must weight tokens, not ranks

@@ -203,19 +203,18 @@ ABLATIONS: dict[str, System] = {
         ),
         System("vq-commit", "VQ-SemFace + commitment", "joint", "vq", {"commitment_weight": 0.25}),
         System(
-            "vq-dist",
-            "VQ-SemFace, distance logits (Eq. 4)",
+            "vq-mlp",
+            "VQ-SemFace, MLP logits (the paper's)",
             "joint",
             "vq",
-            model={"vq.logits": "distance"},
+            model={"vq.logits": "mlp"},
         ),
         System(
-            "vq-dist-tied",
-            "VQ-SemFace, distance logits, decoder on the encoder's codes (trained)",
+            "vq-tied-trained",
+            "VQ-SemFace, decoder on the encoder's codes (trained)",
             "joint",
             "vq",
             {"decoder_codes": "encoder-trained"},
-            model={"vq.logits": "distance"},
         ),
         System(
             "vq-k4096",
@@ -283,16 +282,17 @@ ABLATIONS: dict[str, System] = {
 }
 """The paper's Table 5, then what differs from the paper: Eq. 6 as printed (the default diversity
 loss is wav2vec 2.0's form), the paper's VQ losses alone (the default adds a per-token entropy
-term, with diversity weight 2), and options beyond the paper that are off by default: a
-commitment term tying the encoder's outputs to their codes, code logits from the distance to
-each code (Eq. 4's nearest neighbour) instead of the MLP (alone, and with the decoder stage
-reading the encoder's own codes, the decoder's loss training the encoder too), diversity terms
-for the decoder stage's extractor, a trained CL table, VQ-SemFace's pre-training connected
-through its codebook instead of without the interface, and mRASP's random aligned substitution
-in the decoder stage's noise (the interface reads a copy with some words in the other language)
-or on the source side of supervised fine-tuning (VQ-SemFace's pre-training run, fine-tuned with
-RAS; it has no unsupervised setting), and unsupervised back-translations that may not end before
-half their source's length (VQ-SemFace's pre-training run; ``--bt-min-len-a``)."""
+term, with diversity weight 2), the paper's Linear-ReLU-Linear code logits (the default takes
+them from the distance to each code, Eq. 4's nearest neighbour), and options beyond the paper
+that are off by default: a commitment term tying the encoder's outputs to their codes, the
+decoder stage reading the encoder's own codes (without gradient, or with the decoder's loss
+training the encoder too), diversity terms for the decoder stage's extractor, a trained CL
+table, VQ-SemFace's pre-training connected through its codebook instead of without the
+interface, and mRASP's random aligned substitution in the decoder stage's noise (the interface
+reads a copy with some words in the other language) or on the source side of supervised
+fine-tuning (VQ-SemFace's pre-training run, fine-tuned with RAS; it has no unsupervised
+setting), and unsupervised back-translations that may not end before half their source's
+length (VQ-SemFace's pre-training run; ``--bt-min-len-a``)."""
 
 RELATED: dict[str, System] = {
     s.key: s
