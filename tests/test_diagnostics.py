@@ -89,9 +89,20 @@ def test_word_codes_average_the_occurrences_probabilities() -> None:
     assert (codes.argmax, codes.top, codes.occurrences) == (1, (1, 0), 2)  # mean .3 .4 .15 .15
 
 
+def direct_code_logits(layer: GumbelVectorQuantizer, h: torch.Tensor) -> torch.Tensor:
+    """The layer's noise-free logits written out: Linear-ReLU-Linear, or minus the squared
+    distance to each code over sqrt(width), per group (the default)."""
+    if layer.hidden is not None:
+        return F.linear(F.relu(layer.hidden(h)), layer.logits_weight, layer.logits_bias)
+    table = layer.codebook if layer.layout == "product" else layer.codebook[None]
+    parts = h.view(h.shape[0], table.shape[0], 1, table.shape[-1])
+    return (-(parts - table).square().sum(-1) / table.shape[-1] ** 0.5).flatten(1)
+
+
+@pytest.mark.parametrize("logits", ["mlp", "distance"])
 @pytest.mark.parametrize("layout", ["flat", "product"])
-def test_code_log_probs_are_the_layers_distribution(layout: str) -> None:
-    vq = VQConfig(layout=layout, num_codes=40, groups=2, entries=5, hidden_dim=16)
+def test_code_log_probs_are_the_layers_distribution(layout: str, logits: str) -> None:
+    vq = VQConfig(layout=layout, num_codes=40, groups=2, entries=5, hidden_dim=16, logits=logits)
     layer = GumbelVectorQuantizer(vq, 8, ParallelGroups.single(), seed=3).eval()
     h = torch.randn(30, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -99,11 +110,11 @@ def test_code_log_probs_are_the_layers_distribution(layout: str) -> None:
         assert log_probs.shape == (30, vq.combinations)
         torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(30))
         assert torch.equal(log_probs.argmax(-1), layer(h, sample=False).codes)
-        logits = F.linear(F.relu(layer.hidden(h)), layer.logits_weight, layer.logits_bias)
+        expected = direct_code_logits(layer, h)
         if layout == "flat":
-            torch.testing.assert_close(log_probs, logits.log_softmax(-1))
+            torch.testing.assert_close(log_probs, expected.log_softmax(-1))
         else:  # code 3 * 5 + 2: entry 3 of group 0, entry 2 of group 1
-            groups = logits.view(30, 2, 5).log_softmax(-1)
+            groups = expected.view(30, 2, 5).log_softmax(-1)
             torch.testing.assert_close(log_probs[:, 17], groups[:, 0, 3] + groups[:, 1, 2])
 
 
@@ -188,9 +199,8 @@ def _direct(models: DiagnosticModels, lang: str, ids: list[list[int]]) -> dict:
         nll["bridge"] = nll["codes"] = 0.0
     count = same = 0
 
-    def code_logits(h: torch.Tensor) -> torch.Tensor:  # Linear-ReLU-Linear, Eq. 5 without noise
-        q = interface.quantizer
-        return F.linear(F.relu(q.hidden(h)), q.logits_weight, q.logits_bias)
+    def code_logits(h: torch.Tensor) -> torch.Tensor:  # Eq. 5 without noise
+        return direct_code_logits(interface.quantizer, h)
 
     def argmax_codes(h: torch.Tensor) -> torch.Tensor:
         return code_logits(h).argmax(-1)

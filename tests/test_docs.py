@@ -395,7 +395,11 @@ def test_memory_figures_follow_from_the_model() -> None:
     vq, product, cl, seq2seq = (namespace[k] for k in ("vq", "vq_product", "cl", "seq2seq"))
     total = size(vq.parameters())  # type: ignore[attr-defined]
     quantizer = vq.interface.quantizer  # type: ignore[attr-defined]
-    split = sum(size([getattr(quantizer, name)]) for name in SPLIT_PARAMETERS)
+    split = sum(
+        size([getattr(quantizer, name)])
+        for name in SPLIT_PARAMETERS
+        if getattr(quantizer, name) is not None
+    )
     cl_trained = size(p for p in cl.parameters() if p.requires_grad)  # type: ignore[attr-defined]
     rows = {
         "VQ joint, flat codebook": (total, total),

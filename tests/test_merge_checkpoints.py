@@ -45,7 +45,7 @@ from megasemface.data.shard_builder import build_shards
 from megasemface.data.textio import parse_lang_path
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
-from megasemface.models.bridge import BRIDGE_SOURCES
+from megasemface.models.bridge import bridge_sources
 from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, load_seq2seq
 from megasemface.models.seq2seq_init import ConnectError
@@ -167,7 +167,8 @@ def test_deepspeeds_zero_to_fp32_script_agrees(
 def test_model_parallel_codebook_is_gathered_and_resplit_exactly(split_run: Path) -> None:
     state, meta = load_stage(split_run)
     shards = [_live(split_run, 2, rank) for rank in (0, 1)]
-    assert meta["source"]["gathered"] == list(SPLIT_KEYS)
+    assert meta["source"]["gathered"] == [k for k in SPLIT_KEYS if k in state]
+    assert "interface.quantizer.codebook" in meta["source"]["gathered"]
     for key in state:
         if key in SPLIT_KEYS:
             assert torch.equal(state[key], torch.cat([shards[0][key], shards[1][key]]))
@@ -343,17 +344,19 @@ def test_the_codebook_bridge_keeps_the_encoder_stages_vq_layer(
     encoder, _ = load_stage(encoder_run)
     vq = quantizer_state(encoder)
     provenance = json.loads((out / "provenance.json").read_text())["parameters"]
-    for name, key in BRIDGE_SOURCES.items():
+    assert info.model.vq.logits == "distance"
+    for name, key in bridge_sources(info.model.vq.logits).items():
         assert torch.equal(model.state_dict()[f"bridge.{name}"], encoder[key])
         assert provenance[f"bridge.{name}"] == f"encoder-stage:{key}"
-    # The memory is the VQ layer's noise-free code distribution over its codebook.
+    # The memory is the VQ layer's noise-free code distribution over its codebook: by
+    # default, the logits are minus the squared distances to the codes over sqrt(d).
     src = torch.randint(5, info.model.vocab_size, (2, 6))
     mask = torch.ones_like(src, dtype=torch.bool)
     langs = torch.tensor([0, 1])
     with torch.no_grad():
         hidden = model.encoder(src, mask, langs).hidden_BTD
-        scores = torch.relu(hidden @ vq["hidden.weight"].t() + vq["hidden.bias"])
-        scores = scores @ vq["logits_weight"].t() + vq["logits_bias"]
+        distances = (hidden[:, :, None, :] - vq["codebook"]).square().sum(-1)
+        scores = -distances / info.model.d_model**0.5
         expected = torch.softmax(scores / info.model.bridge_temperature, -1) @ vq["codebook"]
         torch.testing.assert_close(model.encode(src, mask, langs).hidden_BTD, expected)
     # Only a VQ encoder stage joined with its decoder stage has a codebook to bridge through.

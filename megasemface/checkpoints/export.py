@@ -119,7 +119,7 @@ def write_pretraining_dir(
         kept["codebook_shards"] = {
             "mp_size": mp_size,
             "files": shard_files,
-            "split": [k for k in SPLIT_KEYS if config.vq.layout == "flat"],
+            "split": [k for k in SPLIT_KEYS if config.vq.layout == "flat" and k in state],
         }
     elif mp_size is not None:
         raise CheckpointError(f"--mp-size re-splits a VQ codebook; {meta.get('stage')} has none")
