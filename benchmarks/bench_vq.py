@@ -1,10 +1,11 @@
 """VQ layer benchmark: forward+backward time and peak memory, flat vs product, mp 1 vs 2.
 
 A paper-like shape sized for a small CPU machine: K = 102,400 codes of d = 1024 (the paper's
-flat codebook; the product layout is 2 x 320 entries of 512), hidden 1024, a few hundred real
-tokens, training mode (Gumbel noise, straight-through, diversity loss). Model parallelism 2 runs
-two gloo processes with one thread each; mp 1 runs one process with as many threads as ranks in
-the mp 2 run, so both use the same cores.
+flat codebook; the product layout is 2 x 320 entries of 512), the default code logits (the
+distance to each code; hidden 1024 for ``vq.logits=mlp``), a few hundred real tokens, training
+mode (Gumbel noise, straight-through, diversity loss). Model parallelism 2 runs two gloo
+processes with one thread each; mp 1 runs one process with as many threads as ranks in the mp 2
+run, so both use the same cores.
 
 Per rank it prints the best-of-N forward+backward wall time and two memory figures taken from the
 CPU allocator events of ``torch.profiler`` over one forward+backward:
