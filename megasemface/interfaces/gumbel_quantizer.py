@@ -107,6 +107,7 @@ from megasemface.interfaces.vq_random import (
     init_rows,
     mix_key,
 )
+from megasemface.models.code_distance import distance_logit_weights
 from megasemface.models.config import VQConfig
 
 __all__ = [
@@ -351,11 +352,7 @@ class GumbelVectorQuantizer(nn.Module):
         x = h if torch.is_autocast_enabled(h.device.type) else h.to(self.codebook.dtype)
         if self.distance:
             codebook = self.codebook.detach() if detach_weights else self.codebook
-            scale = 1.0 / math.sqrt(codebook.shape[-1])
-            # A new tensor, not the parameter: under ZeRO-3 the parameter's storage is
-            # released after the forward, and the bias's backward reads this one.
-            scaled = codebook * (2.0 * scale)
-            bias = scaled.float().square().sum(dim=-1).reshape(-1) / (-4.0 * scale)
+            scaled, bias = distance_logit_weights(codebook)
             if self.layout == "flat":
                 return x, scaled, bias
             return x, torch.block_diag(*scaled.unbind(0)), bias

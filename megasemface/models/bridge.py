@@ -23,7 +23,6 @@ activation memory stays bounded.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from megasemface.models.code_distance import distance_logit_weights
 from megasemface.models.config import ModelConfig
 
 __all__ = ["BRIDGE_SOURCES", "CodebookBridge", "bridge_sources", "bridge_state"]
@@ -90,11 +90,10 @@ class CodebookBridge(nn.Module):
     def _mix(self, h_ND: Tensor) -> Tensor:
         n_tok = h_ND.shape[0]
         table = self.codebook.float().view(self.groups, self.entries, -1)  # [G, V, w]
-        if self.logits is None:
-            # -||h - z||^2 / sqrt(w) up to a per-token constant, as the VQ layer computes it.
+        if self.logits is None:  # the VQ layer's distance logits
+            weight, bias = distance_logit_weights(table)
             parts = h_ND.float().view(n_tok, self.groups, -1)
-            dots = torch.einsum("ngk,gvk->ngv", parts, table)
-            logits = (2 * dots - table.square().sum(-1)) / math.sqrt(table.shape[-1])
+            logits = torch.einsum("ngk,gvk->ngv", parts, weight) + bias.view_as(weight[..., 0])
         else:
             assert self.hidden is not None
             logits = self.logits(F.relu(self.hidden(h_ND))).float()
