@@ -69,10 +69,17 @@ class CrossLingualInterface(SemanticInterface):
         # frozen by default and then kept out of the optimizer.
         self.table = nn.Parameter(table_VD.detach().clone(), requires_grad=trainable)
 
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The table rows of ``ids``. Read through this module call rather than by indexing
+        the table directly so that ZeRO-3 gathers a trained table for the backward pass
+        too: a parameter read only outside a module's forward is partitioned again when its
+        gradient arrives."""
+        return self.table[ids]
+
     def encoder_head(self, encoded: EncoderOutput, targets_BT: torch.Tensor) -> EncoderHeadOutput:
         selected = targets_BT != -100
         pre_norm_ND = encoded.pre_norm_BTD[selected]
-        wanted_ND = self.table[targets_BT[selected]]
+        wanted_ND = self(targets_BT[selected])
         mse = (pre_norm_ND.float() - wanted_ND.float()).pow(2).sum(dim=-1).mean()
         features = select_targets(encoded.hidden_BTD, targets_BT)
         return EncoderHeadOutput(features, {"mse": mse}, {})
@@ -83,7 +90,7 @@ class CrossLingualInterface(SemanticInterface):
     def decoder_memory(
         self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
     ) -> InterfaceMemory:
-        memory = self.table.detach()[tokens_BT]  # fixed: no gradient into the table
+        memory = self(tokens_BT).detach()  # the decoder's loss does not train the table
         return InterfaceMemory(memory, mask_BT, {})
 
     def fingerprint(self) -> dict[str, Any]:
