@@ -161,7 +161,17 @@ def _run(data: dict, out: Path, *args: str, steps: int = 3) -> Path:
 
 @pytest.fixture(scope="module")
 def vq_run(data: dict) -> Path:
-    args = ("--stage", "joint", "--interface", "vq", "--mp-size", "2")
+    # The paper's extractor, so that its codes are reported (the default reads the encoder's).
+    args = (
+        "--stage",
+        "joint",
+        "--interface",
+        "vq",
+        "--mp-size",
+        "2",
+        "--decoder-codes",
+        "extractor",
+    )
     return _run(data, data["dir"] / "vq", *args)
 
 

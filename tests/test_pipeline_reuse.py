@@ -74,6 +74,18 @@ def test_a_record_of_an_earlier_version_counts_missing_settings_as_their_default
     assert changed_settings(run_dir, _config(tmp_path, no_repeat_ngram_size=3)) == [
         "no_repeat_ngram_size: 0 -> 3"
     ]
+    # A joint VQ run of that version read the extractor's codes, no longer the default.
+    joint = TrainConfig(
+        stage="joint",
+        interface="vq",
+        data=tmp_path / "shards" / "mono",
+        spm_model=tmp_path / "spm" / "joint.model",
+        output_dir=tmp_path / "runs" / "pretrain-vq",
+    )
+    run_dir = _record(joint, drop=("decoder_codes",))
+    assert changed_settings(run_dir, joint) == ["decoder_codes: 'extractor' -> 'encoder-trained'"]
+    paper = TrainConfig(**{**vars(joint), "decoder_codes": "extractor"})
+    assert changed_settings(run_dir, paper) == []
 
 
 def test_a_moved_work_directory_is_still_reused(tmp_path: Path) -> None:

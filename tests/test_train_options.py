@@ -101,9 +101,59 @@ def test_every_option_survives_the_command_line() -> None:
         **PATHS,
     )
     assert parse_train_argv(train_argv(registering)) == registering
-    for codes in ("encoder", "encoder-trained"):
+    for codes in ("extractor", "encoder", "encoder-trained"):
         tied = TrainConfig(stage="joint", interface="vq", decoder_codes=codes, **PATHS)
         assert parse_train_argv(train_argv(tied)) == tied
+
+
+def test_the_cl_table_is_trained_by_default_in_the_joint_stage_only() -> None:
+    """The joint CL stage trains its table; the separate stages keep it as built (the
+    decoder stage reads it from --cl-table, so an encoder stage that trained it would leave
+    the two stages on different tables). --no-cl-trainable turns it off where it is on."""
+    base = ["--data", "d", "--spm-model", "s", "--output-dir", "o", "--cl-table", "t"]
+    joint = parse_train_argv(["--stage", "joint", "--interface", "cl", *base])
+    assert joint.cl_trainable is True
+    assert "--cl-trainable" not in train_argv(joint)
+    for stage in ("encoder", "decoder"):
+        separate = parse_train_argv(["--stage", stage, "--interface", "cl", *base])
+        assert separate.cl_trainable is False
+        assert "--cl-trainable" not in train_argv(separate)
+    fixed = parse_train_argv(["--stage", "joint", "--interface", "cl", "--no-cl-trainable", *base])
+    assert fixed.cl_trainable is False
+    assert "--no-cl-trainable" in train_argv(fixed)
+    assert parse_train_argv(train_argv(fixed)) == fixed
+    trained = parse_train_argv(["--stage", "encoder", "--interface", "cl", "--cl-trainable", *base])
+    assert trained.cl_trainable is True
+    assert parse_train_argv(train_argv(trained)) == trained
+
+
+def test_decoder_codes_default_to_the_encoders_in_the_joint_vq_stage_only() -> None:
+    """The joint VQ stage reads the encoder's codes, trained, unless told otherwise; every
+    other run keeps the extractor, the only choice there. The command line names the
+    choice only where it is not that default."""
+    base = ["--data", "d", "--spm-model", "s", "--output-dir", "o"]
+    joint = parse_train_argv(["--stage", "joint", "--interface", "vq", *base])
+    assert joint.decoder_codes == "encoder-trained"
+    assert "--decoder-codes" not in train_argv(joint)
+    others = [
+        ["--stage", "joint", "--interface", "cl"],
+        ["--stage", "encoder", "--interface", "vq"],
+        ["--stage", "decoder", "--interface", "vq", "--init-from", "runs/enc"],
+        ["--stage", "joint", "--interface", "vq", "--extractor-diversity"],
+        ["--stage", "finetune"],
+    ]
+    for argv in others:
+        config = parse_train_argv([*argv, *base])
+        assert config.decoder_codes == "extractor", argv
+        assert "--decoder-codes" not in train_argv(config), argv
+    paper = parse_train_argv(["--stage", "joint", "--decoder-codes", "extractor", *base])
+    assert paper.decoder_codes == "extractor"
+    assert train_argv(paper)[-2:] == ["--decoder-codes", "extractor"]
+    assert parse_train_argv(train_argv(paper)) == paper
+    with pytest.raises(ValueError, match="--decoder-codes encoder-trained"):
+        parse_train_argv(
+            ["--stage", "joint", "--interface", "cl", "--decoder-codes", "encoder-trained", *base]
+        )
 
 
 def test_the_command_line_holds_what_differs_from_the_defaults() -> None:
@@ -144,7 +194,7 @@ def test_typed_overrides_are_checked_against_the_fields() -> None:
         ({"diversity_weight": "0"}, "diversity_weight takes float, got '0'"),
         ({"steps": 1.5}, "steps takes int, got 1.5"),
         ({"steps": True}, "steps takes int, got True"),
-        ({"cl_trainable": 1}, "cl_trainable takes bool, got 1"),
+        ({"cl_trainable": 1}, r"cl_trainable takes bool \| None, got 1"),
         ({"tags": "a=b"}, r"tags takes list\[str\], got 'a=b'"),
         ({"init_from": "m"}, r"init_from takes Path \| None, got 'm'"),
     ]:

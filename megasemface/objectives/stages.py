@@ -86,10 +86,12 @@ class ObjectiveConfig:
     small part of the codebook, so the decoder's cross-attention is pre-trained on few of
     the codes the encoder uses."""
     decoder_codes: Literal["extractor", "encoder", "encoder-trained"] = "extractor"
-    """VQ-SemFace: what picks the codes the decoder stage reads. ``extractor``: the paper's
-    feature extractor, trained by the decoder's loss. ``encoder`` (not in the paper): the
-    encoder itself, without gradient, through the same VQ layer, so the decoder's
-    cross-attention is pre-trained on the codes the encoder emits for the sentence. Each
+    """VQ-SemFace: what picks the codes the decoder stage reads (train.py's default is
+    ``encoder-trained`` for the joint stage, ``extractor`` for the separate stages, where it
+    is the only choice). ``extractor``: the paper's feature extractor, trained by the
+    decoder's loss. ``encoder`` (not in the paper): the encoder itself, without gradient,
+    through the same VQ layer, so the decoder's cross-attention is pre-trained on the codes
+    the encoder emits for the sentence. Each
     of the two otherwise learns its own assignment of the fixed codebook, and they pick the
     same code for under 1% of the tokens (docs/reproduce.md, the study budget).
     ``encoder-trained`` (not in the paper): the same, and the decoder's loss trains the

@@ -210,11 +210,11 @@ ABLATIONS: dict[str, System] = {
             model={"vq.logits": "mlp"},
         ),
         System(
-            "vq-tied-trained",
-            "VQ-SemFace, decoder on the encoder's codes (trained)",
+            "vq-extractor",
+            "VQ-SemFace, the paper's feature extractor",
             "joint",
             "vq",
-            {"decoder_codes": "encoder-trained"},
+            {"decoder_codes": "extractor"},
         ),
         System(
             "vq-k4096",
@@ -235,7 +235,7 @@ ABLATIONS: dict[str, System] = {
             "VQ-SemFace, extractor diversity",
             "joint",
             "vq",
-            {"extractor_diversity": True},
+            {"extractor_diversity": True, "decoder_codes": "extractor"},
         ),
         System(
             "vq-tied",
@@ -252,7 +252,7 @@ ABLATIONS: dict[str, System] = {
             bridge="codebook",
             pretraining="vq-tied",
         ),
-        System("cl-trainable", "CL-SemFace, trained table", "joint", "cl", {"cl_trainable": True}),
+        System("cl-fixed", "CL-SemFace, fixed table", "joint", "cl", {"cl_trainable": False}),
         System(
             "vq-bridge",
             "VQ-SemFace, codebook bridge",
@@ -283,16 +283,18 @@ ABLATIONS: dict[str, System] = {
 """The paper's Table 5, then what differs from the paper: Eq. 6 as printed (the default diversity
 loss is wav2vec 2.0's form), the paper's VQ losses alone (the default adds a per-token entropy
 term, with diversity weight 2), the paper's Linear-ReLU-Linear code logits (the default takes
-them from the distance to each code, Eq. 4's nearest neighbour), and options beyond the paper
-that are off by default: a commitment term tying the encoder's outputs to their codes, the
-decoder stage reading the encoder's own codes (without gradient, or with the decoder's loss
-training the encoder too), diversity terms for the decoder stage's extractor, a trained CL
-table, VQ-SemFace's pre-training connected through its codebook instead of without the
-interface, and mRASP's random aligned substitution in the decoder stage's noise (the interface
-reads a copy with some words in the other language) or on the source side of supervised
-fine-tuning (VQ-SemFace's pre-training run, fine-tuned with RAS; it has no unsupervised
-setting), and unsupervised back-translations that may not end before half their source's
-length (VQ-SemFace's pre-training run; ``--bt-min-len-a``)."""
+them from the distance to each code, Eq. 4's nearest neighbour), the paper's feature extractor
+picking the decoder stage's codes (the default reads the encoder's own codes and lets the
+decoder's loss train the encoder too), CL-SemFace's table kept as built (the default trains
+it with the encoder); then options beyond the paper that are off by default: a commitment
+term tying the encoder's outputs to their codes, the decoder stage reading the encoder's own
+codes without gradient, diversity terms for the decoder stage's extractor, VQ-SemFace's
+pre-training connected through its codebook instead of without the interface, and mRASP's
+random aligned substitution in the decoder stage's noise (the interface reads a copy with
+some words in the other language) or on the source side of supervised fine-tuning
+(VQ-SemFace's pre-training run, fine-tuned with RAS; it has no unsupervised setting), and
+unsupervised back-translations that may not end before half their source's length
+(VQ-SemFace's pre-training run; ``--bt-min-len-a``)."""
 
 RELATED: dict[str, System] = {
     s.key: s

@@ -71,9 +71,11 @@ class TrainConfig:
     cl_table: Path | None = None
     """CL-SemFace: the cross-lingual embedding table (safetensors,
     tools/build_cl_embeddings.py)."""
-    cl_trainable: bool = False
+    cl_trainable: bool | None = None
     """CL-SemFace: train the table with the encoder, as Algorithm 1 updates the interface
-    (off: the table stays the cross-lingual embeddings it was built as)."""
+    (--no-cl-trainable: the table stays the cross-lingual embeddings it was built as).
+    Default: on in the joint stage (measured better on validation, docs/reproduce.md), off
+    in the separate stages, whose decoder stage reads the table from --cl-table."""
     init_from: Path | None = None
     """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
     finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
@@ -92,11 +94,13 @@ class TrainConfig:
     extractor_diversity: bool = False
     """VQ: train the decoder stage's extractor with the diversity and token-entropy terms
     too (not in the paper)."""
-    decoder_codes: str = "extractor"
-    """VQ: what picks the decoder stage's codes: ``extractor`` (the paper's), ``encoder``
-    (the encoder's own codes, without gradient; not in the paper) or ``encoder-trained``
-    (the encoder's own codes, and the decoder's loss trains the encoder too; not in the
-    paper)."""
+    decoder_codes: str | None = None
+    """VQ: what picks the decoder stage's codes: ``extractor`` (the paper's feature
+    extractor), ``encoder`` (the encoder's own codes, without gradient; not in the paper) or
+    ``encoder-trained`` (the encoder's own codes, and the decoder's loss trains the encoder
+    too; not in the paper). Default: ``encoder-trained`` for --interface vq --stage joint
+    (measured better on validation, docs/reproduce.md), else ``extractor``, the only choice
+    of the separate stages, CL-SemFace and --extractor-diversity."""
     token_entropy_weight: float = 0.5
     """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
     on by default, measured better on validation); 0: off."""
@@ -255,6 +259,12 @@ class TrainConfig:
                 "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
                 "--interface vq and --stage decoder or joint"
             )
+        if self.cl_trainable is None:
+            self.cl_trainable = self.interface == "cl" and self.stage == "joint"
+        if self.decoder_codes is None:
+            joint_vq = self.interface == "vq" and self.stage == "joint"
+            tied = joint_vq and not self.extractor_diversity
+            self.decoder_codes = "encoder-trained" if tied else "extractor"
         if self.decoder_codes not in DECODER_CODES:
             raise ValueError(
                 f"--decoder-codes must be one of {', '.join(DECODER_CODES)}, "
@@ -417,7 +427,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--model", dest="model_options", action="append", default=[], metavar="KEY=VALUE")
     add("--model-config", dest="model_config_file", type=Path)
     add("--cl-table", type=Path)
-    add("--cl-trainable", action="store_true")
+    add("--cl-trainable", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--init-from", type=Path)
     add("--decoder-objective", default=d.decoder_objective, choices=("clm", "mlm"))
     add("--mse-weight", type=float, default=d.mse_weight)
@@ -426,7 +436,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--commitment-weight", type=float, default=d.commitment_weight)
     add("--token-entropy-weight", type=float, default=d.token_entropy_weight)
     add("--extractor-diversity", action="store_true")
-    add("--decoder-codes", default=d.decoder_codes, choices=DECODER_CODES)
+    add("--decoder-codes", default=None, choices=DECODER_CODES)  # by stage: __post_init__
     add("--codebook-warn-fraction", type=float, default=d.codebook_warn_fraction)
     add("--mp-size", type=int, default=d.mp_size)
     add("--steps", type=int, default=d.steps)
@@ -490,12 +500,26 @@ def train_argv(config: TrainConfig) -> list[str]:
             continue  # --local_rank: the launcher's
         flag, value = action.option_strings[0], getattr(config, action.dest)
         if isinstance(value, bool):
-            argv += [flag] if value else []
+            if value != _default(config, action):  # --x, or --no-x where on by default
+                argv.append(flag if value else action.option_strings[-1])
         elif isinstance(value, list):
             argv += [text for item in value for text in (flag, str(item))]
-        elif value is not None and (action.required or value != action.default):
+        elif value is not None and (action.required or value != _default(config, action)):
             argv += [flag, str(value)]
     return argv
+
+
+FILLED_IN = ("cl_trainable", "decoder_codes")
+"""TrainConfig fields that default to None, which ``__post_init__`` replaces with a value
+chosen from the other fields."""
+
+
+def _default(config: TrainConfig, action: argparse.Action) -> object:
+    """What ``config`` would hold without the option: its parser default, or what
+    ``__post_init__`` fills in for this config (``FILLED_IN``)."""
+    if action.dest in FILLED_IN:
+        return getattr(dataclasses.replace(config, **{action.dest: None}), action.dest)
+    return action.default
 
 
 def _fits(value: object, hint: Any) -> bool:
