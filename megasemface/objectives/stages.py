@@ -91,9 +91,9 @@ class ObjectiveConfig:
     is the only choice). ``extractor``: the paper's feature extractor, trained by the
     decoder's loss. ``encoder`` (not in the paper): the encoder itself, without gradient,
     through the same VQ layer, so the decoder's cross-attention is pre-trained on the codes
-    the encoder emits for the sentence. Each
-    of the two otherwise learns its own assignment of the fixed codebook, and they pick the
-    same code for under 1% of the tokens (docs/reproduce.md, the study budget).
+    the encoder emits for the sentence. Each of the two otherwise learns its own assignment
+    of the fixed codebook, and they pick the same code for under 1% of the tokens
+    (docs/reproduce.md, the study budget).
     ``encoder-trained`` (not in the paper): the same, and the decoder's loss trains the
     encoder too, through the straight-through gradient of its codes (the codebook stays
     the encoder loss's), so the codes carry what the decoder needs to rebuild the sentence:
