@@ -14,6 +14,11 @@ spends compiling (into a fresh inductor cache: what a run on a new machine pays)
 the peak matmul, the VQ calls, the autograd step and the compiled step take turns, and each
 share or ratio is the median of per-round ratios, so load from other processes cancels out.
 
+The steps run with freed host memory kept for reuse, as ``train.py`` runs them
+(``megasemface/host_memory.py``). Beside them, the tiny joint step on batches of demo-like,
+varying shapes (64 sentences of 20 to 45 tokens) in fresh processes taking turns, with that
+setting and with glibc's own: the speed-up and the page faults a step of each.
+
 Run: ``python benchmarks/bench_model.py [--presets tiny,paper] [--json out.json]``.
 """
 
@@ -22,7 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from megasemface.host_memory import keep_freed_memory
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.compile import compile_layers
 from megasemface.models.config import build_model_config
@@ -198,7 +208,51 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
     }
 
 
-def report(results: dict[str, dict[str, float]]) -> str:
+def allocator_child(mode: str, steps: int) -> dict[str, object]:
+    """In a fresh process: the tiny joint step on varying batch shapes, freed memory kept
+    (``keep``) or under glibc's own settings (``glibc``); seconds and page faults a step."""
+    if mode == "keep" and not keep_freed_memory():
+        raise SystemExit("keep_freed_memory() did not apply here (not glibc, or MALLOC_* set)")
+    config = build_model_config("tiny", [])
+    torch.manual_seed(0)
+    model = SemFaceModel(config, build_interface("vq", config), SPECIAL)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    shapes = random.Random(0)
+    batches = [_batch(config.vocab_size, 64, shapes.randint(20, 45)) for _ in range(steps + 2)]
+    generator = torch.Generator().manual_seed(0)
+    seconds, faults = [], []
+    for index, batch in enumerate(batches):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        model.joint_loss(batch, generator).loss.backward()
+        optimizer.step()
+        if index >= 2:  # the first steps grow the heap either way
+            seconds.append(time.perf_counter() - started)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return {"seconds": sum(seconds), "faults_per_step": statistics.mean(faults)}
+
+
+def allocator_comparison(rounds: int, steps: int = 8) -> dict[str, float]:
+    """Kept freed memory against glibc's settings, fresh processes taking turns."""
+    runs: dict[str, list[dict]] = {"keep": [], "glibc": []}
+    for _ in range(rounds):
+        for mode in runs:
+            command = [sys.executable, __file__, "--allocator-child", mode, "--steps", str(steps)]
+            command += ["--threads", str(torch.get_num_threads())]
+            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            runs[mode].append(json.loads(out))
+    pairs = zip(runs["glibc"], runs["keep"], strict=True)
+    return {
+        "allocator_speedup": statistics.median(g["seconds"] / k["seconds"] for g, k in pairs),
+        "keep_step_s": statistics.median(r["seconds"] / steps for r in runs["keep"]),
+        "glibc_step_s": statistics.median(r["seconds"] / steps for r in runs["glibc"]),
+        "keep_faults_per_step": statistics.median(r["faults_per_step"] for r in runs["keep"]),
+        "glibc_faults_per_step": statistics.median(r["faults_per_step"] for r in runs["glibc"]),
+    }
+
+
+def report(results: dict[str, dict[str, float]], allocator: dict[str, float] | None) -> str:
     rows = [
         f"fp32 matmul peak ({PEAK_SIZE}-square, timed in turn with each step): "
         + ", ".join(f"{name} {r['matmul_peak'] / 1e9:,.1f}" for name, r in results.items())
@@ -218,6 +272,15 @@ def report(results: dict[str, dict[str, float]]) -> str:
             f"({r['fused_speedup']:.2f}x) | {r['compiled_step_s'] * 1e3:,.0f} ms "
             f"({r['compiled_speedup']:.2f}x), {r['compile_s']:.0f} s |"
         )
+    if allocator:
+        a = allocator
+        rows += [
+            "",
+            f"Tiny joint step, varying shapes, fresh processes in turn: freed memory kept "
+            f"{a['keep_step_s'] * 1e3:,.0f} ms ({a['keep_faults_per_step']:,.0f} page faults "
+            f"a step), glibc's settings {a['glibc_step_s'] * 1e3:,.0f} ms "
+            f"({a['glibc_faults_per_step']:,.0f}): {a['allocator_speedup']:.2f}x",
+        ]
     return "\n".join(rows)
 
 
@@ -235,17 +298,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the figures as JSON")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--allocator-child", choices=("keep", "glibc"), help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.allocator_child:
+        print(json.dumps(allocator_child(args.allocator_child, args.steps)))
+        return 0
+    keep_freed_memory()  # as train.py
     # An empty kernel cache: the first compile pays what a run on a new machine pays; later
     # rows reuse the graphs of layers of the same shapes, as a pipeline's later runs do.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
     results = run(args.presets.split(","), args.repeats)
-    print(report(results))
+    allocator = allocator_comparison(args.repeats) if "tiny" in args.presets else None
+    print(report(results, allocator))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"results": results}, handle, indent=1)
+            json.dump({"results": results, "allocator": allocator}, handle, indent=1)
     return 0
 
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from bench_model import matmul_peak  # sibling script
 from torch.utils.flop_counter import FlopCounterMode
 
+from megasemface.host_memory import keep_freed_memory
 from megasemface.models.config import ModelConfig, build_model_config
 from megasemface.objectives.sequences import (
     SequenceBatch,
@@ -425,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", help="also write the figures as JSON")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as train.py and translate.py run
     if args.threads:
         torch.set_num_threads(args.threads)
     default = "mid,paper" if torch.cuda.is_available() else "tiny,mid"

@@ -32,6 +32,7 @@ from megasemface.data.shard_builder import build_shards
 from megasemface.data.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path
 from megasemface.data.tokenizer import Tokenizer
+from megasemface.host_memory import keep_freed_memory
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.config import build_model_config
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--locale-dir", type=Path, default=Path(DEFAULT_LOCALE_DIR))
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as train.py and translate.py run
     results = run(args.steps, args.locale_dir)
     print(report(results))
     if args.json:

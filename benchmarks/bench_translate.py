@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from megasemface.host_memory import keep_freed_memory
 from megasemface.inference.search import Hypothesis, SearchConfig, search
 from megasemface.models.config import build_model_config
 from megasemface.models.transformer import Seq2SeqModel
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", help="also write the figures as JSON")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as train.py and translate.py run
     if args.threads:
         torch.set_num_threads(args.threads)
     results = run(args.presets.split(","), args.repeats)

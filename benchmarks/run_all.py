@@ -128,7 +128,23 @@ def _model_rows(r: Figures, others: dict[str, Figures]) -> list[Row]:
             )
             for name, m in r["results"].items()
         ]
+        + _allocator_rows(r.get("allocator"))
     )
+
+
+def _allocator_rows(a: Figures | None) -> list[Row]:
+    if not a:
+        return []
+    return [
+        (
+            "model step, tiny, varying shapes: freed host memory kept",
+            f"{a['keep_step_s'] * 1e3:,.0f} ms, "
+            f"{a['keep_faults_per_step']:,.0f} page faults a step",
+            f"glibc's settings: {a['glibc_step_s'] * 1e3:,.0f} ms, "
+            f"{a['glibc_faults_per_step']:,.0f} page faults (in turn)",
+            f"{a['allocator_speedup']:.2f}x (goal > 1)",
+        )
+    ]
 
 
 def _peer_rows(r: Figures, others: dict[str, Figures]) -> list[Row]:

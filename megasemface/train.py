@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args, unknown = build_parser().parse_known_args(argv)
+    from megasemface.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # the logits buffers outgrow glibc's reuse (see host_memory.py)
     from megasemface.distributed.engine import exit_now, init_distributed, load_ds_config
     from megasemface.training.options import train_config_from_args
     from megasemface.training.preflight import check_before_start

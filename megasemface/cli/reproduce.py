@@ -24,6 +24,7 @@ import sys
 import typing
 from pathlib import Path
 
+from megasemface.host_memory import keep_freed_memory
 from megasemface.pipeline.config import BUDGETS, PipelineConfig, parse_languages, parse_seeds
 from megasemface.pipeline.systems import ABLATIONS, RELATED, SETTINGS, SYSTEMS
 
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from megasemface.pipeline.launcher import LaunchError
     from megasemface.pipeline.pipeline import Pipeline
 
+    keep_freed_memory()  # for the test translations, which run in this process
     try:
         config = config_from_args(args)
         if config.multilingual and args.corpus is None:  # before anything is built
