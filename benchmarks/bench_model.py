@@ -1,18 +1,19 @@
 """Model benchmark: training-step throughput and FLOP utilisation beside the machine's peak.
 
-For the tiny and the paper preset (batch sized to this machine), one SemFace joint step
-(encoder loss through the VQ interface, decoder loss through the frozen codebook; forward,
-backward and Adam) is timed, and its FLOPs are counted with torch's FlopCounterMode. Beside
-them, the same run measures the machine's fp32 matrix-multiply peak, so that "model FLOPs/s"
-reads as a share of what this machine can do. The VQ layer's share of step time (its calls
-timed in isolation on the same tokens) stands beside its share of the step's FLOPs, for the
-flat and the product codebook. Beside the step, the same step with the output layer and
-its cross-entropy through autograd (logits, ``F.cross_entropy``, an argmax for the accuracy)
-instead of the fused pass of ``objectives/output_loss.py``: what the fusion buys. And the
-same step with compiled layers (``train.py --compile``), with the seconds its first call
-spends compiling (into a fresh inductor cache: what a run on a new machine pays). The step,
-the peak matmul, the VQ calls, the autograd step and the compiled step take turns, and each
-share or ratio is the median of per-round ratios, so load from other processes cancels out.
+For the tiny and the paper preset (batch sized to this machine), one SemFace joint step as
+``train.py`` runs it by default (encoder loss through the VQ interface, decoder loss on the
+encoder's own codes; forward, backward and Adam) is timed, and its FLOPs are counted with
+torch's FlopCounterMode. Beside them, the same run measures the machine's fp32
+matrix-multiply peak, so that "model FLOPs/s" reads as a share of what this machine can do. The VQ
+layer's share of step time (its calls timed in isolation on the same tokens) stands beside
+its share of the step's FLOPs, for the flat and the product codebook. Beside the step, the
+same step with the output layer and its cross-entropy through autograd (logits,
+``F.cross_entropy``, an argmax for the accuracy) instead of the fused pass of
+``objectives/output_loss.py``: what the fusion buys. And the same step with compiled layers
+(``train.py --compile``), with the seconds its first call spends compiling (into a fresh
+inductor cache: what a run on a new machine pays). The step, the peak matmul, the VQ calls,
+the autograd step and the compiled step take turns, and each share or ratio is the median of
+per-round ratios, so load from other processes cancels out.
 
 The steps run with freed host memory kept for reuse, as ``train.py`` runs them
 (``megasemface/host_memory.py``). Beside them, the tiny joint step on batches of demo-like,
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -49,8 +51,15 @@ from megasemface.objectives import stages
 from megasemface.objectives.output_loss import OutputLoss
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 from megasemface.objectives.stages import SemFaceModel
+from megasemface.training.options import TrainConfig
+from megasemface.training.units.base import objective_config_from
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
+TRAIN_OBJECTIVE = objective_config_from(
+    TrainConfig(stage="joint", interface="vq", data=Path(), spm_model=Path(), output_dir=Path())
+)
+"""The losses of ``train.py --stage joint --interface vq`` without other options (its
+decoder stage reads the encoder's own codes), which are not the library's defaults."""
 SHAPES = {"tiny": (32, 32), "paper": (4, 32)}  # sentences x tokens per batch
 
 
@@ -121,7 +130,7 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
     matmul = _matmul_operands()
     config = build_model_config(preset, [f"vq.layout={layout}"])
     torch.manual_seed(0)
-    model = SemFaceModel(config, build_interface("vq", config), SPECIAL)
+    model = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     batch = _batch(config.vocab_size, *SHAPES[preset])
     generator = torch.Generator().manual_seed(0)
@@ -140,7 +149,7 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
     total = counter.get_total_flops()
 
     torch.manual_seed(0)
-    compiled = SemFaceModel(config, build_interface("vq", config), SPECIAL)
+    compiled = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
     compile_layers(compiled)
     compiled_optimizer = torch.optim.Adam(compiled.parameters(), lr=1e-4)
 
@@ -215,7 +224,7 @@ def allocator_child(mode: str, steps: int) -> dict[str, object]:
         raise SystemExit("keep_freed_memory() did not apply here (not glibc, or MALLOC_* set)")
     config = build_model_config("tiny", [])
     torch.manual_seed(0)
-    model = SemFaceModel(config, build_interface("vq", config), SPECIAL)
+    model = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     shapes = random.Random(0)
     batches = [_batch(config.vocab_size, 64, shapes.randint(20, 45)) for _ in range(steps + 2)]

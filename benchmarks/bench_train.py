@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_model import TRAIN_OBJECTIVE  # sibling script
 
 from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
 from megasemface.data.shard_build_config import ShardBuildConfig
@@ -91,7 +92,7 @@ def _bare_step_tokens_per_s(model_path: Path, tokens_per_batch: int, repeats: in
     config = build_model_config("tiny", [f"vocab_size={tokenizer.vocab_size}"])
     special = SpecialTokens.from_tokenizer(tokenizer)
     torch.manual_seed(0)
-    model = SemFaceModel(config, build_interface("vq", config), special)
+    model = SemFaceModel(config, build_interface("vq", config), special, TRAIN_OBJECTIVE)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     length = 12
     sentences = max(1, tokens_per_batch // length)
