@@ -228,6 +228,32 @@ def test_trained_encoder_codes_are_the_same_memory_and_train_the_encoder() -> No
     assert not any(grads["encoder"]) and any(grads["encoder-trained"])
 
 
+def test_cl_decoder_stage_can_read_the_encoders_output() -> None:
+    """CL-SemFace with --decoder-codes encoder / encoder-trained: the decoder stage reads the
+    encoder's own output for ``x </s>``, as the connected model's decoder does (a direct
+    computation through the diagnostics' teacher-forced NLL), not the table's rows; its
+    loss reaches the encoder only when trained, and never the table."""
+    config, batch = tiny(), random_batch(tiny())
+    src, src_lengths = append_token(batch.tokens_BT, batch.lengths_B, SPECIAL.eos, SPECIAL.pad)
+    mask = lengths_to_mask(src_lengths, src.shape[1])
+    for codes in ("encoder", "encoder-trained"):
+        model = model_for("cl", config, decoder_codes=codes, decoder_noise=False).eval()
+        out = model.decoder_loss(batch, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            hidden = model.encoder(src, mask, batch.langs_B).hidden_BTD
+            nll, count = teacher_forced_nll(model.decoder, SPECIAL, batch, hidden, mask)
+            table_memory = model.interface.decoder_memory(src, mask, batch.langs_B)
+            table_nll, _ = teacher_forced_nll(
+                model.decoder, SPECIAL, batch, table_memory.memory_BSD, mask
+            )
+        torch.testing.assert_close(out.components["dec_clm"], torch.tensor(nll / count))
+        assert abs(table_nll - nll) > 1e-3  # the two memories differ: the check can fail
+        out.loss.backward()
+        assert any(_grads(list(model.encoder.parameters()))) == (codes == "encoder-trained")
+        assert model.interface.table.grad is None
+        assert any(_grads(list(model.decoder.parameters())))
+
+
 def test_extractor_diversity_trains_the_extractor_with_the_encoders_terms() -> None:
     """With --extractor-diversity the decoder loss adds the extractor's diversity and token
     entropy at the encoder's weights; their gradient reaches the extractor, never the

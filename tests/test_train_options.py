@@ -150,9 +150,11 @@ def test_decoder_codes_default_to_the_encoders_in_the_joint_vq_stage_only() -> N
     assert paper.decoder_codes == "extractor"
     assert train_argv(paper)[-2:] == ["--decoder-codes", "extractor"]
     assert parse_train_argv(train_argv(paper)) == paper
+    cl = ["--stage", "joint", "--interface", "cl", "--decoder-codes", "encoder-trained", *base]
+    assert parse_train_argv(cl).decoder_codes == "encoder-trained"
     with pytest.raises(ValueError, match="--decoder-codes encoder-trained"):
         parse_train_argv(
-            ["--stage", "joint", "--interface", "cl", "--decoder-codes", "encoder-trained", *base]
+            ["--stage", "encoder", "--interface", "cl", "--decoder-codes", "encoder-trained", *base]
         )
 
 

@@ -81,7 +81,8 @@ class SemanticInterface(nn.Module, abc.ABC):
 
     def features_memory(self, features_BTD: torch.Tensor, mask_BT: torch.Tensor) -> InterfaceMemory:
         """The decoder's memory of given features (the encoder's outputs) instead of the
-        interface's own reading of the tokens; only a VQ codebook quantises features."""
+        interface's own reading of the tokens: a VQ codebook quantises them, CL-SemFace
+        passes them on."""
         raise ValueError(f"the {self.kind!r} interface reads tokens, not features")
 
     @abc.abstractmethod

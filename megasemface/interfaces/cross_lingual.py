@@ -93,6 +93,11 @@ class CrossLingualInterface(SemanticInterface):
         memory = self(tokens_BT).detach()  # the decoder's loss does not train the table
         return InterfaceMemory(memory, mask_BT, {})
 
+    def features_memory(self, features_BTD: torch.Tensor, mask_BT: torch.Tensor) -> InterfaceMemory:
+        """The encoder's outputs themselves, as the connected model's decoder reads them
+        (``--decoder-codes encoder`` or ``encoder-trained``)."""
+        return InterfaceMemory(features_BTD, mask_BT, {})
+
     def fingerprint(self) -> dict[str, Any]:
         return {
             "kind": self.kind,

@@ -98,7 +98,9 @@ class ObjectiveConfig:
     encoder too, through the straight-through gradient of its codes (the codebook stays
     the encoder loss's), so the codes carry what the decoder needs to rebuild the sentence:
     the stages are then pre-trained together, as a denoising autoencoder through the codes
-    beside the MLM, not separately."""
+    beside the MLM, not separately. CL-SemFace: ``extractor`` is the table's rows of the
+    noised copy (the paper's), ``encoder`` and ``encoder-trained`` the encoder's outputs for
+    it, as the connected decoder reads them."""
     infill_ratio: float = 0.35
     """mBART baseline: share of tokens masked in Poisson spans."""
     poisson_lambda: float = 3.5
@@ -310,8 +312,9 @@ class SemFaceModel(nn.Module):
         trained: bool,
     ) -> InterfaceMemory:
         """The interface's memory of the encoder's own output for ``tokens</s>`` (as the
-        encoder reads a sentence); the decoder stage's gradient reaches the encoder only
-        when ``trained``, and never the VQ layer's weights."""
+        encoder reads a sentence): its codes (VQ) or the output itself (CL); the decoder
+        stage's gradient reaches the encoder only when ``trained``, and never the VQ layer's
+        weights."""
         tokens_BT, lengths_B = append_token(
             tokens_BT, lengths_B, self.special.eos, self.special.pad
         )

@@ -254,6 +254,13 @@ ABLATIONS: dict[str, System] = {
         ),
         System("cl-fixed", "CL-SemFace, fixed table", "joint", "cl", {"cl_trainable": False}),
         System(
+            "cl-encoder-trained",
+            "CL-SemFace, decoder on the encoder's output",
+            "joint",
+            "cl",
+            {"decoder_codes": "encoder-trained"},
+        ),
+        System(
             "vq-bridge",
             "VQ-SemFace, codebook bridge",
             "joint",

@@ -95,12 +95,14 @@ class TrainConfig:
     """VQ: train the decoder stage's extractor with the diversity and token-entropy terms
     too (not in the paper)."""
     decoder_codes: str | None = None
-    """VQ: what picks the decoder stage's codes: ``extractor`` (the paper's feature
+    """What the decoder stage reads. VQ: ``extractor`` (the codes of the paper's feature
     extractor), ``encoder`` (the encoder's own codes, without gradient; not in the paper) or
     ``encoder-trained`` (the encoder's own codes, and the decoder's loss trains the encoder
-    too; not in the paper). Default: ``encoder-trained`` for --interface vq --stage joint
-    (measured better on validation, docs/reproduce.md), else ``extractor``, the only choice
-    of the separate stages, CL-SemFace and --extractor-diversity."""
+    too; not in the paper). CL (joint stage): ``extractor`` is the table's rows (the
+    paper's), ``encoder`` and ``encoder-trained`` the encoder's outputs. Default:
+    ``encoder-trained`` for --interface vq --stage joint (measured better on validation,
+    docs/reproduce.md), else ``extractor``, the only choice of the separate stages and
+    --extractor-diversity."""
     token_entropy_weight: float = 0.5
     """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
     on by default, measured better on validation); 0: off."""
@@ -271,12 +273,12 @@ class TrainConfig:
                 f"got {self.decoder_codes!r}"
             )
         if self.decoder_codes != "extractor" and (
-            self.interface != "vq" or self.stage != "joint" or self.extractor_diversity
+            self.interface not in ("vq", "cl") or self.stage != "joint" or self.extractor_diversity
         ):
             raise ValueError(
-                f"--decoder-codes {self.decoder_codes} feeds the decoder stage the codes of the "
-                "encoder trained beside it: use it with --interface vq and --stage joint, without "
-                "--extractor-diversity (the extractor is then unused)"
+                f"--decoder-codes {self.decoder_codes} feeds the decoder stage the output of the "
+                "encoder trained beside it: use it with --interface vq or cl and --stage joint, "
+                "without --extractor-diversity (the extractor is then unused)"
             )
         for name in (
             "mse_weight",
