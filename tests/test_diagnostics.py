@@ -328,6 +328,19 @@ def test_cl_figures_equal_the_direct_computation(cl_run: Path, data: dict) -> No
     _check_against_direct(models, result.to_dict(), data)
 
 
+def test_a_cl_decoder_pretrained_on_the_encoders_output_reads_it_as_its_interface(
+    cl_run: Path, data: dict
+) -> None:
+    """A CL run with --decoder-codes encoder(-trained): its interface memory is the
+    encoder's own output, the memory the connected model's decoder reads."""
+    models = dataclasses.replace(load_models(cl_run), decoder_codes="encoder-trained")
+    result = diagnose_interface(_config(data, measures=("nll",)), models)
+    table = diagnose_interface(_config(data, measures=("nll",)), load_models(cl_run))
+    for figures, from_table in zip(result.languages, table.languages, strict=True):
+        assert figures.nll["interface"] == figures.nll["encoder"]
+        assert figures.nll["interface"] != from_table.nll["interface"]
+
+
 def test_connected_model_dir_gives_the_encoder_memory(vq_run: Path, data: dict) -> None:
     model_dir = data["dir"] / "vq-connected"
     write_seq2seq_dir(model_dir, connect_runs(vq_run, vq_run), spm_model=data["spm"])

@@ -244,10 +244,14 @@ def _nll_side(
         codes = interface.features_memory(own.hidden_BTD, src[1])
         memories["codes"] = (codes.memory_BSD, codes.mask_BS)
     if models.interface_decoder is not None and interface is not None:
-        if models.decoder_codes != "extractor":  # the stage's decoder read the encoder's codes
-            memories["interface"] = memories["codes"]
-        else:
+        if models.decoder_codes == "extractor":
             memory = interface.decoder_memory(batch.tokens_BT, mask, batch.langs_B)
+            memories["interface"] = (memory.memory_BSD, memory.mask_BS)
+        elif "codes" in memories:  # the stage's decoder read the encoder's codes
+            memories["interface"] = memories["codes"]
+        elif models.encoder is not None:  # CL-SemFace's decoder read the encoder's output
+            own = models.encoder(*src, batch.langs_B) if encoded is None else encoded
+            memory = interface.features_memory(own.hidden_BTD, src[1])
             memories["interface"] = (memory.memory_BSD, memory.mask_BS)
     if models.connected_encoder is not None:
         connected = encoded
