@@ -269,6 +269,7 @@ ABLATIONS: dict[str, System] = {
             pretraining="vq",
         ),
         System("vq-ras", "VQ-SemFace, RAS noise", "joint", "vq", {"decoder_noise_ras": True}),
+        System("cl-ras", "CL-SemFace, RAS noise", "joint", "cl", {"decoder_noise_ras": True}),
         System(
             "vq-ras-ft",
             "VQ-SemFace, RAS fine-tuning",
@@ -297,11 +298,11 @@ it with the encoder); then options beyond the paper that are off by default: a c
 term tying the encoder's outputs to their codes, the decoder stage reading the encoder's own
 codes without gradient, diversity terms for the decoder stage's extractor, VQ-SemFace's
 pre-training connected through its codebook instead of without the interface, and mRASP's
-random aligned substitution in the decoder stage's noise (the interface reads a copy with
-some words in the other language) or on the source side of supervised fine-tuning
-(VQ-SemFace's pre-training run, fine-tuned with RAS; it has no unsupervised setting), and
-unsupervised back-translations that may not end before half their source's length
-(VQ-SemFace's pre-training run; ``--bt-min-len-a``)."""
+random aligned substitution in the decoder stage's noise of either interface (the interface
+reads a copy with some words in the other language) or on the source side of supervised
+fine-tuning (VQ-SemFace's pre-training run, fine-tuned with RAS; it has no unsupervised
+setting), and unsupervised back-translations that may not end before half their source's
+length (VQ-SemFace's pre-training run; ``--bt-min-len-a``)."""
 
 RELATED: dict[str, System] = {
     s.key: s
