@@ -268,6 +268,14 @@ ABLATIONS: dict[str, System] = {
             bridge="codebook",
             pretraining="vq",
         ),
+        System(
+            "cl-xlm-init",
+            "CL-SemFace's encoder into both, XLM-style",
+            "joint",
+            "cl",
+            connect="xlm",
+            pretraining="cl",
+        ),
         System("vq-ras", "VQ-SemFace, RAS noise", "joint", "vq", {"decoder_noise_ras": True}),
         System("cl-ras", "CL-SemFace, RAS noise", "joint", "cl", {"decoder_noise_ras": True}),
         System(
@@ -297,7 +305,9 @@ decoder's loss train the encoder too), CL-SemFace's table kept as built (the def
 it with the encoder); then options beyond the paper that are off by default: a commitment
 term tying the encoder's outputs to their codes, the decoder stage reading the encoder's own
 codes without gradient, diversity terms for the decoder stage's extractor, VQ-SemFace's
-pre-training connected through its codebook instead of without the interface, and mRASP's
+pre-training connected through its codebook instead of without the interface,
+CL-SemFace's pre-training connected as XLM connects its own (the encoder into encoder and
+decoder, the pre-trained decoder left out: what the decoder stage adds), mRASP's
 random aligned substitution in the decoder stage's noise of either interface (the interface
 reads a copy with some words in the other language) or on the source side of supervised
 fine-tuning (VQ-SemFace's pre-training run, fine-tuned with RAS; it has no unsupervised
