@@ -43,17 +43,22 @@ def random_batch(config: ModelConfig, seed: int = 0, batch: int = 6, length: int
     return SequenceBatch(tokens, lengths, torch.randint(0, 2, (batch,), generator=g))
 
 
-def model_for(kind: str, config: ModelConfig, **objective: object) -> SemFaceModel:
+def model_for(
+    kind: str, config: ModelConfig, cl_unit_logits: bool = False, **objective: object
+) -> SemFaceModel:
     torch.manual_seed(0)
     table = torch.randn(config.vocab_size, config.d_model) * 0.3
-    interface = build_interface(kind, config, cl_table=table if kind == "cl" else None)
+    cl_table = table if kind == "cl" else None
+    interface = build_interface(kind, config, cl_table=cl_table, cl_unit_logits=cl_unit_logits)
     return SemFaceModel(config, interface, SPECIAL, ObjectiveConfig(**objective))  # type: ignore[arg-type]
 
 
-def test_cl_encoder_loss_is_eq_1() -> None:
-    """MLM on LN(h) with the tied table, plus the MSE between h (before LN) and W_target."""
+@pytest.mark.parametrize("unit_logits", [False, True])
+def test_cl_encoder_loss_is_eq_1(unit_logits: bool) -> None:
+    """MLM on LN(h) with the tied table (divided by sqrt(d) with --cl-unit-logits), plus the
+    MSE between h (before LN) and W_target, the table's own row."""
     config = tiny()
-    model = model_for("cl", config).eval()
+    model = model_for("cl", config, cl_unit_logits=unit_logits).eval()
     batch = random_batch(config)
     out = model.encoder_loss(batch, torch.Generator().manual_seed(5))
 
@@ -73,7 +78,8 @@ def test_cl_encoder_loss_is_eq_1() -> None:
     nll, sq, count = 0.0, 0.0, 0
     for b, t in (targets != -100).nonzero().tolist():
         x = int(targets[b, t])
-        logits = encoded.hidden_BTD[b, t] @ table.t() + model.mlm_bias
+        output = table / math.sqrt(config.d_model) if unit_logits else table
+        logits = encoded.hidden_BTD[b, t] @ output.t() + model.mlm_bias
         nll += -torch.log_softmax(logits, -1)[x]
         sq += ((table[x] - encoded.pre_norm_BTD[b, t]) ** 2).sum()  # Eq. 1: over dimensions
         count += 1

@@ -86,8 +86,9 @@ def test_every_option_survives_the_command_line() -> None:
         if getattr(config, f.name) == getattr(defaults, f.name)
     ]
     # --register-model needs a tracked fine-tuning run, --finetune-ras supervised
-    # fine-tuning, and --decoder-codes encoder no --extractor-diversity: below.
-    assert same == ["decoder_codes", "finetune_ras", "register_model"], (
+    # fine-tuning, --decoder-codes encoder no --extractor-diversity, and --cl-unit-logits a
+    # CL interface: below.
+    assert same == ["cl_unit_logits", "decoder_codes", "finetune_ras", "register_model"], (
         "set these fields away from their defaults"
     )
     assert parse_train_argv(train_argv(config)) == config
@@ -104,6 +105,10 @@ def test_every_option_survives_the_command_line() -> None:
     for codes in ("extractor", "encoder", "encoder-trained"):
         tied = TrainConfig(stage="joint", interface="vq", decoder_codes=codes, **PATHS)
         assert parse_train_argv(train_argv(tied)) == tied
+    unit = TrainConfig(stage="joint", interface="cl", cl_unit_logits=True, **PATHS)
+    assert parse_train_argv(train_argv(unit)) == unit
+    with pytest.raises(ValueError, match="--interface cl and --stage encoder or joint"):
+        TrainConfig(stage="decoder", interface="cl", cl_unit_logits=True, **PATHS)
 
 
 def test_the_cl_table_is_trained_by_default_in_the_joint_stage_only() -> None:

@@ -63,11 +63,17 @@ def load_embedding_table(path: str | Path, vocab_size: int, d_model: int) -> tor
 class CrossLingualInterface(SemanticInterface):
     kind = "cl"
 
-    def __init__(self, table_VD: torch.Tensor, trainable: bool = False) -> None:
+    def __init__(
+        self, table_VD: torch.Tensor, trainable: bool = False, unit_logits: bool = False
+    ) -> None:
         super().__init__()
         # A Parameter (not a buffer) so that it is checkpointed and can be tuned on request;
         # frozen by default and then kept out of the optimizer.
         self.table = nn.Parameter(table_VD.detach().clone(), requires_grad=trainable)
+        # The MLM output layer's scale: rows of norm sqrt(d) against LayerNorm outputs of
+        # norm about sqrt(d) give logits up to d, a softmax so peaked that the MLM loss stays
+        # above a uniform guess; divided by sqrt(d) the rows are unit vectors, as VecMap's.
+        self.output_scale = table_VD.shape[1] ** -0.5 if unit_logits else 1.0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The table rows of ``ids``. Read through this module call rather than by indexing
@@ -85,7 +91,7 @@ class CrossLingualInterface(SemanticInterface):
         return EncoderHeadOutput(features, {"mse": mse}, {})
 
     def output_embeddings(self, encoder: TransformerEncoder) -> torch.Tensor:
-        return self.table
+        return self.table if self.output_scale == 1.0 else self.table * self.output_scale
 
     def decoder_memory(
         self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor

@@ -25,6 +25,7 @@ def build_interface(
     seed: int = 0,
     cl_table: torch.Tensor | str | Path | None = None,
     cl_trainable: bool = False,
+    cl_unit_logits: bool = False,
 ) -> SemanticInterface:
     """The interface ``kind`` for a model of shape ``config``.
 
@@ -43,7 +44,7 @@ def build_interface(
                 f"cross-lingual table of shape {tuple(cl_table.shape)}, the model needs "
                 f"[{config.vocab_size}, {config.d_model}]"
             )
-        return CrossLingualInterface(cl_table, trainable=cl_trainable)
+        return CrossLingualInterface(cl_table, trainable=cl_trainable, unit_logits=cl_unit_logits)
     if kind == "vq":
         return VectorQuantizedInterface(config, groups or ParallelGroups.single(), seed)
     raise ValueError(f"unknown interface {kind!r}; choose one of {INTERFACES}")

@@ -76,6 +76,12 @@ class TrainConfig:
     (--no-cl-trainable: the table stays the cross-lingual embeddings it was built as).
     Default: on in the joint stage (measured better on validation, docs/reproduce.md), off
     in the separate stages, whose decoder stage reads the table from --cl-table."""
+    cl_unit_logits: bool = False
+    """CL-SemFace: the encoder's MLM output layer reads the table's rows divided by
+    sqrt(d_model), at the unit norm of the VecMap embeddings the paper ties there. The rows
+    themselves have norm sqrt(d_model) (the scale of the encoder's activations, which the
+    MSE term and the decoder's memory need), so tied as they are they give logits of
+    d_model times a cosine."""
     init_from: Path | None = None
     """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
     finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
@@ -263,6 +269,13 @@ class TrainConfig:
             )
         if self.cl_trainable is None:
             self.cl_trainable = self.interface == "cl" and self.stage == "joint"
+        if self.cl_unit_logits and (
+            self.interface != "cl" or self.stage not in ("encoder", "joint")
+        ):
+            raise ValueError(
+                "--cl-unit-logits scales CL-SemFace's MLM output layer: use it with "
+                "--interface cl and --stage encoder or joint"
+            )
         if self.decoder_codes is None:
             joint_vq = self.interface == "vq" and self.stage == "joint"
             tied = joint_vq and not self.extractor_diversity
@@ -430,6 +443,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--model-config", dest="model_config_file", type=Path)
     add("--cl-table", type=Path)
     add("--cl-trainable", action=argparse.BooleanOptionalAction, default=None)  # by stage
+    add("--cl-unit-logits", action="store_true")
     add("--init-from", type=Path)
     add("--decoder-objective", default=d.decoder_objective, choices=("clm", "mlm"))
     add("--mse-weight", type=float, default=d.mse_weight)

@@ -61,6 +61,7 @@ class SemFaceUnit(_MonolingualUnit):
             seed=config.seed,
             cl_table=config.cl_table,
             cl_trainable=config.cl_trainable,
+            cl_unit_logits=config.cl_unit_logits,
         )
         model = SemFaceModel(
             self.model_config, interface, data.special, objective_config_from(config)
