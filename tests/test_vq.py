@@ -98,10 +98,11 @@ def test_straight_through_forward_is_exactly_the_chosen_code(layout: str) -> Non
 @pytest.mark.parametrize("from_gumbel", [False, True])
 @pytest.mark.parametrize("sample", [True, False])
 @pytest.mark.parametrize("entropy_weight", [0.0, 0.7])
+@pytest.mark.parametrize("keep_mib", [0, 1])  # recomputed in backward; kept from forward
 def test_flat_gradients_match_dense_reference(
-    logits: str, from_gumbel: bool, sample: bool, entropy_weight: float
+    logits: str, from_gumbel: bool, sample: bool, entropy_weight: float, keep_mib: int
 ) -> None:
-    vq = make_vq(diversity_from_gumbel=from_gumbel, logits=logits)
+    vq = make_vq(diversity_from_gumbel=from_gumbel, logits=logits, keep_logits_mib=keep_mib)
     vq.set_step(2)
     h = features(13)
     target = torch.randn(13, D, generator=torch.Generator().manual_seed(1))
@@ -307,6 +308,39 @@ def test_chunking_gives_identical_results(from_gumbel: bool, logits: str) -> Non
         torch.testing.assert_close(grad_h, ref_h, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("from_gumbel", [False, True])
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.7])
+def test_kept_buffers_give_the_recomputed_results(from_gumbel: bool, entropy_weight: float) -> None:
+    n_tok, n_codes = 29, 48
+    results, saved_numel = [], []
+    for keep_mib in (0, 1):  # 3 x 29 x 48 fp32 buffers: 16 KiB, in chunks of 5 tokens
+        vq = make_vq(num_codes=n_codes, diversity_from_gumbel=from_gumbel, logits="distance")
+        vq.config.keep_logits_mib = keep_mib
+        h = features(n_tok)
+        sizes: list[int] = []
+
+        def pack(t: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
+            if t.dim() == 2 and t.shape[1] == n_codes:  # [tokens, codes]
+                sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = vq(h, noise_key=5)
+        (
+            out.quantized.sin().sum() + 2 * out.diversity_loss + entropy_weight * out.token_entropy
+        ).backward()
+        results.append((out, grads_of(vq), h.grad))
+        saved_numel.append(sum(sizes))
+    # Kept: each chunk's centred logits, their exponentials and Gumbel softmax.
+    assert saved_numel == [0, 3 * n_tok * n_codes]
+    (out, grads, grad_h), (ref, ref_grads, ref_h) = results
+    assert torch.equal(out.codes, ref.codes) and torch.equal(out.quantized, ref.quantized)
+    assert torch.equal(out.diversity_loss, ref.diversity_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, ref_grads[name]), name
+    assert torch.equal(grad_h, ref_h)
+
+
 def _peak_bytes(fn) -> int:
     """Peak of tensor bytes allocated while ``fn`` runs (CPU allocator events)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -327,7 +361,10 @@ def _peak_bytes(fn) -> int:
 def test_activation_memory_is_bounded_by_the_chunk(logits: str) -> None:
     n_tok, n_codes, hidden = 1024, 4096, 16
     h = features(n_tok)
-    vq = make_vq(num_codes=n_codes, hidden_dim=hidden, chunk_tokens=16, logits=logits)
+    # Recomputed in backward (nothing kept), as at the paper's shapes.
+    vq = make_vq(
+        num_codes=n_codes, hidden_dim=hidden, chunk_tokens=16, logits=logits, keep_logits_mib=0
+    )
     params = {p.data_ptr() for p in vq.parameters()}
     saved: dict[int, torch.Tensor] = {}  # by storage: a tensor saved twice is held once
 
@@ -347,7 +384,13 @@ def test_activation_memory_is_bounded_by_the_chunk(logits: str) -> None:
     out.quantized.sum().backward()
 
     def run(chunk: int) -> int:
-        vq = make_vq(num_codes=n_codes, hidden_dim=hidden, chunk_tokens=chunk, logits=logits)
+        vq = make_vq(
+            num_codes=n_codes,
+            hidden_dim=hidden,
+            chunk_tokens=chunk,
+            logits=logits,
+            keep_logits_mib=0,
+        )
         vq(h).quantized.sum()  # warm up allocations outside the measurement
 
         def step() -> None:

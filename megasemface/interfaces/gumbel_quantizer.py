@@ -45,7 +45,7 @@ Two layouts (``VQConfig.layout``):
   output is a row gather, its gradient a GEMM with the table), and the [n, K/p] logits exist only
   for one chunk of ``chunk_tokens`` tokens at a time, in forward and again (recomputed) in
   backward by :mod:`~megasemface.interfaces.vq_flat`, so activation memory is
-  O(N (H + d) + chunk K/p).
+  O(N (H + d) + chunk K/p) (below ``keep_logits_mib``, forward keeps them for backward).
 * ``product`` (wav2vec 2.0): G tables of V entries of size d/G; logits G*V, a softmax per
   group, the output is the concatenation of the G chosen entries and the code id
   ``sum_g idx_g V**(G-g-1)``. Small (640 logits per token for 320 x 2), so it is replicated on
@@ -384,6 +384,7 @@ class GumbelVectorQuantizer(nn.Module):
             code_offset=self.code_offset,
             num_codes=self.num_codes,
             chunk_tokens=self.config.chunk_tokens,
+            keep_bytes=self.config.keep_logits_mib << 20,
             temperature=self.temperature,
             sample=sample,
             noise_key=key,

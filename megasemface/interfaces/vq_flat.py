@@ -4,13 +4,16 @@ The table of K codes and the logit layer are split over the model-parallel group
 contiguous shards; :class:`FlatQuantize` computes everything shard-locally, on the pattern of
 Megatron's vocab-parallel cross entropy: the only collectives are all-reduces of a few
 scalars per token (maxima, partition sums, the smallest index among maxima). The [n, Kl]
-logits exist for one chunk of tokens at a time, in forward and again in backward. The layer
+logits exist for one chunk of tokens at a time, in forward and again in backward, except
+where a call's buffers are small (``VQConfig.keep_logits_mib``): forward then keeps them for
+backward, which would otherwise recompute the same values, the noise included. The layer
 that uses it, and the notation, are in :mod:`megasemface.interfaces.gumbel_quantizer`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,6 +33,9 @@ class FlatSpec:
     code_offset: int
     num_codes: int
     chunk_tokens: int
+    keep_bytes: int
+    """Forward keeps its softmax buffers for backward when their three [N, Kl] fp32 buffers
+    take at most this many bytes (else backward recomputes them)."""
     temperature: float
     sample: bool
     noise_key: int
@@ -63,7 +69,10 @@ class FlatQuantize(torch.autograd.Function):
 
     Saved for backward: the inputs and 5 scalars per token (codes, the two global maxima, the
     two partition sums); per chunk, backward recomputes the logits and the noise. Peak
-    transient memory is a few [chunk, Kl] fp32 buffers in forward and in backward.
+    transient memory is a few [chunk, Kl] fp32 buffers in forward and in backward. Where
+    ``spec.keep_bytes`` allows, forward saves each chunk's three buffers too (three [N, Kl]
+    in all) and backward reads them (in place: a second backward through the same graph is
+    refused by autograd's version check).
     """
 
     @staticmethod
@@ -79,6 +88,8 @@ class FlatQuantize(torch.autograd.Function):
         # and the mean of l - max(l) under softmax(l) (for the token's entropy).
         stats = torch.zeros(n_tok, 5, dtype=torch.float32, device=device)
         psum = torch.zeros(n_local, dtype=torch.float32, device=device)
+        keep = any(ctx.needs_input_grad[:3]) and 3 * 4 * n_tok * n_local <= spec.keep_bytes
+        kept: list[Tensor] = []
         with torch.autocast(device.type, enabled=False):
             w32, b32 = weight.float(), bias.float()
             for t0 in range(0, n_tok, spec.chunk_tokens):
@@ -123,6 +134,8 @@ class FlatQuantize(torch.autograd.Function):
                     psum.addmv_(soft.t(), sums[:, 0].reciprocal())
                 else:
                     psum.addmv_(plain.t(), sums[:, 1].reciprocal())
+                if keep:  # backward would recompute exactly these (unnormalised) values
+                    kept += (centered, plain) if soft is None else (centered, plain, soft)
                 del logits, scores, soft, plain, centered
         # H(softmax(l)) per token = log S - E[l - max]; identical on every model-parallel rank.
         entropy_sum = (stats[:, 3].log() - stats[:, 4]).sum()
@@ -132,7 +145,9 @@ class FlatQuantize(torch.autograd.Function):
         ctx.spec = spec
         # Detached: under ZeRO-3 the parameters' .data is released after the forward; the
         # detached tensors keep the gathered values that backward recomputes the logits from.
-        ctx.save_for_backward(a, weight.detach(), bias.detach(), codebook.detach(), codes, stats)
+        ctx.save_for_backward(
+            a, weight.detach(), bias.detach(), codebook.detach(), codes, stats, *kept
+        )
         ctx.mark_non_differentiable(codes, greedy)
         ctx.set_materialize_grads(False)  # an unused output costs no backward work
         return quantized, psum, codes, greedy, entropy_sum
@@ -147,7 +162,7 @@ class FlatQuantize(torch.autograd.Function):
         grad_entropy: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
         spec: FlatSpec = ctx.spec
-        a, weight, bias, codebook, codes, stats = ctx.saved_tensors
+        a, weight, bias, codebook, codes, stats, *kept = ctx.saved_tensors
         need_a, need_w, need_b, need_c = ctx.needs_input_grad[:4]
         n_local = weight.shape[0]
         grad_a = grad_w = grad_b = grad_c = None
@@ -171,6 +186,7 @@ class FlatQuantize(torch.autograd.Function):
                     grad_entropy,
                     spec,
                     (need_a, need_w, need_b),
+                    tuple(kept),
                 )
         return grad_a, grad_w, grad_b, grad_c, None
 
@@ -193,6 +209,7 @@ def _flat_logit_backward(
     grad_entropy: Tensor | None,
     spec: FlatSpec,
     needs: tuple[bool, bool, bool],
+    kept: Sequence[Tensor] = (),
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of the local logits, chunk by chunk, then of ``a``, ``weight`` and ``bias``.
 
@@ -202,7 +219,9 @@ def _flat_logit_backward(
     gr the diversity gradient when it uses r; plus, for the summed token entropies
     H_t = -sum r log r with upstream gradient g, -g * r * (l - max - E_r[l - max]). The dot
     products run over all codes: one all-reduce of 2 scalars per token per chunk. ``needs``
-    says which of the three gradients to compute (a frozen layer needs only ``a``'s).
+    says which of the three gradients to compute (a frozen layer needs only ``a``'s). ``kept``:
+    forward's unnormalised buffers of each chunk in turn (centred logits, their exponentials
+    and, if computed, the Gumbel softmax), used in place instead of recomputed.
     """
     groups, tau = spec.groups, spec.temperature
     need_a, need_w, need_b = needs
@@ -216,15 +235,25 @@ def _flat_logit_backward(
     soft_used = c32 is not None or (spec.from_gumbel and g_div is not None)
     plain_div = not spec.from_gumbel and g_div is not None
     plain_used = plain_div or grad_entropy is not None
-    for t0 in range(0, n_tok, spec.chunk_tokens):
+    starts = range(0, n_tok, spec.chunk_tokens)
+    per_chunk = len(kept) // max(1, len(starts))
+    for chunk, t0 in enumerate(starts):
         t1 = min(n_tok, t0 + spec.chunk_tokens)
         st = stats[t0:t1]
-        logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
+        logits = scores = None
+        this = kept[chunk * per_chunk : (chunk + 1) * per_chunk]
+        if not this:
+            logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
         dots = torch.zeros(t1 - t0, 2, dtype=torch.float32, device=a.device)
         grad_soft = soft = None
         if soft_used:
-            y = scores.div_(tau) if spec.sample else scores / tau
-            soft = y.sub_((st[:, 0] / tau)[:, None]).exp_().div_(st[:, 2:3])
+            if this:
+                soft = this[2]
+            else:
+                assert scores is not None
+                y = scores.div_(tau) if spec.sample else scores / tau
+                soft = y.sub_((st[:, 0] / tau)[:, None]).exp_()
+            soft.div_(st[:, 2:3])
             if c32 is not None:
                 assert grad_quantized is not None
                 grad_soft = grad_quantized[t0:t1].float() @ c32.t()
@@ -235,8 +264,13 @@ def _flat_logit_backward(
             dots[:, 0] = (soft * grad_soft).sum(dim=1)
         plain = centered = None
         if plain_used:
-            centered = logits.sub_(st[:, 1:2])
-            plain = centered.exp().div_(st[:, 3:4])
+            if this:
+                centered, plain = this[0], this[1]
+            else:
+                assert logits is not None
+                centered = logits.sub_(st[:, 1:2])
+                plain = centered.exp()
+            plain.div_(st[:, 3:4])
             if plain_div:
                 assert g_div is not None
                 dots[:, 1] = plain @ g_div
