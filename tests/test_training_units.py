@@ -192,17 +192,23 @@ def test_train_options_refuse_impossible_combinations() -> None:
     TrainConfig(stage="joint", interface="vq", decoder_codes="encoder", **base)
 
 
-def test_cpu_runs_use_torch_adam_for_exact_resume(tmp_path: Path) -> None:
+def test_cpu_runs_use_torch_fused_adam_for_exact_resume(tmp_path: Path) -> None:
     shipped = Path(__file__).resolve().parents[1] / "ds_configs" / "cpu_fp32_zero2.json"
     if torch.cuda.is_available():
         pytest.skip("the choice applies on the CPU accelerator")
-    assert load_ds_config(shipped)["optimizer"]["params"]["torch_adam"] is True
+    params = load_ds_config(shipped)["optimizer"]["params"]
+    assert params["torch_adam"] is True and params["fused"] is True
     raw = json.loads(shipped.read_text())
-    raw["optimizer"]["params"]["torch_adam"] = False  # the user's explicit choice stays
-    raw["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    raw["optimizer"]["params"]["fused"] = False  # the user's explicit choice stays
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(raw))
+    assert load_ds_config(path)["optimizer"]["params"]["fused"] is False
+    del raw["optimizer"]["params"]["fused"]
+    raw["optimizer"]["params"]["torch_adam"] = False  # the user's explicit choice stays
+    raw["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    path.write_text(json.dumps(raw))
     assert load_ds_config(path)["optimizer"]["params"]["torch_adam"] is False
+    assert "fused" not in load_ds_config(path)["optimizer"]["params"]
     del raw["optimizer"]["params"]["torch_adam"]
     path.write_text(json.dumps(raw))
     assert "torch_adam" not in load_ds_config(path)["optimizer"]["params"]  # offload: as given
