@@ -86,9 +86,8 @@ def test_every_option_survives_the_command_line() -> None:
         if getattr(config, f.name) == getattr(defaults, f.name)
     ]
     # --register-model needs a tracked fine-tuning run, --finetune-ras supervised
-    # fine-tuning, --decoder-codes encoder no --extractor-diversity, and --cl-unit-logits a
-    # CL interface: below.
-    assert same == ["cl_unit_logits", "decoder_codes", "finetune_ras", "register_model"], (
+    # fine-tuning, --decoder-codes encoder no --extractor-diversity: below.
+    assert same == ["decoder_codes", "finetune_ras", "register_model"], (
         "set these fields away from their defaults"
     )
     assert parse_train_argv(train_argv(config)) == config
@@ -105,8 +104,20 @@ def test_every_option_survives_the_command_line() -> None:
     for codes in ("extractor", "encoder", "encoder-trained"):
         tied = TrainConfig(stage="joint", interface="vq", decoder_codes=codes, **PATHS)
         assert parse_train_argv(train_argv(tied)) == tied
-    unit = TrainConfig(stage="joint", interface="cl", cl_unit_logits=True, **PATHS)
-    assert parse_train_argv(train_argv(unit)) == unit
+    table_rows = TrainConfig(stage="joint", interface="cl", cl_unit_logits=False, **PATHS)
+    assert parse_train_argv(train_argv(table_rows)) == table_rows
+
+
+def test_the_cl_mlm_reads_unit_rows_by_default_where_there_is_one() -> None:
+    """CL-SemFace's encoder and joint stages divide the tied table by sqrt(d_model) for the
+    MLM unless told not to; other stages have no such layer and refuse the option."""
+    base = ["--data", "d", "--spm-model", "s", "--output-dir", "o", "--cl-table", "t"]
+    for stage in ("encoder", "joint"):
+        assert parse_train_argv(["--stage", stage, "--interface", "cl", *base]).cl_unit_logits
+        off = ["--stage", stage, "--interface", "cl", "--no-cl-unit-logits", *base]
+        assert parse_train_argv(off).cl_unit_logits is False
+    assert not parse_train_argv(["--stage", "decoder", "--interface", "cl", *base]).cl_unit_logits
+    assert not parse_train_argv(["--stage", "joint", "--interface", "vq", *base]).cl_unit_logits
     with pytest.raises(ValueError, match="--interface cl and --stage encoder or joint"):
         TrainConfig(stage="decoder", interface="cl", cl_unit_logits=True, **PATHS)
 

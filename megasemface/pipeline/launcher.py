@@ -207,8 +207,10 @@ def changed_settings(run_dir: Path, config: TrainConfig) -> list[str]:
         f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         for f in dataclasses.fields(TrainConfig)
     }
-    # Filled in by stage since; runs recorded before the option existed read the extractor.
+    # Filled in by stage since; runs recorded before the options existed read the
+    # extractor and the table's rows as they are.
     defaults["decoder_codes"] = "extractor"
+    defaults["cl_unit_logits"] = False
     changes = []
     for name, wanted in config.to_dict().items():
         if name in _NOT_RESULTS:

@@ -253,7 +253,13 @@ ABLATIONS: dict[str, System] = {
             pretraining="vq-tied",
         ),
         System("cl-fixed", "CL-SemFace, fixed table", "joint", "cl", {"cl_trainable": False}),
-        System("cl-unit", "CL-SemFace, unit output rows", "joint", "cl", {"cl_unit_logits": True}),
+        System(
+            "cl-table-logits",
+            "CL-SemFace, MLM logits on the table's rows",
+            "joint",
+            "cl",
+            {"cl_unit_logits": False},
+        ),
         System(
             "cl-encoder-trained",
             "CL-SemFace, decoder on the encoder's output",

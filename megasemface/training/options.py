@@ -76,13 +76,14 @@ class TrainConfig:
     (--no-cl-trainable: the table stays the cross-lingual embeddings it was built as).
     Default: on in the joint stage (measured better on validation, docs/reproduce.md), off
     in the separate stages, whose decoder stage reads the table from --cl-table."""
-    cl_unit_logits: bool = False
+    cl_unit_logits: bool | None = None
     """CL-SemFace: the encoder's MLM output layer reads the table's rows divided by
     sqrt(d_model), at the unit norm of the VecMap embeddings the paper ties there. The rows
     themselves have norm sqrt(d_model) (the scale of the encoder's activations, which the
-    MSE term and the decoder's memory need), so tied as they are they give logits of
-    d_model times a cosine. Off by default: level on validation over three seeds at the demo
-    budget, ahead by 1.9 BLEU on the study budget's one seed (docs/reproduce.md)."""
+    MSE term and the decoder's memory need), so tied as they are (--no-cl-unit-logits) they
+    give logits of d_model times a cosine and an MLM loss at chance. Default: on in the
+    encoder and joint stages (ahead on validation at the study budget over three seeds,
+    level at the demo budget; docs/reproduce.md)."""
     init_from: Path | None = None
     """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
     finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
@@ -270,9 +271,10 @@ class TrainConfig:
             )
         if self.cl_trainable is None:
             self.cl_trainable = self.interface == "cl" and self.stage == "joint"
-        if self.cl_unit_logits and (
-            self.interface != "cl" or self.stage not in ("encoder", "joint")
-        ):
+        cl_mlm = self.interface == "cl" and self.stage in ("encoder", "joint")
+        if self.cl_unit_logits is None:
+            self.cl_unit_logits = cl_mlm
+        if self.cl_unit_logits and not cl_mlm:
             raise ValueError(
                 "--cl-unit-logits scales CL-SemFace's MLM output layer: use it with "
                 "--interface cl and --stage encoder or joint"
@@ -444,7 +446,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--model-config", dest="model_config_file", type=Path)
     add("--cl-table", type=Path)
     add("--cl-trainable", action=argparse.BooleanOptionalAction, default=None)  # by stage
-    add("--cl-unit-logits", action="store_true")
+    add("--cl-unit-logits", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--init-from", type=Path)
     add("--decoder-objective", default=d.decoder_objective, choices=("clm", "mlm"))
     add("--mse-weight", type=float, default=d.mse_weight)
@@ -526,7 +528,7 @@ def train_argv(config: TrainConfig) -> list[str]:
     return argv
 
 
-FILLED_IN = ("cl_trainable", "decoder_codes")
+FILLED_IN = ("cl_trainable", "cl_unit_logits", "decoder_codes")
 """TrainConfig fields that default to None, which ``__post_init__`` replaces with a value
 chosen from the other fields."""
 
