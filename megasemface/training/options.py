@@ -82,8 +82,8 @@ class TrainConfig:
     themselves have norm sqrt(d_model) (the scale of the encoder's activations, which the
     MSE term and the decoder's memory need), so tied as they are (--no-cl-unit-logits) they
     give logits of d_model times a cosine and an MLM loss at chance. Default: on in the
-    encoder and joint stages (ahead on validation at the study budget over three seeds,
-    level at the demo budget; docs/reproduce.md)."""
+    encoder and joint stages (ahead on validation at the study budget on both seeds
+    measured, level at the demo budget over three; docs/reproduce.md)."""
     init_from: Path | None = None
     """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
     finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
