@@ -13,8 +13,8 @@ import torch
 
 from megasemface.checkpoints.manager import CheckpointManager, DiskFullError
 from megasemface.data.tokenizer import Tokenizer
-from megasemface.distributed.engine import load_ds_config
-from megasemface.objectives.sequences import SpecialTokens
+from megasemface.distributed.engine import load_ds_config, on_device
+from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 from megasemface.training.options import TrainConfig
 from megasemface.training.preflight import check_before_start, lr_schedule_of
 from megasemface.training.run_data import RunData
@@ -36,6 +36,24 @@ def test_every_shipped_deepspeed_config_is_valid(path: Path) -> None:
     else:
         config = load_ds_config(path, accumulation=4)
         assert config["gradient_accumulation_steps"] == 4
+        # torch's fused Adam on every device: exact resume on CPU, no nvcc build on a GPU.
+        assert config["optimizer"]["params"]["torch_adam"] is True
+        assert config["optimizer"]["params"]["fused"] is True
+
+
+def test_the_engine_moves_batches_to_its_device() -> None:
+    """The loader reads batches into host memory; the engine's forward takes their tensors,
+    also inside a batch dataclass, to the model's device (here the meta device)."""
+    batch = SequenceBatch(torch.ones(2, 3, dtype=torch.long), torch.tensor([3, 2]), torch.zeros(2))
+    generator = torch.Generator()
+    moved = on_device((batch, generator, "supervised", 0.5), torch.device("meta"))
+    assert isinstance(moved, tuple)  # not a tensor or dataclass: as it is
+    batch_on = on_device(batch, torch.device("meta"))
+    assert isinstance(batch_on, SequenceBatch)
+    assert {t.device.type for t in vars(batch_on).values()} == {"meta"}
+    assert batch.tokens_BT.device.type == "cpu"  # the host copy is left alone
+    assert on_device(generator, torch.device("meta")) is generator
+    assert on_device("encode", torch.device("meta")) == "encode"
 
 
 def test_bad_deepspeed_configs_are_refused(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -43,6 +44,7 @@ __all__ = [
     "init_distributed",
     "load_ds_config",
     "loading_universal",
+    "on_device",
     "remove_stale_shm_buffers",
     "unsafe_checkpoint_file",
     "warn_stale_extension_lock",
@@ -219,25 +221,25 @@ def load_ds_config(path: str | Path, *, accumulation: int | None = None) -> dict
     warmup = scheduler.get("params", {}).get("warmup_type", "log")
     if str(scheduler.get("type", "")).startswith("Warmup") and warmup != "linear":
         raise ValueError(f'{path}: set scheduler.params.warmup_type to "linear" (default: log)')
-    if not torch.cuda.is_available():
-        _resumable_cpu_adam(config)
+    _torch_fused_adam(config)
     return config
 
 
-def _resumable_cpu_adam(config: dict[str, Any]) -> None:
-    """Makes a CPU run's Adam resume exactly: torch's Adam instead of DeepSpeed's CPU kernel.
+def _torch_fused_adam(config: dict[str, Any]) -> None:
+    """Runs the config's Adam as torch's fused Adam, which DeepSpeed takes for ``torch_adam``.
 
-    DeepSpeed's Adam on the CPU accelerator (``FusedAdam``, built from ``cpu_adam``) keeps
-    beta1**t and beta2**t as running float32 products in process memory, and a restarted
-    process recomputes them as ``pow(beta, t)``: 0.98**3 is 0.9411921 by products and
-    0.94119203 by pow. So every update after a resume differs from the uninterrupted run's in
-    its last bits. torch's Adam derives the bias correction from the step count each step,
-    so a resumed run repeats the uninterrupted one bitwise. Its fused CPU kernel, one pass
-    over parameters, gradients and moments, takes 0.3 s where the per-operation default
-    takes 1.05 s for 330M parameters (the paper preset's size; one thread); DeepSpeed passes
-    ``fused`` on to it. A config that names ``torch_adam`` or ``fused`` itself keeps its
-    choice. ZeRO-Offload's CPU Adam has the same property and is left as configured
-    (docs/pretraining.md, exact resume).
+    On CPU, DeepSpeed's own Adam (``FusedAdam``, built from ``cpu_adam``) keeps beta1**t and
+    beta2**t as running float32 products in process memory, and a restarted process
+    recomputes them as ``pow(beta, t)``: 0.98**3 is 0.9411921 by products and 0.94119203 by
+    pow, so every update after a resume would differ from the uninterrupted run's in its last
+    bits. torch's Adam derives the bias correction from the step count each step, so a
+    resumed run repeats the uninterrupted one bitwise. Its fused kernel makes one pass over
+    parameters, gradients and moments: on CPU 0.3 s where the per-operation default takes
+    1.05 s for 330M parameters (the paper preset's size; one thread); on a GPU it is one
+    multi-tensor kernel like DeepSpeed's, without the nvcc build of DeepSpeed's ``fused_adam``
+    extension that a run would otherwise start with on a fresh machine. A config that names
+    ``torch_adam`` or ``fused`` itself keeps its choice. ZeRO-Offload's CPU Adam has the same
+    exact-resume property and is left as configured (docs/pretraining.md, exact resume).
     """
     optimizer = config.get("optimizer") or {}
     offload = (config.get("zero_optimization") or {}).get("offload_optimizer")
@@ -272,8 +274,15 @@ class DeepSpeedEngine:
             mpu=DeepSpeedMpu(groups),
         )
 
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.engine.device)
+
     def forward(self, *args: Any) -> Any:
-        return self.engine(*args)
+        """The model's forward on ``args``, whose tensors (also inside dataclasses such as a
+        batch) are moved to the engine's device: the loader reads batches into host memory."""
+        device = self.device
+        return self.engine(*(on_device(arg, device) for arg in args))
 
     @contextlib.contextmanager
     def gathered(self, params: Iterable[nn.Parameter]) -> Iterator[None]:
@@ -347,6 +356,21 @@ class DeepSpeedEngine:
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag} under {directory}")
         return client_state or {}
+
+
+def on_device(value: Any, device: torch.device) -> Any:
+    """``value`` with its tensors on ``device``: a tensor, or a dataclass of tensors (each
+    field in turn); anything else as it is (a generator keeps its own device)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        moved = {
+            f.name: on_device(getattr(value, f.name), device)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        return dataclasses.replace(value, **moved)
+    return value
 
 
 def consolidated_state(root: Path, tag: str) -> dict[str, torch.Tensor]:
