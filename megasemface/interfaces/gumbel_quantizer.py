@@ -95,7 +95,7 @@ from megasemface.distributed.groups import (
     reduce_from_model_parallel,
 )
 from megasemface.interfaces.code_usage import CodeUsage
-from megasemface.interfaces.vq_flat import FlatQuantize, FlatSpec, owned_codes
+from megasemface.interfaces.vq_flat import FlatQuantize, FlatSpec, matmul_dtype, owned_codes
 from megasemface.interfaces.vq_random import (
     TAG_CODEBOOK,
     TAG_HIDDEN_B,
@@ -391,6 +391,7 @@ class GumbelVectorQuantizer(nn.Module):
             from_gumbel=self.config.diversity_from_gumbel,
             need_soft=need_grad or self.config.diversity_from_gumbel,
             out_dtype=h.dtype,
+            matmul_dtype=matmul_dtype(weights[0]),
         )
         local_out, psum, codes, greedy, entropy_sum = FlatQuantize.apply(*params, spec)
         quantized = reduce_from_model_parallel(local_out, self.groups)

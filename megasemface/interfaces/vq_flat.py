@@ -43,17 +43,41 @@ class FlatSpec:
     need_soft: bool
     """Whether Eq. 5's probabilities are needed (straight-through gradient or diversity)."""
     out_dtype: torch.dtype
+    matmul_dtype: torch.dtype = torch.float32
+    """The operands' dtype of the layer's matrix products, whose results are fp32 either way:
+    fp32, or on a GPU the weights' bf16/fp16 (tensor cores, fp32 accumulation), as autocast
+    would multiply them; see :func:`matmul_dtype`."""
+
+
+def matmul_dtype(weight: Tensor) -> torch.dtype:
+    """bf16/fp16 for such weights on a GPU, whose products accumulate in fp32 into fp32
+    results (``torch.mm(..., out_dtype=torch.float32)``, CUDA only); else fp32, so that CPU
+    runs multiply fp32 operands as before. Half operands hold the same values as the
+    weights: only the accumulation order of the products differs from an fp32 product."""
+    half = weight.dtype in (torch.bfloat16, torch.float16)
+    return weight.dtype if half and weight.device.type == "cuda" else torch.float32
+
+
+def _mm(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x @ y`` in fp32, from operands of ``dtype`` (see :func:`matmul_dtype`)."""
+    if dtype == torch.float32:
+        return x.float() @ y.float()
+    return torch.mm(x.to(dtype), y.to(dtype), out_dtype=torch.float32)
 
 
 def _chunk_logits(
-    a: Tensor, w32: Tensor, b32: Tensor, spec: FlatSpec, t0: int
+    a: Tensor, wm: Tensor, b32: Tensor, spec: FlatSpec, t0: int
 ) -> tuple[Tensor, Tensor]:
-    """Local logits l [n, Kl] and selection scores s = l + v (training) or l itself (eval)."""
-    logits = torch.addmm(b32, a.float(), w32.t())
+    """Local logits l [n, Kl] and selection scores s = l + v (training) or l itself (eval).
+    ``wm``: the logit weights in ``spec.matmul_dtype``."""
+    if spec.matmul_dtype == torch.float32:
+        logits = torch.addmm(b32, a.float(), wm.t())
+    else:
+        logits = _mm(a, wm.t(), spec.matmul_dtype).add_(b32)
     if not spec.sample:
         return logits, logits
     noise = gumbel_noise(
-        spec.noise_key, t0, a.shape[0], spec.code_offset, w32.shape[0], device=a.device
+        spec.noise_key, t0, a.shape[0], spec.code_offset, wm.shape[0], device=a.device
     )
     return logits, noise.add_(logits)
 
@@ -91,10 +115,10 @@ class FlatQuantize(torch.autograd.Function):
         keep = any(ctx.needs_input_grad[:3]) and 3 * 4 * n_tok * n_local <= spec.keep_bytes
         kept: list[Tensor] = []
         with torch.autocast(device.type, enabled=False):
-            w32, b32 = weight.float(), bias.float()
+            wm, b32 = weight.to(spec.matmul_dtype), bias.float()
             for t0 in range(0, n_tok, spec.chunk_tokens):
                 t1 = min(n_tok, t0 + spec.chunk_tokens)
-                logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
+                logits, scores = _chunk_logits(a[t0:t1], wm, b32, spec, t0)
                 # Local maxima and the first (smallest) local index attaining them, of the
                 # scores and (when sampling) of the noise-free logits.
                 local_max, local_idx = scores.max(dim=1)
@@ -226,13 +250,14 @@ def _flat_logit_backward(
     groups, tau = spec.groups, spec.temperature
     need_a, need_w, need_b = needs
     n_tok = a.shape[0]
-    w32, b32 = weight.float(), bias.float()
-    c32 = codebook.float() if grad_quantized is not None else None
+    dtype = spec.matmul_dtype
+    wm, b32 = weight.to(dtype), bias.float()
+    cm = codebook.to(dtype) if grad_quantized is not None else None
     g_div = grad_psum.float() if grad_psum is not None else None
     grad_a = torch.empty_like(a) if need_a else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=a.device) if need_w else None
     grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=a.device) if need_b else None
-    soft_used = c32 is not None or (spec.from_gumbel and g_div is not None)
+    soft_used = cm is not None or (spec.from_gumbel and g_div is not None)
     plain_div = not spec.from_gumbel and g_div is not None
     plain_used = plain_div or grad_entropy is not None
     starts = range(0, n_tok, spec.chunk_tokens)
@@ -243,7 +268,7 @@ def _flat_logit_backward(
         logits = scores = None
         this = kept[chunk * per_chunk : (chunk + 1) * per_chunk]
         if not this:
-            logits, scores = _chunk_logits(a[t0:t1], w32, b32, spec, t0)
+            logits, scores = _chunk_logits(a[t0:t1], wm, b32, spec, t0)
         dots = torch.zeros(t1 - t0, 2, dtype=torch.float32, device=a.device)
         grad_soft = soft = None
         if soft_used:
@@ -254,9 +279,9 @@ def _flat_logit_backward(
                 y = scores.div_(tau) if spec.sample else scores / tau
                 soft = y.sub_((st[:, 0] / tau)[:, None]).exp_()
             soft.div_(st[:, 2:3])
-            if c32 is not None:
+            if cm is not None:
                 assert grad_quantized is not None
-                grad_soft = grad_quantized[t0:t1].float() @ c32.t()
+                grad_soft = _mm(grad_quantized[t0:t1], cm.t(), dtype)
             else:
                 grad_soft = torch.zeros_like(soft)
             if spec.from_gumbel and g_div is not None:
@@ -287,13 +312,20 @@ def _flat_logit_backward(
             assert plain is not None and centered is not None
             # A 0-dim tensor multiplies without a host synchronisation.
             grad_logits.sub_(plain.mul_(centered.sub_(st[:, 4:5])).mul_(grad_entropy))
+        if dtype != torch.float32 and (grad_a is not None or grad_w is not None):
+            grad_logits_mm = grad_logits.to(dtype)  # as autocast's backward multiplies
+        else:
+            grad_logits_mm = grad_logits
         if grad_a is not None:
-            grad_a[t0:t1] = (grad_logits @ w32).to(a.dtype)
+            grad_a[t0:t1] = _mm(grad_logits_mm, wm, dtype).to(a.dtype)
         if grad_w is not None:
-            grad_w.addmm_(grad_logits.t(), a[t0:t1].float())
+            if dtype == torch.float32:
+                grad_w.addmm_(grad_logits.t(), a[t0:t1].float())
+            else:
+                grad_w.add_(_mm(grad_logits_mm.t(), a[t0:t1], dtype))
         if grad_b is not None:
             grad_b.add_(grad_logits.sum(dim=0))
-        del logits, scores, soft, plain, centered, grad_soft, grad_logits
+        del logits, scores, soft, plain, centered, grad_soft, grad_logits, grad_logits_mm
     return (
         grad_a,
         grad_w.to(weight.dtype) if grad_w is not None else None,

@@ -21,10 +21,13 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CHUNK_LOGITS", "OutputLoss", "output_cross_entropy"]
+__all__ = ["CHUNK_LOGITS", "CHUNK_LOGITS_GPU", "OutputLoss", "output_cross_entropy"]
 
 CHUNK_LOGITS = 1 << 24
-"""Logits per chunk (64 MiB in fp32): large enough to keep the matmuls efficient."""
+"""Logits per chunk on a CPU (64 MiB in fp32): large enough to keep the matmuls efficient."""
+CHUNK_LOGITS_GPU = 1 << 28
+"""Logits per chunk on a GPU (1 GiB in fp32): a few chunks a batch, so that the per-chunk
+kernels (about 20) do not leave the GPU waiting on their launches."""
 
 
 @dataclasses.dataclass
@@ -43,7 +46,7 @@ def output_cross_entropy(
     bias_V: torch.Tensor | None,
     targets_N: torch.Tensor,
     smoothing: float = 0.0,
-    chunk_logits: int = CHUNK_LOGITS,
+    chunk_logits: int | None = None,
 ) -> OutputLoss:
     """``F.cross_entropy(hidden @ weight.T + bias, targets, label_smoothing=smoothing)`` and
     the argmax accuracy, in fp32 whatever the dtype of the inputs (a large softmax in bf16
@@ -53,6 +56,8 @@ def output_cross_entropy(
     call backward on the loss (or drop it) before the next step, as with any loss. With no
     tokens, the loss and accuracy are NaN, as ``F.cross_entropy``'s mean is.
     """
+    if chunk_logits is None:
+        chunk_logits = CHUNK_LOGITS if hidden_ND.device.type == "cpu" else CHUNK_LOGITS_GPU
     weight_VD = weight_VD.to(hidden_ND.dtype)
     bias_V = None if bias_V is None else bias_V.to(hidden_ND.dtype)
     inputs = (hidden_ND, weight_VD, bias_V)
@@ -81,6 +86,11 @@ class _OutputCrossEntropy(torch.autograd.Function):
         total_nll = torch.zeros_like(total)
         correct = torch.zeros((), dtype=torch.long, device=hidden_ND.device)
         grad_h = grad_w = grad_b = None
+        # Under CUDA autocast the logits' products run in its half dtype; so do the gradient's,
+        # accumulating into fp32 results, rather than in the fp32 of the (LayerNorm'd) states.
+        autocast = hidden_ND.is_cuda and torch.is_autocast_enabled("cuda")
+        grad_dtype = torch.get_autocast_dtype("cuda") if autocast else hidden_ND.dtype
+        half_weight_VD = weight_VD.to(grad_dtype)
         if with_grad:
             grad_h = torch.empty_like(hidden_ND)
             # Accumulated over chunks in fp32: a bf16 sum of chunks would round at each one.
@@ -112,10 +122,17 @@ class _OutputCrossEntropy(torch.autograd.Function):
             )
             if smoothing:
                 z_CV.sub_(smoothing / (vocab * tokens))
-            g_CV = z_CV.to(hidden_ND.dtype)
-            torch.mm(g_CV, weight_VD, out=grad_h[start : start + rows])
+            g_CV = z_CV.to(grad_dtype)
+            if g_CV.dtype == hidden_ND.dtype:
+                torch.mm(g_CV, weight_VD, out=grad_h[start : start + rows])
+            else:  # half operands into fp32 states (CUDA autocast)
+                grad_h[start : start + rows] = torch.mm(
+                    g_CV, half_weight_VD, out_dtype=torch.float32
+                )
             if g_CV.dtype == torch.float32:
                 grad_w.addmm_(g_CV.t(), h_CD)
+            elif g_CV.is_cuda:  # half operands, fp32 accumulation and result (CUDA only)
+                grad_w += torch.mm(g_CV.t(), h_CD.to(grad_dtype), out_dtype=torch.float32)
             else:
                 grad_w += (g_CV.t() @ h_CD).float()
             grad_b += z_CV.sum(dim=0)

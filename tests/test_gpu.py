@@ -1,0 +1,73 @@
+"""What differs on a GPU: the fused Gumbel noise, the VQ layer's half-precision products and
+the output loss's chunks. Skipped without CUDA (CI has none); a GPU machine runs them with
+``pytest tests/test_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces import noise_kernel
+from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.interfaces.vq_random import gumbel_noise
+from megasemface.models.config import VQConfig
+from megasemface.objectives.output_loss import output_cross_entropy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_noise_kernel_matches_the_cpu_and_tiles() -> None:
+    """The Triton kernel hashes the same integers as the CPU's eager blocks (logarithms may
+    round differently in the last bit), and any tiling gives the same values."""
+    pytest.importorskip("triton")
+    whole = gumbel_noise(11, 100, 300, 7, 5000, device="cuda")
+    assert not noise_kernel._failed, noise_kernel._failed  # the kernel ran, not the fallback
+    cpu = gumbel_noise(11, 100, 300, 7, 5000)
+    torch.testing.assert_close(whole.cpu(), cpu, rtol=0, atol=2e-6)
+    top = gumbel_noise(11, 100, 120, 7, 5000, device="cuda")
+    right = gumbel_noise(11, 220, 180, 2007, 3000, device="cuda")
+    assert torch.equal(whole[:120], top)
+    assert torch.equal(whole[120:, 2000:], right)
+
+
+def _flat(dtype: torch.dtype) -> GumbelVectorQuantizer:
+    config = VQConfig(layout="flat", num_codes=4096, chunk_tokens=256)
+    layer = GumbelVectorQuantizer(config, 256, ParallelGroups.single(), seed=3)
+    return layer.cuda().to(dtype).train()
+
+
+def test_flat_layer_half_products_agree_with_fp32() -> None:
+    """bf16 weights multiply on tensor cores into fp32 logits: the same codes as the fp32
+    products of the same (upcast) weights, to a few near-ties, and close gradients."""
+    half, full = _flat(torch.bfloat16), _flat(torch.float32)
+    full.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    h = torch.randn(1000, 256, device="cuda")
+    outs, grads = [], []
+    for layer, x in ((half, h.bfloat16()), (full, h.bfloat16().float())):
+        x = x.clone().requires_grad_()
+        out = layer(x, noise_key=5)
+        (out.quantized.float().square().sum() + out.diversity_loss).backward()
+        outs.append(out)
+        grads.append(x.grad.float())
+    agree = (outs[0].codes == outs[1].codes).float().mean().item()
+    assert agree >= 0.99, agree
+    error = (grads[0] - grads[1]).norm() / grads[1].norm()
+    assert error < 0.05, error.item()
+
+
+def test_output_loss_under_bf16_autocast_matches_fp32() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(3000, 128, device="cuda", requires_grad=True)
+    weight = torch.randn(6000, 128, device="cuda", requires_grad=True)
+    targets = torch.randint(0, 6000, (3000,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = output_cross_entropy(hidden, weight, None, targets, 0.1)
+    out.loss.backward()
+    reference = F.cross_entropy(hidden @ weight.t(), targets, label_smoothing=0.1)
+    torch.testing.assert_close(out.loss, reference, rtol=2e-2, atol=0)
+    grad_w = weight.grad.clone()
+    weight.grad = None
+    reference.backward()
+    assert (grad_w - weight.grad).norm() / weight.grad.norm() < 0.05
