@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from launch import parse_train_argv
 
+from megasemface.checkpoints.layout import MARKER, checkpoint_tag
 from megasemface.cli.reproduce import build_parser, config_from_args, main
 from megasemface.pipeline import pipeline as pipeline_module
 from megasemface.pipeline.config import BUDGETS, PipelineConfig, seeded
-from megasemface.pipeline.launcher import TRAIN_SCRIPT
+from megasemface.pipeline.launcher import TRAIN_SCRIPT, LaunchError
 from megasemface.pipeline.pipeline import PairData, Pipeline
 from megasemface.pipeline.systems import ABLATIONS, RELATED, SETTINGS, SYSTEMS, System
 from megasemface.training.options import TrainConfig, train_argv
@@ -108,10 +109,25 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
 
     def record(cmd: list[str], log_path: Path, **_: object) -> float:
         commands.append(list(cmd))
+        run = _launched(cmd)  # the finished run's last checkpoint, as train.py leaves it
+        (run.output_dir / "checkpoints" / checkpoint_tag(run.steps)).mkdir(parents=True)
+        (run.output_dir / "checkpoints" / checkpoint_tag(run.steps) / MARKER).touch()
         return 0.0
 
     monkeypatch.setattr(pipeline_module, "run_logged", record)
     return commands
+
+
+def test_a_run_stopped_before_its_last_step_stops_the_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.py exits 0 when a signal stops it after a save: the pipeline must not go on to
+    translate or register that run as a trained model, and says how to continue it."""
+    monkeypatch.setattr(pipeline_module, "run_logged", lambda cmd, log, **_: 0.0)
+    pipeline = _pipeline(tmp_path, (0,))
+    vq = System("vq", "VQ-SemFace", "joint", "vq")
+    with pytest.raises(LaunchError, match=r"stopped before step .*run the same command again"):
+        pipeline.pretrain(vq, 0)
 
 
 def _pipeline(tmp_path: Path, seeds: tuple[int, ...]) -> Pipeline:

@@ -288,6 +288,13 @@ class Pipeline:
             config, ds_config=self.ds_config, procs=cfg.procs, hostfile=cfg.hostfile
         )
         seconds = run_logged(cmd, run_dir / "launcher.log", env=launch_environment(cfg.procs))
+        if not training_complete(run_dir, config.steps):
+            # train.py exits 0 when stopped by SIGTERM or SIGINT, after saving: the run
+            # is not finished, and nothing after it may read it as a trained model.
+            raise LaunchError(
+                f"{run_dir} stopped before step {config.steps} (its checkpoints are kept; log: "
+                f"{run_dir / 'launcher.log'}): run the same command again to continue it"
+            )
         print(f"   finished in {seconds:.0f}s; log: {run_dir / 'launcher.log'}")
 
     def _ras(self, wanted: bool) -> list[Path]:
