@@ -258,6 +258,34 @@ def _translate_rows(r: Figures, others: dict[str, Figures]) -> list[Row]:
     return rows
 
 
+def _gpu_rows(r: Figures, others: dict[str, Figures]) -> list[Row]:
+    if "skipped" in r:
+        return [("GPU joint SemFace step, paper preset", f"skipped: {r['skipped']}", "", "")]
+    steps, peak = r["steps"], r["datasheet_peak"]
+    rows = []
+    for stage in ("ZeRO-2", "ZeRO-3"):
+        s = steps[stage]
+        rows.append(
+            (
+                f"GPU joint SemFace step, {r['preset']} preset, flat VQ, bf16 {stage}",
+                f"{s['flops_per_s'] / 1e12:,.0f} TFLOP/s, {s['tokens_per_s']:,.0f} tokens/s",
+                f"{r['device']} dense bf16 peak"
+                + (f" {peak / 1e12:,.0f} TFLOP/s" if peak else ": not in the table"),
+                f"{s['mfu']:.1%} MFU (goal >= 45%)" if "mfu" in s else "",
+            )
+        )
+    ours, bart = steps["megasemface"], steps["HF BART"]
+    rows.append(
+        (
+            "GPU translation training step, same shape, autocast bf16",
+            f"megasemface {ours['tokens_per_s']:,.0f} tokens/s",
+            f"HF BART: {bart['tokens_per_s']:,.0f} tokens/s",
+            f"{ours['tokens_per_s'] / bart['tokens_per_s']:.2f}x (goal > 1)",
+        )
+    )
+    return rows
+
+
 BENCHMARKS = (
     Benchmark(
         "data",
@@ -322,6 +350,15 @@ BENCHMARKS = (
         _demo_rows,
         needs_gib=6,
         timeout=2400,
+    ),
+    Benchmark(
+        "gpu",
+        "bench_gpu.py",
+        "GPU: the joint SemFace step under DeepSpeed beside HF BART",
+        ("--profile",),
+        ("--sentences", "128", "--repeats", "3", "--no-compile"),
+        _gpu_rows,
+        needs_gib=8,
     ),
     Benchmark(
         "embeddings",
