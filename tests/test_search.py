@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from megasemface.distributed.engine import on_device
 from megasemface.inference.search import (
     Hypothesis,
     SearchConfig,
@@ -22,6 +23,7 @@ from megasemface.inference.search import (
 )
 from megasemface.models.config import build_model_config
 from megasemface.models.transformer import DecoderCache, EncoderOutput, Seq2SeqModel
+from megasemface.training.units.translation import _EngineScorer
 
 EOS, PAD, TAG = 2, 3, 5
 BANNED = (0, 1, 3, 4, 5)  # unk, bos, pad, mask, the tag: generation picks among 2, 6, 7...
@@ -481,3 +483,31 @@ def test_no_repeat_ngram_stops_a_loop(model: Seq2SeqModel, beam: int) -> None:
     # On a real model: no bigram twice in any output.
     for hyp in run(model, make_batch([9, 3, 12, 7]), SearchConfig(beam=beam, no_repeat_ngram=2)):
         assert len(set(_ngrams(hyp.tokens, 2))) == len(_ngrams(hyp.tokens, 2))
+
+
+class _ModelEngine:
+    """The translation step's search through the training engine: each call's arguments pass
+    through ``on_device`` as ``DeepSpeedEngine.forward`` passes them, onto the model."""
+
+    def __init__(self, model: Seq2SeqModel) -> None:
+        self.model = model
+        self.cached: list[int] = []
+        """Positions already in the cache at each decoding step."""
+
+    def forward(self, task: str, *args: object) -> object:
+        moved = [on_device(arg, torch.device("cpu")) for arg in args]
+        if task == "encode":
+            return self.model.encode(*moved)  # type: ignore[arg-type]
+        self.cached.append(moved[3].length)  # type: ignore[attr-defined]
+        return self.model.decode_step(*moved)  # type: ignore[arg-type]
+
+
+def test_search_through_the_engine_keeps_its_cache(model: Seq2SeqModel) -> None:
+    """The engine hands the decoding cache on as the same object, which the step fills in
+    place: each step decodes only its new position, and the hypotheses match the model's."""
+    batch = make_batch([5, 9, 3, 7])
+    for config in (SearchConfig(), SearchConfig(beam=4)):
+        engine = _ModelEngine(model)
+        through = run(_EngineScorer(engine), batch, config)  # type: ignore[arg-type]
+        assert [h.tokens for h in through] == [h.tokens for h in run(model, batch, config)]
+        assert engine.cached[:4] == [0, 1, 2, 3]

@@ -14,6 +14,7 @@ import torch
 from megasemface.checkpoints.manager import CheckpointManager, DiskFullError
 from megasemface.data.tokenizer import Tokenizer
 from megasemface.distributed.engine import load_ds_config, on_device
+from megasemface.models.transformer import DecoderCache
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 from megasemface.training.options import TrainConfig
 from megasemface.training.preflight import check_before_start, lr_schedule_of
@@ -53,6 +54,11 @@ def test_the_engine_moves_batches_to_its_device() -> None:
     assert {t.device.type for t in vars(batch_on).values()} == {"meta"}
     assert batch.tokens_BT.device.type == "cpu"  # the host copy is left alone
     assert on_device(generator, torch.device("meta")) is generator
+    # Already there: the object itself, so that a step's in-place updates (a decoding cache's
+    # length) reach the caller.
+    assert on_device(batch, torch.device("cpu")) is batch
+    cache = DecoderCache()
+    assert on_device(cache, torch.device("meta")) is cache
     assert on_device("encode", torch.device("meta")) == "encode"
 
 

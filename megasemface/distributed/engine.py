@@ -360,15 +360,16 @@ class DeepSpeedEngine:
 
 def on_device(value: Any, device: torch.device) -> Any:
     """``value`` with its tensors on ``device``: a tensor, or a dataclass of tensors (each
-    field in turn); anything else as it is (a generator keeps its own device)."""
+    field in turn); anything else as it is (a generator keeps its own device). A dataclass
+    whose tensors are all there already is returned itself, not a copy: a decoding cache is
+    updated in place by the step it is passed to."""
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+        return value.to(device, non_blocking=True)  # the tensor itself when already there
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        moved = {
-            f.name: on_device(getattr(value, f.name), device)
-            for f in dataclasses.fields(value)
-            if f.init
-        }
+        fields = [f.name for f in dataclasses.fields(value) if f.init]
+        moved = {name: on_device(getattr(value, name), device) for name in fields}
+        if all(moved[name] is getattr(value, name) for name in fields):
+            return value
         return dataclasses.replace(value, **moved)
     return value
 
