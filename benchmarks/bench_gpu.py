@@ -39,7 +39,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
 
 from bench_model import TRAIN_OBJECTIVE  # sibling script
-from bench_peer import SPECIAL, Shape, build_runners, gpu_bf16_peak, make_batches
+from bench_peer import SPECIAL, Shape, _sync, build_runners, gpu_bf16_peak, make_batches
 from torch.utils.flop_counter import FlopCounterMode
 
 from megasemface.distributed.engine import DeepSpeedEngine, init_distributed, load_ds_config
@@ -52,11 +52,6 @@ from megasemface.objectives.sequences import SequenceBatch
 from megasemface.objectives.stages import SemFaceModel
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed(fn: Callable[[], None], device: torch.device) -> float:
@@ -297,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="run without a GPU (a check)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
+    for name in ("sentences", "length", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not torch.cuda.is_available() and not args.cpu:
         print("GPU benchmark: skipped (no CUDA device; --cpu runs it on this CPU as a check).")
         if args.json:

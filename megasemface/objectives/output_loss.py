@@ -90,8 +90,9 @@ class _OutputCrossEntropy(torch.autograd.Function):
         # accumulating into fp32 results, rather than in the fp32 of the (LayerNorm'd) states.
         autocast = hidden_ND.is_cuda and torch.is_autocast_enabled("cuda")
         grad_dtype = torch.get_autocast_dtype("cuda") if autocast else hidden_ND.dtype
-        half_weight_VD = weight_VD.to(grad_dtype)
+        half_weight_VD = weight_VD
         if with_grad:
+            half_weight_VD = weight_VD.to(grad_dtype)  # once a call, not once a chunk
             grad_h = torch.empty_like(hidden_ND)
             # Accumulated over chunks in fp32: a bf16 sum of chunks would round at each one.
             grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
