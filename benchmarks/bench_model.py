@@ -131,7 +131,7 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
     config = build_model_config(preset, [f"vq.layout={layout}"])
     torch.manual_seed(0)
     model = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
     batch = _batch(config.vocab_size, *SHAPES[preset])
     generator = torch.Generator().manual_seed(0)
 
@@ -151,7 +151,7 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
     torch.manual_seed(0)
     compiled = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
     compile_layers(compiled)
-    compiled_optimizer = torch.optim.Adam(compiled.parameters(), lr=1e-4)
+    compiled_optimizer = torch.optim.Adam(compiled.parameters(), lr=1e-4, fused=True)
 
     def compiled_step() -> None:
         compiled_optimizer.zero_grad(set_to_none=True)
@@ -225,7 +225,7 @@ def allocator_child(mode: str, steps: int) -> dict[str, object]:
     config = build_model_config("tiny", [])
     torch.manual_seed(0)
     model = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
     shapes = random.Random(0)
     batches = [_batch(config.vocab_size, 64, shapes.randint(20, 45)) for _ in range(steps + 2)]
     generator = torch.Generator().manual_seed(0)

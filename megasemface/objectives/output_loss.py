@@ -5,10 +5,12 @@ the largest part of a small model's training step: on the demo's d 64 model with
 about half of the SemFace joint step (``benchmarks/bench_model.py``). Through autograd it is
 a matmul, a bias add, a log-softmax, an [N, V] zero-filled gradient for the loss, the
 log-softmax backward, an argmax over the logits again for the accuracy, and the matmuls of
-the backward. Here each chunk of tokens is projected once, and its loss, its argmax and the
-gradient of its logits (softmax minus the smoothed one-hot) come from that one buffer while
-it is in cache; the gradients of the hidden states, weight and bias are formed from it at
-once, and backward only scales them by the incoming gradient. Memory: one chunk of fp32
+the backward. Here each chunk of tokens is projected once, and its loss, its accuracy and the
+gradient of its logits (softmax minus the smoothed one-hot) come from four passes over that
+one buffer (max, subtract, exp, sum); what is linear in the logits (smoothing's mean logit,
+the softmax's row scale, its uniform part) is applied on the [C, D] and [V, D] sides
+instead. The gradients of the hidden states, weight and bias are formed at once, and
+backward only scales them by the incoming gradient. Memory: one chunk of fp32
 logits instead of all N (at the paper's 60,000 ids, 280 tokens' worth instead of a batch's).
 
 Shapes: N predicted tokens, D model size, V vocabulary.
@@ -37,7 +39,8 @@ class OutputLoss:
     nll: torch.Tensor
     """Mean negative log-likelihood of the targets (the loss without smoothing); detached."""
     accuracy: torch.Tensor
-    """Share of tokens whose most likely id is the target; detached, on the device."""
+    """Share of tokens whose target has the highest logit (a tie, which fp32 logits do not
+    have in practice, counts as correct); detached, on the device."""
 
 
 def output_cross_entropy(
@@ -82,9 +85,17 @@ class _OutputCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens, vocab = hidden_ND.shape[0], weight_VD.shape[0]
         rows = max(1, chunk_logits // vocab)
-        total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
+        device = hidden_ND.device
+        total = torch.zeros((), dtype=torch.float32, device=device)
         total_nll = torch.zeros_like(total)
-        correct = torch.zeros((), dtype=torch.long, device=hidden_ND.device)
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        # Label smoothing's mean logit of a row and the uniform part of its gradient are
+        # linear in the weight's column sums: one read of the weight instead of a pass over
+        # every chunk's [C, V] buffer.
+        sum_w_D = weight_VD.sum(dim=0, dtype=torch.float32) if smoothing else None
+        mean_b = total if bias_V is None else bias_V.float().mean()
+        # s / (V N): the uniform part of d loss / d z, the same for every logit.
+        uniform = smoothing / (vocab * tokens) if tokens else 0.0
         grad_h = grad_w = grad_b = None
         # Under CUDA autocast the logits' products run in its half dtype; so do the gradient's,
         # accumulating into fp32 results, rather than in the fp32 of the (LayerNorm'd) states.
@@ -94,54 +105,67 @@ class _OutputCrossEntropy(torch.autograd.Function):
         if with_grad:
             half_weight_VD = weight_VD.to(grad_dtype)  # once a call, not once a chunk
             grad_h = torch.empty_like(hidden_ND)
-            # Accumulated over chunks in fp32: a bf16 sum of chunks would round at each one.
-            grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
-            grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight_VD.device)
+            # Accumulated over chunks in fp32 (a bf16 sum of chunks would round at each one),
+            # starting from the uniform part: - s / (V N) times the sum of the states, in
+            # every row of the weight's gradient, and - s / V in every bias entry.
+            sum_h_D = hidden_ND.sum(dim=0, dtype=torch.float32)
+            grad_w = (-uniform * sum_h_D).expand(weight_VD.shape).contiguous()
+            if bias_V is not None:
+                grad_b = torch.full((vocab,), -smoothing / vocab, device=device)
         for start in range(0, tokens, rows):
             h_CD = hidden_ND[start : start + rows]
             t_C = targets_N[start : start + rows]
-            z_CV = F.linear(h_CD, weight_VD, bias_V).float()
-            top_C, argmax_C = z_CV.max(dim=-1)
-            correct += (argmax_C == t_C).sum()
-            z_CV.sub_(top_C[:, None])  # in place from here on: the one [C, V] buffer
+            if bias_V is None or h_CD.is_cuda:
+                z_CV = F.linear(h_CD, weight_VD, bias_V).float()
+            else:  # addmm's broadcast copy of the bias into its [C, V] output is slower on a
+                # CPU than the product itself (8 ms for 1,056 x 8,000); an add is one pass.
+                z_CV = F.linear(h_CD, weight_VD).float().add_(bias_V)
             target_C = z_CV.gather(1, t_C[:, None]).squeeze(1)
-            mean_C = z_CV.mean(dim=-1) if smoothing else None
-            sum_C = z_CV.exp_().sum(dim=-1)
+            top_C = z_CV.amax(dim=-1)
+            # The target has the highest logit (a tie counts): argmax's answer without its
+            # slower pass, as exact in fp32 logits, where ties do not occur.
+            correct += (target_C >= top_C).sum()
+            e_CV = z_CV.sub_(top_C[:, None]).exp_()  # in place: the one [C, V] buffer
+            sum_C = e_CV.sum(dim=-1)
             lse_C = sum_C.log()  # all shifted by the row's max, which cancels
-            nll_C = lse_C - target_C
+            nll_C = lse_C - (target_C - top_C)
             total_nll += nll_C.sum()
-            if mean_C is None:
+            if sum_w_D is None:
                 total += nll_C.sum()
             else:  # (1 - s) nll + s (lse - mean(z)): F.cross_entropy's label smoothing
+                mean_C = torch.addmv(mean_b, h_CD.float(), sum_w_D, alpha=1.0 / vocab) - top_C
                 total += ((1.0 - smoothing) * nll_C + smoothing * (lse_C - mean_C)).sum()
-            if grad_w is None or grad_b is None or grad_h is None:
+            if grad_h is None or grad_w is None:
                 continue
-            # d loss / d z = (softmax - (1 - s) onehot - s / V) / N
-            z_CV.mul_((1.0 / (sum_C * tokens))[:, None])
-            z_CV.scatter_add_(
-                1, t_C[:, None], torch.full_like(target_C[:, None], -(1.0 - smoothing) / tokens)
-            )
-            if smoothing:
-                z_CV.sub_(smoothing / (vocab * tokens))
-            g_CV = z_CV.to(grad_dtype)
+            # d loss / d z = (softmax - (1 - s) onehot - s / V) / N. The buffer keeps the
+            # unnormalised exp(z - max), with the one-hot in its units; the rows' 1 / (sum N)
+            # is applied on the [C, D] sides of the products, and the uniform s / (V N) after
+            # (hidden states) or before (weight, bias) the loop.
+            e_CV.scatter_add_(1, t_C[:, None], (smoothing - 1.0) * sum_C[:, None])
+            scale_C = 1.0 / (sum_C * tokens)
+            g_CV = e_CV.to(grad_dtype)
+            scaled_h_CD = h_CD * scale_C[:, None].to(h_CD.dtype)
+            rows_h = grad_h[start : start + rows]
             if g_CV.dtype == hidden_ND.dtype:
-                torch.mm(g_CV, weight_VD, out=grad_h[start : start + rows])
+                torch.mm(g_CV, weight_VD, out=rows_h)
             else:  # half operands into fp32 states (CUDA autocast)
-                grad_h[start : start + rows] = torch.mm(
-                    g_CV, half_weight_VD, out_dtype=torch.float32
-                )
+                rows_h.copy_(torch.mm(g_CV, half_weight_VD, out_dtype=torch.float32))
+            rows_h.mul_(scale_C[:, None].to(rows_h.dtype))
             if g_CV.dtype == torch.float32:
-                grad_w.addmm_(g_CV.t(), h_CD)
+                grad_w.addmm_(g_CV.t(), scaled_h_CD)
             elif g_CV.is_cuda:  # half operands, fp32 accumulation and result (CUDA only)
-                grad_w += torch.mm(g_CV.t(), h_CD.to(grad_dtype), out_dtype=torch.float32)
+                grad_w += torch.mm(g_CV.t(), scaled_h_CD.to(grad_dtype), out_dtype=torch.float32)
             else:
-                grad_w += (g_CV.t() @ h_CD).float()
-            grad_b += z_CV.sum(dim=0)
-        if grad_h is not None and grad_w is not None and grad_b is not None:
+                grad_w += (g_CV.t() @ scaled_h_CD).float()
+            if grad_b is not None:
+                grad_b.addmv_(e_CV.t(), scale_C)
+        if grad_h is not None and sum_w_D is not None:
+            grad_h -= (uniform * sum_w_D).to(grad_h.dtype)
+        if grad_h is not None and grad_w is not None:
             ctx.grads = (
                 grad_h,
                 grad_w.to(weight_VD.dtype),
-                None if bias_V is None else grad_b.to(bias_V.dtype),
+                None if bias_V is None or grad_b is None else grad_b.to(bias_V.dtype),
             )
         # Means over no tokens are NaN, as F.cross_entropy's.
         count = torch.tensor(float(tokens) if tokens else float("nan"), device=total.device)
