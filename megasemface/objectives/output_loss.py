@@ -133,7 +133,8 @@ class _OutputCrossEntropy(torch.autograd.Function):
             if sum_w_D is None:
                 total += nll_C.sum()
             else:  # (1 - s) nll + s (lse - mean(z)): F.cross_entropy's label smoothing
-                mean_C = torch.addmv(mean_b, h_CD.float(), sum_w_D, alpha=1.0 / vocab) - top_C
+                # A product and a sum rather than addmv, which CUDA autocast would run in bf16.
+                mean_C = (h_CD.float() * sum_w_D).sum(dim=-1) / vocab + mean_b - top_C
                 total += ((1.0 - smoothing) * nll_C + smoothing * (lse_C - mean_C)).sum()
             if grad_h is None or grad_w is None:
                 continue
