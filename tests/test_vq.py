@@ -20,6 +20,7 @@ from megasemface.interfaces.gumbel_quantizer import (
     split_codebook,
 )
 from megasemface.interfaces.vq_random import gumbel_noise
+from megasemface.models.code_distance import distance_scale
 from megasemface.models.config import VQConfig
 
 D = 8
@@ -58,7 +59,12 @@ def dense_logits(vq: GumbelVectorQuantizer, h: torch.Tensor) -> torch.Tensor:
     width = table.shape[-1]
     parts = h.view(h.shape[0], table.shape[0], width)  # [N, G, w], G = 1 for flat
     dist = (parts[:, :, None, :] - table[None]).square().sum(-1)  # [N, G, V]
-    return (-dist / math.sqrt(width)).flatten(1)
+    return (-dist * _distance_scale(width, vq.config.distance_width)).flatten(1)
+
+
+def _distance_scale(width: int, distance_width: int) -> float:
+    """1 / sqrt(w), and sqrt(distance_width) / w for codes wider than distance_width."""
+    return 1 / math.sqrt(width) if width <= distance_width else math.sqrt(distance_width) / width
 
 
 def dense_flat(vq: GumbelVectorQuantizer, h: torch.Tensor, key: int, sample: bool):
@@ -149,12 +155,14 @@ def test_eval_is_the_noise_free_argmax(layout: str) -> None:
     assert not torch.equal(noisy[0], noisy[1])
 
 
+@pytest.mark.parametrize("distance_width", [128, 2])
 @pytest.mark.parametrize("layout", ["flat", "product"])
-def test_distance_logits_pick_the_nearest_code(layout: str) -> None:
+def test_distance_logits_pick_the_nearest_code(layout: str, distance_width: int) -> None:
     """Eq. 4: the noise-free code is the nearest one (per group), the codebook is the only
     weight, and the logits are minus the squared distance over sqrt(width), up to the
-    per-token constant ||h||^2 / sqrt(width) that no softmax sees."""
-    vq = make_vq(layout, logits="distance").eval()
+    per-token constant ||h||^2 / sqrt(width) that no softmax sees; codes wider than
+    ``distance_width`` (here 8 and 4 against 2) over width / sqrt(distance_width)."""
+    vq = make_vq(layout, logits="distance", distance_width=distance_width).eval()
     assert [name for name, _ in vq.named_parameters()] == ["codebook"]
     h = features(17).detach()
     table = vq.codebook.detach() if layout == "product" else vq.codebook.detach()[None]
@@ -163,10 +171,25 @@ def test_distance_logits_pick_the_nearest_code(layout: str) -> None:
     nearest = [torch.cdist(parts[:, g], table[g]).argmin(-1) for g in range(groups)]
     expected = nearest[0] if layout == "flat" else nearest[0] * entries + nearest[1]
     assert torch.equal(vq(h).codes, expected)
-    norms = (parts.square().sum(-1) / math.sqrt(width)).repeat_interleave(entries, dim=1)
+    scale = _distance_scale(width, distance_width)
+    norms = (parts.square().sum(-1) * scale).repeat_interleave(entries, dim=1)
     torch.testing.assert_close(vq.code_logits(h), dense_logits(vq, h) + norms)
     log_probs = code_log_probs(vq, vq.config, h)  # checks itself against the layer's argmax
     assert log_probs.shape == (17, vq.num_codes)
+
+
+def test_wide_codes_keep_the_logit_gap_of_an_alignment() -> None:
+    """Up to ``distance_width`` the scale is 1 / sqrt(w); beyond it, the logit by which a
+    state at a given cosine to a code (both of norm sqrt(w), as LayerNorm'd states and N(0, 1)
+    codes have) leads an orthogonal code, 2 s cos w, stays what it is at distance_width,
+    where with 1 / sqrt(w) it would grow as sqrt(w) (64 at d 1,024 for a full alignment)."""
+    for width in (4, 64, 128):
+        assert distance_scale(width, 128) == 1 / math.sqrt(width)
+    at_limit = 2 * 0.3 * 128 * distance_scale(128, 128)
+    for width in (256, 1024, 4096):
+        assert 2 * 0.3 * width * distance_scale(width, 128) == pytest.approx(at_limit)
+    with pytest.raises(ValueError, match=r"vq\.distance_width"):
+        VQConfig(distance_width=0)
 
 
 def test_unknown_logits_are_refused() -> None:

@@ -22,12 +22,13 @@ Logits (``VQConfig.logits``). The paper states the code of ``h`` as the nearest 
 wav2vec 2.0 does (``mlp``). Those logits owe nothing to the codes' position, so ``h`` may lie
 anywhere relative to its code (cosine under 0.1 at the demo budget); when the stages are
 connected without the interface, the pre-trained decoder reads ``h`` in place of the codes
-it was trained on. ``distance`` (the default) takes Eq. 4 literally: ``l_k = -||h - z_k||^2 /
-sqrt(w)`` (w the codes' width), so the noise-free code is the nearest one, the
+it was trained on. ``distance`` (the default) takes Eq. 4 literally: ``l_k = -s ||h -
+z_k||^2`` (s = 1 / sqrt(w) for codes of width w up to ``vq.distance_width``, sqrt(that) / w
+beyond: ``models/code_distance.py``), so the noise-free code is the nearest one, the
 straight-through gradient moves ``h`` towards the codes that lower the loss and away from
 the others (cosine about 0.6), and the layer has no weights but the codebook; it measured
 1.8 BLEU better on validation (docs/reproduce.md). Both are the GEMM ``a W^T + b`` of the
-flat kernel (for ``distance``: ``a = h``, ``W = 2 z / sqrt(w)``, ``b = -||z||^2 / sqrt(w)``).
+flat kernel (for ``distance``: ``a = h``, ``W = 2 s z``, ``b = -s ||z||^2``).
 
 Code usage. What the model actually picks is the noise-free argmax (the code used at inference
 and when stages are connected), so :class:`VQOutput` carries it in training too
@@ -107,7 +108,7 @@ from megasemface.interfaces.vq_random import (
     init_rows,
     mix_key,
 )
-from megasemface.models.code_distance import distance_logit_weights
+from megasemface.models.code_distance import distance_logit_weights, distance_scale
 from megasemface.models.config import VQConfig
 
 __all__ = [
@@ -341,18 +342,21 @@ class GumbelVectorQuantizer(nn.Module):
         """``(a, W, b)`` with the code logits ``l = a W^T + b``: [N, H], [rows, H], [rows].
 
         ``mlp``: a = ReLU(Linear(h)) and the layer's ``logits_weight`` and ``logits_bias``.
-        ``distance``: a = h, W = 2 z / sqrt(w), b = -||z||^2 / sqrt(w) for the codes z of width
-        w (block-diagonal over the groups of the product layout), i.e. ``-||h - z||^2 /
-        sqrt(w)`` up to the per-token constant ``||h||^2 / sqrt(w)``, which no softmax or
-        argmax sees. The distances between a LayerNorm'd output and N(0, 1) codes spread by
-        about sqrt(8 w): over sqrt(w) the logits spread by about 3 at any width, as the MLP's
-        do, so the temperature schedule and the Gumbel noise act alike.
+        ``distance``: a = h, W = 2 s z, b = -s ||z||^2 for the codes z of width w
+        (block-diagonal over the groups of the product layout), i.e. ``-s ||h - z||^2`` up to
+        the per-token constant ``s ||h||^2``, which no softmax or argmax sees. The distances
+        between a LayerNorm'd output and N(0, 1) codes spread by about sqrt(8 w): with s = 1 /
+        sqrt(w) the logits spread by about 3 at any width, as the MLP's do, so the temperature
+        schedule and the Gumbel noise act alike. Wider than ``vq.distance_width``, s falls as
+        1 / w, so that a partial alignment of h with one code does not saturate the softmax
+        (``models/config.py``).
         """
         # Match the weights' dtype (bf16 features into an fp32 layer) unless autocast decides.
         x = h if torch.is_autocast_enabled(h.device.type) else h.to(self.codebook.dtype)
         if self.distance:
             codebook = self.codebook.detach() if detach_weights else self.codebook
-            scaled, bias = distance_logit_weights(codebook)
+            scale = distance_scale(codebook.shape[-1], self.config.distance_width)
+            scaled, bias = distance_logit_weights(codebook, scale)
             if self.layout == "flat":
                 return x, scaled, bias
             return x, torch.block_diag(*scaled.unbind(0)), bias

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from megasemface.models.code_distance import distance_logit_weights
+from megasemface.models.code_distance import distance_logit_weights, distance_scale
 from megasemface.models.config import ModelConfig
 
 __all__ = ["BRIDGE_SOURCES", "CodebookBridge", "bridge_sources", "bridge_state"]
@@ -77,6 +77,7 @@ class CodebookBridge(nn.Module):
         self.temperature = config.bridge_temperature
         self.chunk_tokens = vq.chunk_tokens
         self.distance = vq.logits == "distance"
+        self.distance_width = vq.distance_width
         self.hidden: nn.Linear | None = None
         self.logits: nn.Linear | None = None
         if not self.distance:
@@ -91,7 +92,8 @@ class CodebookBridge(nn.Module):
         n_tok = h_ND.shape[0]
         table = self.codebook.float().view(self.groups, self.entries, -1)  # [G, V, w]
         if self.logits is None:  # the VQ layer's distance logits
-            weight, bias = distance_logit_weights(table)
+            scale = distance_scale(table.shape[-1], self.distance_width)
+            weight, bias = distance_logit_weights(table, scale)
             parts = h_ND.float().view(n_tok, self.groups, -1)
             logits = torch.einsum("ngk,gvk->ngv", parts, weight) + bias.view_as(weight[..., 0])
         else:

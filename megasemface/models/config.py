@@ -41,12 +41,21 @@ class VQConfig:
     """Product layout: codes per table."""
     logits: Literal["mlp", "distance"] = "distance"
     """How a hidden state h becomes code logits. distance (the default): ``-||h - z_k||^2 /
-    sqrt(width)`` for each code z_k, so the noise-free code is Eq. 4's nearest neighbour and
-    the straight-through gradient pulls h towards the codes it picks (no logit weights);
+    sqrt(width)`` for each code z_k (wider codes: ``distance_width``), so the noise-free code
+    is Eq. 4's nearest neighbour and the straight-through gradient pulls h towards the codes
+    it picks (no logit weights);
     mlp: the Linear-ReLU-Linear of the paper's section 2.3 (as wav2vec 2.0), which leaves
     the encoder's output far from its codes (cosine under 0.1) and measured 1.8 BLEU lower
     on validation at the demo budget (docs/reproduce.md). See
     interfaces/gumbel_quantizer.py."""
+    distance_width: int = 128
+    """distance: codes of width w up to this one divide the squared distance by sqrt(w),
+    wider codes by w / sqrt(distance_width). Over sqrt(w) the logits spread alike at any width
+    at initialisation, but the gap that a state's partial alignment with one code opens grows
+    with sqrt(w): at d 1,024 a cosine of about 0.3 leaves the softmax one-hot and the
+    diversity loss without gradient, and the codebook collapsed (2 of 4,096 codes within 15
+    steps, fp32; d 64 kept 1,524; d 1,024 over w / 8 kept 1,401). Checkpoints of codes wider
+    than this from before the option: set it to their width to keep their logits."""
     hidden_dim: int = 1024
     """Width of the Linear-ReLU-Linear that turns a hidden state into code logits (mlp)."""
     temperature_start: float = 2.0
@@ -82,7 +91,8 @@ class VQConfig:
             raise ValueError(
                 f"vq.diversity_loss must be 'perplexity' or 'eq6', got {self.diversity_loss!r}"
             )
-        for name in ("num_codes", "groups", "entries", "hidden_dim", "chunk_tokens"):
+        counts = ("num_codes", "groups", "entries", "distance_width", "hidden_dim", "chunk_tokens")
+        for name in counts:
             if getattr(self, name) < 1:
                 raise ValueError(f"vq.{name} must be >= 1, got {getattr(self, name)}")
         if self.keep_logits_mib < 0:
