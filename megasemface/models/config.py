@@ -54,8 +54,9 @@ class VQConfig:
     at initialisation, but the gap that a state's partial alignment with one code opens grows
     with sqrt(w): at d 1,024 a cosine of about 0.3 leaves the softmax one-hot and the
     diversity loss without gradient, and the codebook collapsed (2 of 4,096 codes within 15
-    steps, fp32; d 64 kept 1,524; d 1,024 over w / 8 kept 1,401). Checkpoints of codes wider
-    than this from before the option: set it to their width to keep their logits."""
+    steps, fp32; d 64 kept 1,524; d 1,024 with this default kept 1,512; docs/pretraining.md).
+    Checkpoints of codes wider than this from before the option: set it to their width to
+    keep their logits."""
     hidden_dim: int = 1024
     """Width of the Linear-ReLU-Linear that turns a hidden state into code logits (mlp)."""
     temperature_start: float = 2.0
