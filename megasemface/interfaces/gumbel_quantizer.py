@@ -331,12 +331,19 @@ class GumbelVectorQuantizer(nn.Module):
             raise ValueError(f"expected h of shape [N, {self.d_model}], got {tuple(h.shape)}")
         sample = self.training if sample is None else sample
         key = self._noise_key(noise_key) if sample else 0
-        act, logits_weight, logits_bias = self._logit_inputs(h, detach_weights)
         codebook = self.codebook.detach() if detach_weights else self.codebook
-        weights = (logits_weight, logits_bias, codebook)
         if self.layout == "flat":
-            return self._forward_flat(h, act, sample, key, weights)
-        return self._forward_product(h, act, sample, key, weights)
+            return self._forward_flat(h, sample, key, codebook, detach_weights)
+        act, logits_weight, logits_bias = self._logit_inputs(h, detach_weights)
+        return self._forward_product(h, act, sample, key, (logits_weight, logits_bias, codebook))
+
+    def _input(self, h: Tensor) -> Tensor:
+        """``h`` in the weights' dtype (bf16 features into an fp32 layer) unless autocast
+        decides."""
+        return h if torch.is_autocast_enabled(h.device.type) else h.to(self.codebook.dtype)
+
+    def _distance_scale(self) -> float:
+        return distance_scale(self.codebook.shape[-1], self.config.distance_width)
 
     def _logit_inputs(self, h: Tensor, detach_weights: bool) -> tuple[Tensor, Tensor, Tensor]:
         """``(a, W, b)`` with the code logits ``l = a W^T + b``: [N, H], [rows, H], [rows].
@@ -349,14 +356,13 @@ class GumbelVectorQuantizer(nn.Module):
         sqrt(w) the logits spread by about 3 at any width, as the MLP's do, so the temperature
         schedule and the Gumbel noise act alike. Wider than ``vq.distance_width``, s falls as
         1 / w, so that a partial alignment of h with one code does not saturate the softmax
-        (``models/config.py``).
+        (``models/config.py``). The flat layer's training forward computes the same logits
+        from the table itself (``FlatSpec.distance_scale``).
         """
-        # Match the weights' dtype (bf16 features into an fp32 layer) unless autocast decides.
-        x = h if torch.is_autocast_enabled(h.device.type) else h.to(self.codebook.dtype)
+        x = self._input(h)
         if self.distance:
             codebook = self.codebook.detach() if detach_weights else self.codebook
-            scale = distance_scale(codebook.shape[-1], self.config.distance_width)
-            scaled, bias = distance_logit_weights(codebook, scale)
+            scaled, bias = distance_logit_weights(codebook, self._distance_scale())
             if self.layout == "flat":
                 return x, scaled, bias
             return x, torch.block_diag(*scaled.unbind(0)), bias
@@ -378,11 +384,19 @@ class GumbelVectorQuantizer(nn.Module):
             return F.linear(act.float(), weight.float(), bias.float())
 
     def _forward_flat(
-        self, h: Tensor, act: Tensor, sample: bool, key: int, weights: tuple[Tensor, ...]
+        self, h: Tensor, sample: bool, key: int, codebook: Tensor, detach_weights: bool
     ) -> VQOutput:
+        weight: Tensor | None = None
+        bias: Tensor | None = None
+        if self.distance:  # FlatQuantize reads the logit weights from the table itself
+            act = self._input(h)
+        else:
+            act, weight, bias = self._logit_inputs(h, detach_weights)
         act = copy_to_model_parallel(act, self.groups)
-        params = (act, *weights)
-        need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+        params = (act, weight, bias, codebook)
+        need_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in params
+        )
         spec = FlatSpec(
             groups=self.groups,
             code_offset=self.code_offset,
@@ -395,7 +409,8 @@ class GumbelVectorQuantizer(nn.Module):
             from_gumbel=self.config.diversity_from_gumbel,
             need_soft=need_grad or self.config.diversity_from_gumbel,
             out_dtype=h.dtype,
-            matmul_dtype=matmul_dtype(weights[0]),
+            matmul_dtype=matmul_dtype(codebook if weight is None else weight),
+            distance_scale=self._distance_scale() if self.distance else 0.0,
         )
         local_out, psum, codes, greedy, entropy_sum = FlatQuantize.apply(*params, spec)
         quantized = reduce_from_model_parallel(local_out, self.groups)

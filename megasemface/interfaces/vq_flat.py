@@ -47,6 +47,12 @@ class FlatSpec:
     """The operands' dtype of the layer's matrix products, whose results are fp32 either way:
     fp32, or on a GPU the weights' bf16/fp16 (tensor cores, fp32 accumulation), as autocast
     would multiply them; see :func:`matmul_dtype`."""
+    distance_scale: float = 0.0
+    """Positive: distance logits (``VQConfig.logits``) with this factor s, ``l = -s ||h -
+    z||^2`` up to a per-token constant, i.e. ``(2 s h) z^T - s ||z||^2``: the logit weights
+    are the codebook itself (``weight`` and ``bias`` are None), and its gradient comes back
+    as one tensor. No [Kl, d] copy of the table is made (``2 s z`` and its gradient would
+    be: at the paper's 102,400 x 1,024, each a 420 MB pass through memory)."""
 
 
 def matmul_dtype(weight: Tensor) -> torch.dtype:
@@ -63,6 +69,22 @@ def _mm(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
     if dtype == torch.float32:
         return x.float() @ y.float()
     return torch.mm(x.to(dtype), y.to(dtype), out_dtype=torch.float32)
+
+
+def _logit_operands(
+    a: Tensor, weight: Tensor | None, bias: Tensor | None, codebook: Tensor, spec: FlatSpec
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x, wm, b32)`` with the local logits ``l = x wm^T + b32``: ``wm`` in
+    ``spec.matmul_dtype`` and detached, ``b32`` fp32. Distance logits fold 2 s into the
+    [N, d] input rather than into the [Kl, d] table, and take the codes' squared norms in
+    one reduction (fp32 accumulation, no [Kl, d] temporary)."""
+    if spec.distance_scale:
+        s = spec.distance_scale
+        norms = torch.linalg.vector_norm(codebook.detach(), dim=-1, dtype=torch.float32)
+        x = a.float() * (2.0 * s)
+        return x, codebook.detach().to(spec.matmul_dtype), norms.square_().mul_(-s)
+    assert weight is not None and bias is not None
+    return a, weight.detach().to(spec.matmul_dtype), bias.detach().float()
 
 
 def _chunk_logits(
@@ -86,13 +108,16 @@ class FlatQuantize(torch.autograd.Function):
     """Shard-local Gumbel-softmax quantisation of all N tokens, chunk by chunk.
 
     Inputs: ``a`` [N, H] (ReLU output, already through copy_to_model_parallel), the local
-    ``weight`` [Kl, H], ``bias`` [Kl] and ``codebook`` [Kl, d]. Outputs: this rank's part of the
+    ``weight`` [Kl, H], ``bias`` [Kl] and ``codebook`` [Kl, d]; for distance logits
+    (``spec.distance_scale``) ``a`` is the hidden state [N, d] and ``weight`` and ``bias``
+    are None. Outputs: this rank's part of the
     output [N, d] (the chosen rows it owns, zeros elsewhere; summed over mp by the caller), the
     local column sums [Kl] of the diversity distribution (differentiable), the codes [N] and
     the noise-free argmax codes [N] (the same as the codes when not sampling).
 
-    Saved for backward: the inputs and 5 scalars per token (codes, the two global maxima, the
-    two partition sums); per chunk, backward recomputes the logits and the noise. Peak
+    Saved for backward: the inputs (the bias in fp32) and 5 scalars per token (codes, the two
+    global maxima, the two partition sums); per chunk, backward recomputes the logits and the
+    noise. Peak
     transient memory is a few [chunk, Kl] fp32 buffers in forward and in backward. Where
     ``spec.keep_bytes`` allows, forward saves each chunk's three buffers too (three [N, Kl]
     in all) and backward reads them (in place: a second backward through the same graph is
@@ -101,10 +126,15 @@ class FlatQuantize(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, a: Tensor, weight: Tensor, bias: Tensor, codebook: Tensor, spec: FlatSpec
+        ctx: Any,
+        a: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        codebook: Tensor,
+        spec: FlatSpec,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         groups, tau = spec.groups, spec.temperature
-        n_tok, n_local = a.shape[0], weight.shape[0]
+        n_tok, n_local = a.shape[0], codebook.shape[0]
         device = a.device
         codes = torch.empty(n_tok, dtype=torch.int64, device=device)
         greedy = torch.empty(n_tok, dtype=torch.int64, device=device)
@@ -112,13 +142,16 @@ class FlatQuantize(torch.autograd.Function):
         # and the mean of l - max(l) under softmax(l) (for the token's entropy).
         stats = torch.zeros(n_tok, 5, dtype=torch.float32, device=device)
         psum = torch.zeros(n_local, dtype=torch.float32, device=device)
-        keep = any(ctx.needs_input_grad[:3]) and 3 * 4 * n_tok * n_local <= spec.keep_bytes
+        needs_logit_grad = any(ctx.needs_input_grad[:3]) or (
+            spec.distance_scale > 0 and ctx.needs_input_grad[3]
+        )
+        keep = needs_logit_grad and 3 * 4 * n_tok * n_local <= spec.keep_bytes
         kept: list[Tensor] = []
         with torch.autocast(device.type, enabled=False):
-            wm, b32 = weight.to(spec.matmul_dtype), bias.float()
+            x, wm, b32 = _logit_operands(a, weight, bias, codebook, spec)
             for t0 in range(0, n_tok, spec.chunk_tokens):
                 t1 = min(n_tok, t0 + spec.chunk_tokens)
-                logits, scores = _chunk_logits(a[t0:t1], wm, b32, spec, t0)
+                logits, scores = _chunk_logits(x[t0:t1], wm, b32, spec, t0)
                 # Local maxima and the first (smallest) local index attaining them, of the
                 # scores and (when sampling) of the noise-free logits.
                 local_max, local_idx = scores.max(dim=1)
@@ -167,10 +200,17 @@ class FlatQuantize(torch.autograd.Function):
         quantized = torch.zeros(n_tok, codebook.shape[1], dtype=spec.out_dtype, device=device)
         quantized[owned] = codebook[local[owned]].to(spec.out_dtype)
         ctx.spec = spec
+        ctx.bias_dtype = None if bias is None else bias.dtype
         # Detached: under ZeRO-3 the parameters' .data is released after the forward; the
         # detached tensors keep the gathered values that backward recomputes the logits from.
         ctx.save_for_backward(
-            a, weight.detach(), bias.detach(), codebook.detach(), codes, stats, *kept
+            a,
+            None if weight is None else weight.detach(),
+            b32,
+            codebook.detach(),
+            codes,
+            stats,
+            *kept,
         )
         ctx.mark_non_differentiable(codes, greedy)
         ctx.set_materialize_grads(False)  # an unused output costs no backward work
@@ -186,23 +226,21 @@ class FlatQuantize(torch.autograd.Function):
         grad_entropy: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
         spec: FlatSpec = ctx.spec
-        a, weight, bias, codebook, codes, stats, *kept = ctx.saved_tensors
+        a, weight, b32, codebook, codes, stats, *kept = ctx.saved_tensors
         need_a, need_w, need_b, need_c = ctx.needs_input_grad[:4]
-        n_local = weight.shape[0]
+        s = spec.distance_scale
+        if s:  # the logit weights are the codebook
+            need_w = need_b = need_c
+        n_local = codebook.shape[0]
         grad_a = grad_w = grad_b = grad_c = None
         with torch.autocast(a.device.type, enabled=False):
-            if need_c and grad_quantized is not None:
-                # Straight-through: d out / d codebook is the forward value of the weights,
-                # i.e. the one-hot, so only the chosen rows receive the output gradient.
-                owned, local = owned_codes(codes, spec.code_offset, n_local)
-                grad_c = torch.zeros(codebook.shape, dtype=torch.float32, device=a.device)
-                grad_c.index_add_(0, local[owned], grad_quantized[owned].float())
-                grad_c = grad_c.to(codebook.dtype)
             if need_a or need_w or need_b:
+                x = a.float() * (2.0 * s) if s else a
+                wm = (codebook if s else weight).to(spec.matmul_dtype)
                 grad_a, grad_w, grad_b = _flat_logit_backward(
-                    a,
-                    weight,
-                    bias,
+                    x,
+                    wm,
+                    b32,
                     codebook,
                     stats,
                     grad_quantized,
@@ -212,6 +250,29 @@ class FlatQuantize(torch.autograd.Function):
                     (need_a, need_w, need_b),
                     tuple(kept),
                 )
+                if s:
+                    # d l / d h = 2 s z and d l_k / d z_k = 2 s h - 2 s z_k: the table's
+                    # gradient from the logits is 2 s (G^T h - colsum(G) z) for the logits'
+                    # gradient G, already 2 s G^T h in grad_w.
+                    if grad_a is not None:
+                        grad_a = grad_a.mul_(2.0 * s).to(a.dtype)
+                    if grad_w is not None:
+                        assert grad_b is not None
+                        grad_c = grad_w.addcmul_(codebook, grad_b[:, None], value=-2.0 * s)
+                    grad_w = grad_b = None
+                else:
+                    assert weight is not None
+                    grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+                    grad_b = None if grad_b is None else grad_b.to(ctx.bias_dtype)
+            if need_c and grad_quantized is not None:
+                # Straight-through: d out / d codebook is the forward value of the weights,
+                # i.e. the one-hot, so only the chosen rows receive the output gradient.
+                owned, local = owned_codes(codes, spec.code_offset, n_local)
+                if grad_c is None:
+                    grad_c = torch.zeros(codebook.shape, dtype=torch.float32, device=a.device)
+                grad_c.index_add_(0, local[owned], grad_quantized[owned].float())
+            if grad_c is not None:
+                grad_c = grad_c.to(codebook.dtype)
         return grad_a, grad_w, grad_b, grad_c, None
 
 
@@ -224,8 +285,8 @@ def owned_codes(codes: Tensor, offset: int, n_local: int) -> tuple[Tensor, Tenso
 
 def _flat_logit_backward(
     a: Tensor,
-    weight: Tensor,
-    bias: Tensor,
+    wm: Tensor,
+    b32: Tensor,
     codebook: Tensor,
     stats: Tensor,
     grad_quantized: Tensor | None,
@@ -235,7 +296,8 @@ def _flat_logit_backward(
     needs: tuple[bool, bool, bool],
     kept: Sequence[Tensor] = (),
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients of the local logits, chunk by chunk, then of ``a``, ``weight`` and ``bias``.
+    """Gradients of the local logits ``l = a wm^T + b32``, chunk by chunk, then of ``a`` (in
+    its dtype), ``wm`` and ``b32`` (fp32).
 
     With q = softmax(s / tau) (Eq. 5) and r = softmax(l), both over all K codes:
     dL/dl = q * (gq - <q, gq>) / tau + r * (gr - <r, gr>), where gq = grad_out @ codebook^T
@@ -251,12 +313,11 @@ def _flat_logit_backward(
     need_a, need_w, need_b = needs
     n_tok = a.shape[0]
     dtype = spec.matmul_dtype
-    wm, b32 = weight.to(dtype), bias.float()
     cm = codebook.to(dtype) if grad_quantized is not None else None
     g_div = grad_psum.float() if grad_psum is not None else None
     grad_a = torch.empty_like(a) if need_a else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=a.device) if need_w else None
-    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=a.device) if need_b else None
+    grad_w: Tensor | None = None  # the first chunk's product, then accumulated (fp32)
+    grad_b = torch.zeros(b32.shape, dtype=torch.float32, device=a.device) if need_b else None
     soft_used = cm is not None or (spec.from_gumbel and g_div is not None)
     plain_div = not spec.from_gumbel and g_div is not None
     plain_used = plain_div or grad_entropy is not None
@@ -304,7 +365,7 @@ def _flat_logit_backward(
             assert grad_soft is not None
             grad_logits = grad_soft.sub_(dots[:, 0:1]).mul_(soft).div_(tau)
         else:
-            grad_logits = torch.zeros(t1 - t0, weight.shape[0], device=a.device)
+            grad_logits = torch.zeros(t1 - t0, wm.shape[0], device=a.device)
         if plain_div:
             assert g_div is not None and plain is not None
             grad_logits.add_((g_div - dots[:, 1:2]).mul_(plain))
@@ -312,22 +373,24 @@ def _flat_logit_backward(
             assert plain is not None and centered is not None
             # A 0-dim tensor multiplies without a host synchronisation.
             grad_logits.sub_(plain.mul_(centered.sub_(st[:, 4:5])).mul_(grad_entropy))
-        if dtype != torch.float32 and (grad_a is not None or grad_w is not None):
+        if dtype != torch.float32 and (grad_a is not None or need_w):
             grad_logits_mm = grad_logits.to(dtype)  # as autocast's backward multiplies
         else:
             grad_logits_mm = grad_logits
         if grad_a is not None:
             grad_a[t0:t1] = _mm(grad_logits_mm, wm, dtype).to(a.dtype)
-        if grad_w is not None:
+        if need_w:  # no zero-filled [Kl, d] buffer to add the first product to
             if dtype == torch.float32:
-                grad_w.addmm_(grad_logits.t(), a[t0:t1].float())
+                if grad_w is None:
+                    grad_w = grad_logits.t() @ a[t0:t1].float()
+                else:
+                    grad_w.addmm_(grad_logits.t(), a[t0:t1].float())
             else:
-                grad_w.add_(_mm(grad_logits_mm.t(), a[t0:t1], dtype))
+                product = _mm(grad_logits_mm.t(), a[t0:t1], dtype)
+                grad_w = product if grad_w is None else grad_w.add_(product)
         if grad_b is not None:
             grad_b.add_(grad_logits.sum(dim=0))
         del logits, scores, soft, plain, centered, grad_soft, grad_logits, grad_logits_mm
-    return (
-        grad_a,
-        grad_w.to(weight.dtype) if grad_w is not None else None,
-        grad_b.to(bias.dtype) if grad_b is not None else None,
-    )
+    if need_w and grad_w is None:  # no tokens
+        grad_w = torch.zeros(wm.shape, dtype=torch.float32, device=a.device)
+    return grad_a, grad_w, grad_b

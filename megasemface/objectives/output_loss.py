@@ -184,10 +184,12 @@ class _OutputCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, grad_b = ctx.grads  # type: ignore[attr-defined]
         del ctx.grads  # type: ignore[attr-defined]
         scale = grad_loss.float()
+        # In place: forward made these tensors for this backward alone, and a new [V, D]
+        # gradient would be a fresh allocation (245 MB at the paper's 60,000 x 1,024).
         return (
-            grad_h * scale.to(grad_h.dtype),
-            grad_w * scale.to(grad_w.dtype),
-            None if grad_b is None else grad_b * scale.to(grad_b.dtype),
+            grad_h.mul_(scale.to(grad_h.dtype)),
+            grad_w.mul_(scale.to(grad_w.dtype)),
+            None if grad_b is None else grad_b.mul_(scale.to(grad_b.dtype)),
             None,
             None,
             None,
