@@ -7,8 +7,9 @@ ZeRO-2 and under ZeRO-3, through the same ``DeepSpeedEngine`` as ``train.py`` an
 configs in ``ds_configs/``. Beside them, in the same rounds: megasemface's translation step
 and Hugging Face BART's of the same shape (``bench_peer.py``: bf16 autocast, the same
 batches and loss) and a large bf16 matrix product (the measured matmul peak). FLOPs are
-counted per step with torch's FlopCounterMode; model FLOPs utilisation (MFU) is FLOP/s over
-the GPU's dense bf16 peak from its datasheet, and the measured peak stands beside it. The
+counted per step with torch's FlopCounterMode (``megasemface/flop_count.py``); model FLOPs
+utilisation (MFU) is FLOP/s over the GPU's dense bf16 peak from its datasheet, and the
+measured peak stands beside it. The
 compiled joint step (``train.py --compile``, ZeRO-2) then takes turns with the eager one,
 with its compile time.
 
@@ -40,10 +41,10 @@ if not torch.cuda.is_available():
 
 from bench_model import TRAIN_OBJECTIVE  # sibling script
 from bench_peer import SPECIAL, Shape, _sync, build_runners, gpu_bf16_peak, make_batches
-from torch.utils.flop_counter import FlopCounterMode
 
 from megasemface.distributed.engine import DeepSpeedEngine, init_distributed, load_ds_config
 from megasemface.distributed.groups import ParallelGroups
+from megasemface.flop_count import flop_counter
 from megasemface.host_memory import keep_freed_memory
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.compile import compile_layers
@@ -99,7 +100,7 @@ class JointStep:
 
     def flops(self) -> float:
         """FLOPs of one forward and backward (the step it runs is a real one)."""
-        with FlopCounterMode(display=False) as counter:
+        with flop_counter() as counter:
             out = self.engine.forward(self.batch, self.generator)
             self.engine.backward(out.loss)
         self.engine.step()

@@ -3,7 +3,8 @@
 For the tiny and the paper preset (batch sized to this machine), one SemFace joint step as
 ``train.py`` runs it by default (encoder loss through the VQ interface, decoder loss on the
 encoder's own codes; forward, backward and Adam) is timed, and its FLOPs are counted with
-torch's FlopCounterMode. Beside them, the same run measures the machine's fp32
+torch's FlopCounterMode (with the in-place products and CPU attention that it leaves out:
+``megasemface/flop_count.py``). Beside them, the same run measures the machine's fp32
 matrix-multiply peak, so that "model FLOPs/s" reads as a share of what this machine can do. The VQ
 layer's share of step time (its calls timed in isolation on the same tokens) stands beside
 its share of the step's FLOPs, for the flat and the product codebook. Beside the step, the
@@ -41,8 +42,8 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
+from megasemface.flop_count import flop_counter
 from megasemface.host_memory import keep_freed_memory
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.compile import compile_layers
@@ -144,7 +145,7 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
         with mock.patch.object(stages, "output_cross_entropy", autograd_output_loss):
             step()
 
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         model.joint_loss(batch, generator).loss.backward()
     total = counter.get_total_flops()
 
@@ -174,7 +175,7 @@ def bench(preset: str, layout: str, repeats: int) -> dict[str, float]:
 
     # Counted on the same isolated calls: FlopCounterMode attributes a custom autograd
     # Function's backward (the chunked VQ recomputation) to no module.
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         vq_calls()
     vq_flops = counter.get_total_flops()
 

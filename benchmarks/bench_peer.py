@@ -14,10 +14,11 @@ Adam is torch's fused kernel for both: what megasemface's engine runs, and the H
 Trainer's default (``adamw_torch_fused``) with torch 2.8 or later.
 
 Figures: median target tokens/s (labels, with </s>) of each and their ratio (goal: megasemface
-faster, ratio > 1), FLOPs per step (torch's FlopCounterMode) as FLOP/s beside this machine's
-fp32 matmul peak (CPU) or the GPU's dense bf16 peak (model FLOPs utilisation), and activation
-memory (bytes autograd saves for backward, parameters excluded; on a GPU also the step's peak
-allocation above its start). On a GPU both models run under bf16 autocast.
+faster, ratio > 1), FLOPs per step (torch's FlopCounterMode, ``megasemface/flop_count.py``)
+as FLOP/s beside this machine's fp32 matmul peak (CPU) or the GPU's dense bf16 peak (model
+FLOPs utilisation), and activation memory (bytes autograd saves for backward, parameters
+excluded; on a GPU also the step's peak allocation above its start). On a GPU both models
+run under bf16 autocast.
 
 The models differ where their designs do, which the figures include: megasemface has separate
 encoder and decoder token embeddings plus language embeddings (BART shares one table), pre-norm
@@ -41,8 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from bench_model import matmul_peak  # sibling script
-from torch.utils.flop_counter import FlopCounterMode
 
+from megasemface.flop_count import flop_counter
 from megasemface.host_memory import keep_freed_memory
 from megasemface.models.config import ModelConfig, build_model_config
 from megasemface.objectives.sequences import (
@@ -226,16 +227,16 @@ class Runner:
         return time.perf_counter() - started
 
     def measured_step(self, device: torch.device) -> dict[str, float]:
-        """One training step that also counts the FLOPs of its forward and backward (torch's
-        FlopCounterMode), the activations autograd saves and, on a GPU, the step's peak
-        allocation above its start. Slower than ``step``: it doubles as a warm-up."""
+        """One training step that also counts the FLOPs of its forward and backward
+        (``megasemface/flop_count.py``), the activations autograd saves and, on a GPU, the
+        step's peak allocation above its start. Slower than ``step``: it doubles as a warm-up."""
         self.optimizer.zero_grad(set_to_none=True)
         _sync(device)
         start = 0
         if device.type == "cuda":
             start = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        with FlopCounterMode(display=False) as counter:
+        with flop_counter() as counter:
             with _saved_activation_bytes(self.model) as saved, _autocast(device):
                 loss = self.loss()
             loss.backward()
