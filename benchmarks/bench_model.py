@@ -90,9 +90,12 @@ def matmul_peak(size: int = PEAK_SIZE, repeats: int = 5) -> float:
 
 def _alternating(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
     """Seconds of each call, the calls taking turns: on a shared machine a burst of load
-    then slows neighbouring calls alike, and per-round ratios stay true."""
-    for fn in fns.values():
-        fn()  # warm-up
+    then slows neighbouring calls alike, and per-round ratios stay true. Two warm-up calls
+    each: a step's first two grow the heap that later steps reuse (at the paper preset
+    about 1.3M and 0.2M page faults, then none: ``megasemface/host_memory.py``)."""
+    for _ in range(2):
+        for fn in fns.values():
+            fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():

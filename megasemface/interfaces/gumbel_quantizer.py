@@ -28,7 +28,8 @@ beyond: ``models/code_distance.py``), so the noise-free code is the nearest one,
 straight-through gradient moves ``h`` towards the codes that lower the loss and away from
 the others (cosine about 0.6), and the layer has no weights but the codebook; it measured
 1.8 BLEU better on validation (docs/reproduce.md). Both are the GEMM ``a W^T + b`` of the
-flat kernel (for ``distance``: ``a = h``, ``W = 2 s z``, ``b = -s ||z||^2``).
+flat kernel (for ``distance``: ``a = h``, ``W = 2 s z``, ``b = -s ||z||^2``; the flat kernel
+multiplies ``2 s h`` by the table itself rather than making ``W``).
 
 Code usage. What the model actually picks is the noise-free argmax (the code used at inference
 and when stages are connected), so :class:`VQOutput` carries it in training too
