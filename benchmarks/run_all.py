@@ -99,6 +99,16 @@ def _data_rows(r: Figures, others: dict[str, Figures]) -> list[Row]:
     return rows
 
 
+def _share_goal(name: str, m: dict[str, float]) -> str:
+    """The share of the peak beside issue 13's goal: 60% at the paper preset; at tiny 1.5x
+    the 20% measured before it, under torch's own FLOP count, which that figure used."""
+    if name.startswith("paper"):
+        return f"{m['share_of_peak']:.0%} (goal >= 60%)"
+    stock = m.get("stock_share_of_peak")
+    by_stock = "" if stock is None else f"; torch's own count: {stock:.0%}"
+    return f"{m['share_of_peak']:.0%}{by_stock} (goal >= 30% by torch's own count)"
+
+
 def _model_rows(r: Figures, others: dict[str, Figures]) -> list[Row]:
     return (
         [
@@ -106,7 +116,7 @@ def _model_rows(r: Figures, others: dict[str, Figures]) -> list[Row]:
                 f"model step FLOP/s, {name}",
                 f"{m['flops_per_s'] / 1e9:,.1f} GFLOP/s ({m['tokens_per_s']:,.0f} tokens/s)",
                 f"fp32 matmul peak {m['matmul_peak'] / 1e9:,.1f} GFLOP/s (in turn)",
-                f"{m['share_of_peak']:.0%} (goal >= 30%)",
+                _share_goal(name, m),
             )
             for name, m in r["results"].items()
         ]
