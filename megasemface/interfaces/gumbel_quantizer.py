@@ -235,6 +235,7 @@ class GumbelVectorQuantizer(nn.Module):
             self.num_local = vq.groups * vq.entries
             self.code_offset = 0
             rows, width = self.num_local, d_model // vq.groups
+        self.distance_scale = distance_scale(width, vq.distance_width)  # s of -s ||h - z||^2
         self.hidden: nn.Linear | None = None
         self.logits_weight: nn.Parameter | None = None
         self.logits_bias: nn.Parameter | None = None
@@ -339,12 +340,8 @@ class GumbelVectorQuantizer(nn.Module):
         return self._forward_product(h, act, sample, key, (logits_weight, logits_bias, codebook))
 
     def _input(self, h: Tensor) -> Tensor:
-        """``h`` in the weights' dtype (bf16 features into an fp32 layer) unless autocast
-        decides."""
+        """``h`` in the weights' dtype (bf16 features, fp32 layer) unless autocast decides."""
         return h if torch.is_autocast_enabled(h.device.type) else h.to(self.codebook.dtype)
-
-    def _distance_scale(self) -> float:
-        return distance_scale(self.codebook.shape[-1], self.config.distance_width)
 
     def _logit_inputs(self, h: Tensor, detach_weights: bool) -> tuple[Tensor, Tensor, Tensor]:
         """``(a, W, b)`` with the code logits ``l = a W^T + b``: [N, H], [rows, H], [rows].
@@ -363,7 +360,7 @@ class GumbelVectorQuantizer(nn.Module):
         x = self._input(h)
         if self.distance:
             codebook = self.codebook.detach() if detach_weights else self.codebook
-            scaled, bias = distance_logit_weights(codebook, self._distance_scale())
+            scaled, bias = distance_logit_weights(codebook, self.distance_scale)
             if self.layout == "flat":
                 return x, scaled, bias
             return x, torch.block_diag(*scaled.unbind(0)), bias
@@ -395,9 +392,8 @@ class GumbelVectorQuantizer(nn.Module):
             act, weight, bias = self._logit_inputs(h, detach_weights)
         act = copy_to_model_parallel(act, self.groups)
         params = (act, weight, bias, codebook)
-        need_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in params
-        )
+        needs = [t.requires_grad for t in params if t is not None]
+        need_grad = torch.is_grad_enabled() and any(needs)
         spec = FlatSpec(
             groups=self.groups,
             code_offset=self.code_offset,
@@ -411,7 +407,7 @@ class GumbelVectorQuantizer(nn.Module):
             need_soft=need_grad or self.config.diversity_from_gumbel,
             out_dtype=h.dtype,
             matmul_dtype=matmul_dtype(codebook if weight is None else weight),
-            distance_scale=self._distance_scale() if self.distance else 0.0,
+            distance_scale=self.distance_scale if self.distance else 0.0,
         )
         local_out, psum, codes, greedy, entropy_sum = FlatQuantize.apply(*params, spec)
         quantized = reduce_from_model_parallel(local_out, self.groups)
