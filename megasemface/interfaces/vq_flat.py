@@ -79,12 +79,16 @@ def _logit_operands(
     [N, d] input rather than into the [Kl, d] table, and take the codes' squared norms in
     one reduction (fp32 accumulation, no [Kl, d] temporary)."""
     if spec.distance_scale:
-        s = spec.distance_scale
         norms = torch.linalg.vector_norm(codebook.detach(), dim=-1, dtype=torch.float32)
-        x = a.float() * (2.0 * s)
-        return x, codebook.detach().to(spec.matmul_dtype), norms.square_().mul_(-s)
+        b32 = norms.square_().mul_(-spec.distance_scale)
+        return _logit_input(a, spec), codebook.detach().to(spec.matmul_dtype), b32
     assert weight is not None and bias is not None
     return a, weight.detach().to(spec.matmul_dtype), bias.detach().float()
+
+
+def _logit_input(a: Tensor, spec: FlatSpec) -> Tensor:
+    """The left operand of the logits' product: ``2 s a`` in fp32 for distance logits."""
+    return a.float() * (2.0 * spec.distance_scale) if spec.distance_scale else a
 
 
 def _chunk_logits(
@@ -110,18 +114,17 @@ class FlatQuantize(torch.autograd.Function):
     Inputs: ``a`` [N, H] (ReLU output, already through copy_to_model_parallel), the local
     ``weight`` [Kl, H], ``bias`` [Kl] and ``codebook`` [Kl, d]; for distance logits
     (``spec.distance_scale``) ``a`` is the hidden state [N, d] and ``weight`` and ``bias``
-    are None. Outputs: this rank's part of the
-    output [N, d] (the chosen rows it owns, zeros elsewhere; summed over mp by the caller), the
-    local column sums [Kl] of the diversity distribution (differentiable), the codes [N] and
-    the noise-free argmax codes [N] (the same as the codes when not sampling).
+    are None. Outputs: this rank's part of the output [N, d] (the chosen rows it owns, zeros
+    elsewhere; summed over mp by the caller), the local column sums [Kl] of the diversity
+    distribution (differentiable), the codes [N] and the noise-free argmax codes [N] (the
+    same as the codes when not sampling).
 
     Saved for backward: the inputs (the bias in fp32) and 5 scalars per token (codes, the two
     global maxima, the two partition sums); per chunk, backward recomputes the logits and the
-    noise. Peak
-    transient memory is a few [chunk, Kl] fp32 buffers in forward and in backward. Where
-    ``spec.keep_bytes`` allows, forward saves each chunk's three buffers too (three [N, Kl]
-    in all) and backward reads them (in place: a second backward through the same graph is
-    refused by autograd's version check).
+    noise. Peak transient memory is a few [chunk, Kl] fp32 buffers in forward and in backward.
+    Where ``spec.keep_bytes`` allows, forward saves each chunk's three buffers too (three
+    [N, Kl] in all) and backward reads them (in place: a second backward through the same
+    graph is refused by autograd's version check).
     """
 
     @staticmethod
@@ -235,10 +238,9 @@ class FlatQuantize(torch.autograd.Function):
         grad_a = grad_w = grad_b = grad_c = None
         with torch.autocast(a.device.type, enabled=False):
             if need_a or need_w or need_b:
-                x = a.float() * (2.0 * s) if s else a
                 wm = (codebook if s else weight).to(spec.matmul_dtype)
                 grad_a, grad_w, grad_b = _flat_logit_backward(
-                    x,
+                    _logit_input(a, spec),
                     wm,
                     b32,
                     codebook,
