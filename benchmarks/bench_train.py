@@ -3,8 +3,11 @@
 Runs ``deepspeed megasemface/train.py`` (one process, CPU fp32 ZeRO-2, tiny preset, VQ joint
 stage) on the demo corpus and reads its per-step log: training tokens/s of the full path
 (loader, DeepSpeed engine, metrics, tracking) stands beside the bare model step measured in
-this process on a batch of the same size (forward, backward and Adam; no loader, no engine,
-no logging), just before and just after the run; goal >= 0.9 of their mean. The time a
+this process on the same batches (forward, backward and Adam; no loader, no engine, no
+logging), just before and just after the run; goal >= 0.9 of their mean. The bare step reads
+its batches with train.py's loader and defaults, and the benchmark checks that their token
+counts are the ones train.py logged: the batches' shapes (sentences of the demo corpus's
+lengths, their padding) weigh on a step's speed as much as the path around it. The time a
 checkpoint blocks training is reported as a share of the wall time between checkpoints at the
 default interval (500 steps); goal <= 1%.
 
@@ -14,6 +17,7 @@ Run: ``python benchmarks/bench_train.py [--steps 60] [--json out.json]``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -28,19 +32,24 @@ import torch
 from bench_model import TRAIN_OBJECTIVE  # sibling script
 
 from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
+from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.data.shard_build_config import ShardBuildConfig
 from megasemface.data.shard_builder import build_shards
 from megasemface.data.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import Tokenizer
 from megasemface.host_memory import keep_freed_memory
 from megasemface.interfaces.factory import build_interface
-from megasemface.models.config import build_model_config
-from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
+from megasemface.models.config import ModelConfig
+from megasemface.objectives.sequences import SequenceBatch
 from megasemface.objectives.stages import SemFaceModel
+from megasemface.training.options import TrainConfig
+from megasemface.training.run_data import RunData
+from megasemface.training.units.base import model_config_from
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SAVE_INTERVAL = 500
+WARMUP_STEPS = 6
+"""Steps left out of both figures: start-up and the first allocations."""
 
 
 def _prepare(work: Path, locale_dir: Path) -> tuple[Path, Path]:
@@ -87,46 +96,82 @@ def _train(shards: Path, model: Path, out: Path, steps: int, max_tokens: int) ->
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _bare_step_tokens_per_s(model_path: Path, tokens_per_batch: int, repeats: int = 10) -> float:
-    tokenizer = Tokenizer.load(model_path)
-    config = build_model_config("tiny", [f"vocab_size={tokenizer.vocab_size}"])
-    special = SpecialTokens.from_tokenizer(tokenizer)
-    torch.manual_seed(0)
-    model = SemFaceModel(config, build_interface("vq", config), special, TRAIN_OBJECTIVE)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
-    length = 12
-    sentences = max(1, tokens_per_batch // length)
-    g = torch.Generator().manual_seed(0)
-    batch = SequenceBatch(
-        torch.randint(7, config.vocab_size, (sentences, length), generator=g),
-        torch.full((sentences,), length),
-        torch.arange(sentences) % 2,
+def _loader_batches(
+    shards: Path, spm_model: Path, max_tokens: int, count: int
+) -> tuple[ModelConfig, RunData, list[SequenceBatch]]:
+    """The model shape and the first ``count`` batches of ``train.py --stage joint
+    --interface vq`` with its defaults (one rank, seed 0): its loader, configured as its
+    trainer configures it."""
+    config = TrainConfig(
+        stage="joint",
+        interface="vq",
+        data=shards,
+        spm_model=spm_model,
+        output_dir=Path(),
+        max_tokens=max_tokens,
     )
-    times = []
-    for i in range(repeats + 2):
-        started = time.perf_counter()
+    data = RunData.load(config)
+    model_config = model_config_from(config, data)
+    loader = ShardLoader(
+        ShardSource.from_manifest(data.manifest),
+        # The SemFace stages' longest sample: room for </s> and the language tag.
+        LoaderConfig(max_tokens=max_tokens, max_len=model_config.max_len - 2, seed=config.seed),
+        pad_id=data.tokenizer.pad_id,
+    )
+    batches = [
+        SequenceBatch(b.tokens, b.lengths, data.lang_index(b.lang, len(b.lengths)))
+        for b in itertools.islice(iter(loader), count)
+    ]
+    return model_config, data, batches
+
+
+def _bare_step_tokens_per_s(
+    model_config: ModelConfig, data: RunData, batches: list[SequenceBatch]
+) -> float:
+    """Tokens/s of the bare model step over ``batches``, the first ``WARMUP_STEPS`` left
+    out as train.py's are."""
+    torch.manual_seed(0)
+    model = SemFaceModel(
+        model_config, build_interface("vq", model_config), data.special, TRAIN_OBJECTIVE
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+    g = torch.Generator().manual_seed(0)
+    started = 0.0
+    for i, batch in enumerate(batches):
+        if i == WARMUP_STEPS:
+            started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         model.joint_loss(batch, g).loss.backward()
         optimizer.step()
-        if i >= 2:
-            times.append(time.perf_counter() - started)
-    return sentences * length / statistics.median(times)
+    tokens = sum(int(b.lengths_B.sum()) for b in batches[WARMUP_STEPS:])
+    return tokens / (time.perf_counter() - started)
 
 
 def run(steps: int, locale_dir: Path, max_tokens: int = 2048) -> dict[str, Any]:
+    if steps <= WARMUP_STEPS + 1:
+        raise ValueError(f"--steps must be above {WARMUP_STEPS + 1}, got {steps}")
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         work = Path(tmp)
-        shards, model = _prepare(work, locale_dir)
+        shards, spm_model = _prepare(work, locale_dir)
+        model_config, data, batches = _loader_batches(shards, spm_model, max_tokens, steps)
         # The bare step is measured just before and just after train.py, and the run is
         # compared with their mean: load from other processes shifts both alike.
-        before = _bare_step_tokens_per_s(model, max_tokens)
-        records = _train(shards, model, work / "run", steps, max_tokens)
-        after = _bare_step_tokens_per_s(model, max_tokens)
+        before = _bare_step_tokens_per_s(model_config, data, batches)
+        records = _train(shards, spm_model, work / "run", steps, max_tokens)
+        after = _bare_step_tokens_per_s(model_config, data, batches)
         bare = (before + after) / 2
     steps_log = [r for r in records if "loss" in r]
+    logged = [r["tokens"] for r in steps_log]
+    counted = [int(b.lengths_B.sum()) for b in batches]
+    if logged != counted:
+        raise RuntimeError(
+            "the bare step's batches are not train.py's (token counts per step "
+            f"{counted[:5]}... against {logged[:5]}...): update _loader_batches to the "
+            "trainer's loader settings"
+        )
     saves = [r["checkpoint_seconds"] for r in records if "checkpoint_seconds" in r]
-    # Skip the first steps (start-up, first allocations), as for the bare step.
-    measured = steps_log[5:]
+    # From the end of the last warm-up step: the same steps as the bare figure.
+    measured = steps_log[WARMUP_STEPS - 1 :]
     seconds = measured[-1]["time"] - measured[0]["time"]
     tokens = sum(r["tokens"] for r in measured[1:])
     step_time = seconds / (len(measured) - 1)
@@ -148,7 +193,7 @@ def report(r: dict[str, Any]) -> str:
             "| figure | measured | limit or goal |",
             "|---|---|---|",
             f"| train.py training, tiny preset, VQ joint | {r['train_tokens_per_s']:,.0f} "
-            f"tokens/s = {r['ratio']:.2f} of the bare step | bare model step "
+            f"tokens/s = {r['ratio']:.2f} of the bare step | bare model step on the same batches "
             f"{r['bare_tokens_per_s']:,.0f} tokens/s (before / after the run: "
             f"{r['bare_before_after'][0]:,.0f} / {r['bare_before_after'][1]:,.0f}); "
             "goal >= 0.90 |",
