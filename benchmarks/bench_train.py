@@ -148,8 +148,6 @@ def _bare_step_tokens_per_s(
 
 
 def run(steps: int, locale_dir: Path, max_tokens: int = 2048) -> dict[str, Any]:
-    if steps <= WARMUP_STEPS + 1:
-        raise ValueError(f"--steps must be above {WARMUP_STEPS + 1}, got {steps}")
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         work = Path(tmp)
         shards, spm_model = _prepare(work, locale_dir)
@@ -210,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--locale-dir", type=Path, default=Path(DEFAULT_LOCALE_DIR))
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
+    if args.steps <= WARMUP_STEPS + 1:
+        parser.error(f"--steps must be above {WARMUP_STEPS + 1} (the warm-up steps and one)")
     keep_freed_memory()  # as train.py and translate.py run
     results = run(args.steps, args.locale_dir)
     print(report(results))
