@@ -4,9 +4,10 @@ Runs ``deepspeed megasemface/train.py`` (one process, CPU fp32 ZeRO-2, tiny pres
 stage) on the demo corpus and reads its per-step log: training tokens/s of the full path
 (loader, DeepSpeed engine, metrics, tracking) stands beside the bare model step measured in
 this process on the same batches (forward, backward and Adam; no loader, no engine, no
-logging), just before and just after the run; goal >= 0.9 of their mean. The bare step reads
-its batches with train.py's loader and defaults, and the benchmark checks that their token
-counts are the ones train.py logged: the batches' shapes (sentences of the demo corpus's
+logging), just before and just after the run; goal >= 0.9 of their mean. The bare step is
+train.py's own model and loader (its unit and its trainer's ``build_loader``, with its
+defaults), and the benchmark checks that the batches' token counts are the ones train.py
+logged: the batches' shapes (sentences of the demo corpus's
 lengths, their padding) weigh on a step's speed as much as the path around it. The time a
 checkpoint blocks training is reported as a share of the wall time between checkpoints at the
 default interval (500 steps); goal <= 1%.
@@ -29,22 +30,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_model import TRAIN_OBJECTIVE  # sibling script
 
 from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
-from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.data.shard_build_config import ShardBuildConfig
 from megasemface.data.shard_builder import build_shards
 from megasemface.data.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.textio import parse_lang_path
+from megasemface.distributed.groups import ParallelGroups
 from megasemface.host_memory import keep_freed_memory
-from megasemface.interfaces.factory import build_interface
-from megasemface.models.config import ModelConfig
 from megasemface.objectives.sequences import SequenceBatch
-from megasemface.objectives.stages import SemFaceModel
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
-from megasemface.training.units.base import model_config_from
+from megasemface.training.trainer import build_loader
+from megasemface.training.units import build_unit
+from megasemface.training.units.base import TrainUnit
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SAVE_INTERVAL = 500
@@ -96,13 +95,9 @@ def _train(shards: Path, model: Path, out: Path, steps: int, max_tokens: int) ->
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _loader_batches(
-    shards: Path, spm_model: Path, max_tokens: int, count: int
-) -> tuple[ModelConfig, RunData, list[SequenceBatch]]:
-    """The model shape and the first ``count`` batches of ``train.py --stage joint
-    --interface vq`` with its defaults (one rank, seed 0): its loader, configured as its
-    trainer configures it."""
-    config = TrainConfig(
+def _train_config(shards: Path, spm_model: Path, max_tokens: int) -> TrainConfig:
+    """``train.py --stage joint --interface vq`` with its defaults, as ``_train`` runs it."""
+    return TrainConfig(
         stage="joint",
         interface="vq",
         data=shards,
@@ -110,38 +105,33 @@ def _loader_batches(
         output_dir=Path(),
         max_tokens=max_tokens,
     )
-    data = RunData.load(config)
-    model_config = model_config_from(config, data)
-    loader = ShardLoader(
-        ShardSource.from_manifest(data.manifest),
-        # The SemFace stages' longest sample: room for </s> and the language tag.
-        LoaderConfig(max_tokens=max_tokens, max_len=model_config.max_len - 2, seed=config.seed),
-        pad_id=data.tokenizer.pad_id,
-    )
-    batches = [
-        SequenceBatch(b.tokens, b.lengths, data.lang_index(b.lang, len(b.lengths)))
-        for b in itertools.islice(iter(loader), count)
-    ]
-    return model_config, data, batches
 
 
-def _bare_step_tokens_per_s(
-    model_config: ModelConfig, data: RunData, batches: list[SequenceBatch]
-) -> float:
-    """Tokens/s of the bare model step over ``batches``, the first ``WARMUP_STEPS`` left
-    out as train.py's are."""
-    torch.manual_seed(0)
-    model = SemFaceModel(
-        model_config, build_interface("vq", model_config), data.special, TRAIN_OBJECTIVE
-    )
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+def _unit(config: TrainConfig) -> TrainUnit:
+    """train.py's unit of one process: its model, as its trainer initialises it."""
+    torch.manual_seed(config.seed)
+    return build_unit(config, RunData.load(config), ParallelGroups.single())
+
+
+def _loader_batches(config: TrainConfig, count: int) -> list[SequenceBatch]:
+    """The first ``count`` batches of ``config``'s run: its trainer's loader and unit."""
+    unit = _unit(config)
+    loader = build_loader(config, unit.data, unit, ParallelGroups.single())
+    return [unit.sequence_batch(b) for b in itertools.islice(iter(loader), count)]
+
+
+def _bare_step_tokens_per_s(config: TrainConfig, batches: list[SequenceBatch]) -> float:
+    """Tokens/s of the bare model step (forward, backward, Adam) over ``batches``, the first
+    ``WARMUP_STEPS`` left out as train.py's are."""
+    unit = _unit(config)
+    optimizer = torch.optim.Adam(unit.trainable(), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(0)
     started = 0.0
     for i, batch in enumerate(batches):
         if i == WARMUP_STEPS:
             started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        model.joint_loss(batch, g).loss.backward()
+        unit.model(batch, g).loss.backward()
         optimizer.step()
     tokens = sum(int(b.lengths_B.sum()) for b in batches[WARMUP_STEPS:])
     return tokens / (time.perf_counter() - started)
@@ -151,12 +141,13 @@ def run(steps: int, locale_dir: Path, max_tokens: int = 2048) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         work = Path(tmp)
         shards, spm_model = _prepare(work, locale_dir)
-        model_config, data, batches = _loader_batches(shards, spm_model, max_tokens, steps)
+        config = _train_config(shards, spm_model, max_tokens)
+        batches = _loader_batches(config, steps)
         # The bare step is measured just before and just after train.py, and the run is
         # compared with their mean: load from other processes shifts both alike.
-        before = _bare_step_tokens_per_s(model_config, data, batches)
+        before = _bare_step_tokens_per_s(config, batches)
         records = _train(shards, spm_model, work / "run", steps, max_tokens)
-        after = _bare_step_tokens_per_s(model_config, data, batches)
+        after = _bare_step_tokens_per_s(config, batches)
         bare = (before + after) / 2
     steps_log = [r for r in records if "loss" in r]
     logged = [r["tokens"] for r in steps_log]
@@ -164,8 +155,8 @@ def run(steps: int, locale_dir: Path, max_tokens: int = 2048) -> dict[str, Any]:
     if logged != counted:
         raise RuntimeError(
             "the bare step's batches are not train.py's (token counts per step "
-            f"{counted[:5]}... against {logged[:5]}...): update _loader_batches to the "
-            "trainer's loader settings"
+            f"{counted[:5]}... against {logged[:5]}...): _train_config no longer matches "
+            "_train's command line"
         )
     saves = [r["checkpoint_seconds"] for r in records if "checkpoint_seconds" in r]
     # From the end of the last warm-up step: the same steps as the bare figure.

@@ -43,8 +43,9 @@ from megasemface.training.run_data import RunData
 from megasemface.training.schedules import inverse_sqrt_lr
 from megasemface.training.signals import StopRequest
 from megasemface.training.units import build_unit
+from megasemface.training.units.base import TrainUnit
 
-__all__ = ["NonFiniteError", "Trainer"]
+__all__ = ["NonFiniteError", "Trainer", "build_loader"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,26 @@ def _seed_everything(seed: int) -> torch.Generator:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # dropout
     return torch.Generator().manual_seed(seed)  # masking and noising
+
+
+def build_loader(
+    config: TrainConfig, data: RunData, unit: TrainUnit, groups: ParallelGroups
+) -> ShardLoader:
+    """The run's batches for this data-parallel rank, cropped and mixed as ``unit`` reads
+    them."""
+    return ShardLoader(
+        ShardSource.from_manifest(data.manifest),
+        LoaderConfig(
+            max_tokens=config.max_tokens,
+            max_len=unit.loader_max_len(),
+            pair_share=unit.loader_pair_share(),
+            seed=config.seed,
+            num_workers=config.num_workers,
+        ),
+        pad_id=data.tokenizer.pad_id,
+        rank=groups.dp_rank,
+        world_size=groups.dp_size,
+    )
 
 
 class Trainer:
@@ -95,19 +116,7 @@ class Trainer:
         self.ds_config = ds_config
         self.lr_schedule = lr_schedule_of(config, ds_config)
         self.base_lr = config.lr if config.lr is not None else self.engine.lr
-        self.loader = ShardLoader(
-            ShardSource.from_manifest(self.data.manifest),
-            LoaderConfig(
-                max_tokens=config.max_tokens,
-                max_len=self.unit.loader_max_len(),
-                pair_share=self.unit.loader_pair_share(),
-                seed=config.seed,
-                num_workers=config.num_workers,
-            ),
-            pad_id=self.data.tokenizer.pad_id,
-            rank=groups.dp_rank,
-            world_size=groups.dp_size,
-        )
+        self.loader = build_loader(config, self.data, self.unit, groups)
         self.step = 0
         self.skips_in_row = 0
         self.skipped = 0
