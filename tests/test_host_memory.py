@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
 )
 
-# Ten steps of the fused output loss on 1,100 tokens x 8,000 ids: a 35 MB logits buffer.
+# Sixteen steps of the fused output loss on 1,100 tokens x 8,000 ids: a 35 MB logits buffer.
 STEPS = """
 import json, resource, sys, torch
 from megasemface.host_memory import keep_freed_memory
@@ -32,7 +32,7 @@ h = torch.randn(1100, 32, generator=g, requires_grad=True)
 w = torch.randn(8000, 32, generator=g, requires_grad=True)
 t = torch.randint(0, 8000, (1100,), generator=g)
 faults, losses = [], []
-for _ in range(10):
+for _ in range(16):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     loss = output_cross_entropy(h, w, None, t).loss
     loss.backward()
@@ -58,12 +58,15 @@ def test_freed_logits_are_reused_with_the_same_results() -> None:
     kept, default = run_steps("keep"), run_steps("default")
     assert kept["applied"]
     # 35 MB is about 8,600 pages: glibc's own settings fault them in on every step (so this
-    # measures what it claims), kept memory after the first two steps not at all. One step
-    # in eight may still fault a whole buffer in (seen once on a loaded machine): a block
-    # that outlives the step can take part of the freed buffer's place, and malloc then
-    # carves the next one from fresh heap. What must not happen is paying it every step.
+    # measures what it claims). Kept memory faults the buffer in while the heap's layout
+    # settles: a block that outlives a step can take part of the freed buffer's place, and
+    # malloc then carves the next one from fresh heap. That took two to four steps here (the
+    # fourth on CI's machine under the parallel suite's load); once settled, no step pays it.
+    # What must not happen is paying it every step: at most one step in the last eight may,
+    # and all sixteen together fault in less than a third of what glibc's settings do.
     assert min(default["faults"][2:]) > 5000, default["faults"]
-    assert sum(faults >= 100 for faults in kept["faults"][2:]) <= 1, kept["faults"]
+    assert sum(faults >= 100 for faults in kept["faults"][8:]) <= 1, kept["faults"]
+    assert 3 * sum(kept["faults"]) < sum(default["faults"]), (kept["faults"], default["faults"])
     assert kept["losses"] == default["losses"]
     assert kept["grads"] == default["grads"]
 
