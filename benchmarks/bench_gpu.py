@@ -74,8 +74,9 @@ class JointStep:
         batch: SequenceBatch,
         *,
         compiled: bool = False,
+        fused: bool = True,
     ) -> None:
-        config = build_model_config(preset, ["vq.layout=flat"])
+        config = build_model_config(preset, ["vq.layout=flat", f"vq.fused_kernels={fused}"])
         torch.manual_seed(0)
         interface = build_interface("vq", config, groups=groups, seed=0)
         model = SemFaceModel(config, interface, SPECIAL, TRAIN_OBJECTIVE)
@@ -172,6 +173,8 @@ def run(
     steps = {
         "ZeRO-2": JointStep(preset, "zero2_bf16.json", groups, src),
         "ZeRO-3": JointStep(preset, "zero3_bf16.json", groups, src),
+        # The VQ layer's passes over its logits as eager PyTorch operations (as on a CPU).
+        "ZeRO-2 eager VQ": JointStep(preset, "zero2_bf16.json", groups, src, fused=False),
     }
     _, runners, target_tokens, _ = build_runners(dataclasses.replace(shape), device)
     flops = {name: step.flops() for name, step in steps.items()}

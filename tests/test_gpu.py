@@ -71,3 +71,36 @@ def test_output_loss_under_bf16_autocast_matches_fp32() -> None:
     weight.grad = None
     reference.backward()
     assert (grad_w - weight.grad).norm() / weight.grad.norm() < 0.05
+
+
+@pytest.mark.parametrize("logits", ["distance", "mlp"])
+@pytest.mark.parametrize("from_gumbel", [False, True])
+def test_fused_flat_passes_match_the_eager_ones(logits: str, from_gumbel: bool) -> None:
+    """The fused kernels pick the eager passes' codes (the same products and noise) with
+    the same losses and gradients to float rounding, and repeat themselves bit for bit."""
+    pytest.importorskip("triton")
+    runs = []
+    for fused in (False, True, True):
+        config = VQConfig(
+            layout="flat", num_codes=4096, chunk_tokens=256, hidden_dim=128, logits=logits,
+            diversity_from_gumbel=from_gumbel, fused_kernels=fused, keep_logits_mib=0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        layer = GumbelVectorQuantizer(config, 256, ParallelGroups.single(), seed=3)
+        layer = layer.cuda().to(torch.bfloat16).train()
+        h = torch.randn(1000, 256, device="cuda").bfloat16().requires_grad_()
+        out = layer(h, noise_key=5)
+        loss = out.quantized.float().square().sum() + out.diversity_loss + out.token_entropy
+        loss.backward()
+        grads = [h.grad.float()] + [
+            p.grad.float() for p in layer.parameters() if p.grad is not None
+        ]
+        runs.append((out, grads))
+    (eager, eager_grads), (fused, fused_grads), (again, again_grads) = runs
+    assert torch.equal(fused.codes, eager.codes)
+    for name in ("diversity_loss", "token_entropy"):
+        torch.testing.assert_close(getattr(fused, name), getattr(eager, name), rtol=1e-4, atol=1e-6)
+    for got, want in zip(fused_grads, eager_grads, strict=True):
+        assert (got - want).norm() / want.norm() < 5e-3
+    assert torch.equal(again.codes, fused.codes)
+    assert all(torch.equal(a, b) for a, b in zip(again_grads, fused_grads, strict=True))

@@ -408,6 +408,7 @@ class GumbelVectorQuantizer(nn.Module):
             out_dtype=h.dtype,
             matmul_dtype=matmul_dtype(codebook if weight is None else weight),
             distance_scale=self.distance_scale if self.distance else 0.0,
+            fused=self.config.fused_kernels,
         )
         local_out, psum, codes, greedy, entropy_sum = FlatQuantize.apply(*params, spec)
         quantized = reduce_from_model_parallel(local_out, self.groups)

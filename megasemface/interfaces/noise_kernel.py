@@ -21,7 +21,7 @@ try:
 except ImportError:  # CPU-only installs: the eager blocks serve
     triton = None
 
-__all__ = ["noise_from_hashes"]
+__all__ = ["gumbel_from_hashes", "noise_from_hashes"]
 
 _BLOCK = 1024
 _failed: list[str] = []
@@ -30,19 +30,25 @@ _failed: list[str] = []
 if triton is not None:
 
     @triton.jit
-    def _noise_kernel(rows_ptr, cols_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        row = tl.program_id(0)
-        offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < n_cols
-        seed = tl.load(rows_ptr + row).to(tl.uint64, bitcast=True)
-        col = tl.load(cols_ptr + offsets, mask=inside, other=0).to(tl.uint64, bitcast=True)
+    def gumbel_from_hashes(seed, col):  # type: ignore[no-untyped-def]
+        """Gumbel noise of the row seeds ``seed`` and scaled code indices ``col`` (uint64,
+        broadcastable): SplitMix64's finaliser, the top 23 bits, two logarithms."""
         z = seed + col
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB
         z = z ^ (z >> 31)
         bits = ((z >> 41) & 0x7FFFFF).to(tl.float32)
         u = (bits + 0.5) * 1.1920928955078125e-07  # 2**-23
-        out = -tl.log(-tl.log(u))
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _noise_kernel(rows_ptr, cols_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        row = tl.program_id(0)
+        offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n_cols
+        seed = tl.load(rows_ptr + row).to(tl.uint64, bitcast=True)
+        col = tl.load(cols_ptr + offsets, mask=inside, other=0).to(tl.uint64, bitcast=True)
+        out = gumbel_from_hashes(seed, col)
         tl.store(out_ptr + row.to(tl.int64) * n_cols + offsets, out, mask=inside)
 
 

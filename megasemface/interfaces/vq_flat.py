@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from megasemface.distributed.groups import ParallelGroups, all_reduce_model_parallel
-from megasemface.interfaces.vq_random import gumbel_noise
+from megasemface.interfaces import vq_flat_fused as fused
+from megasemface.interfaces.vq_random import gumbel_noise, noise_hashes
 
 __all__ = ["FlatQuantize", "FlatSpec", "owned_codes"]
 
@@ -53,6 +54,11 @@ class FlatSpec:
     are the codebook itself (``weight`` and ``bias`` are None), and its gradient comes back
     as one tensor. No [Kl, d] copy of the table is made (``2 s z`` and its gradient would
     be: at the paper's 102,400 x 1,024, each a 420 MB pass through memory)."""
+    fused: bool = False
+    """Each chunk's passes over its logits as the fused kernels of
+    :mod:`~megasemface.interfaces.vq_flat_fused` where they run (a GPU with Triton); forward
+    then keeps no buffers for backward, whose recomputation costs one product and two fused
+    passes."""
 
 
 def matmul_dtype(weight: Tensor) -> torch.dtype:
@@ -139,6 +145,8 @@ class FlatQuantize(torch.autograd.Function):
         groups, tau = spec.groups, spec.temperature
         n_tok, n_local = a.shape[0], codebook.shape[0]
         device = a.device
+        if spec.fused and not fused.available(device):
+            spec = dataclasses.replace(spec, fused=False)
         codes = torch.empty(n_tok, dtype=torch.int64, device=device)
         greedy = torch.empty(n_tok, dtype=torch.int64, device=device)
         # Per token: global max of s, global max of l, sum exp for Eq. 5, sum exp for softmax(l),
@@ -148,32 +156,30 @@ class FlatQuantize(torch.autograd.Function):
         needs_logit_grad = any(ctx.needs_input_grad[:3]) or (
             spec.distance_scale > 0 and ctx.needs_input_grad[3]
         )
-        keep = needs_logit_grad and 3 * 4 * n_tok * n_local <= spec.keep_bytes
+        keep = needs_logit_grad and 3 * 4 * n_tok * n_local <= spec.keep_bytes and not spec.fused
         kept: list[Tensor] = []
         with torch.autocast(device.type, enabled=False):
             x, wm, b32 = _logit_operands(a, weight, bias, codebook, spec)
+            if spec.fused:
+                codes_here = range(spec.code_offset, spec.code_offset + n_local)
+                hashes = noise_hashes(spec.noise_key, range(n_tok), codes_here, device)
             for t0 in range(0, n_tok, spec.chunk_tokens):
                 t1 = min(n_tok, t0 + spec.chunk_tokens)
+                if spec.fused:
+                    chosen = _fused_chunk(x[t0:t1], wm, b32, hashes, t0, stats[t0:t1], psum, spec)
+                    codes[t0:t1], greedy[t0:t1] = chosen[:, 0], chosen[:, 1]
+                    continue
                 logits, scores = _chunk_logits(x[t0:t1], wm, b32, spec, t0)
                 # Local maxima and the first (smallest) local index attaining them, of the
                 # scores and (when sampling) of the noise-free logits.
                 local_max, local_idx = scores.max(dim=1)
-                plain_max, plain_idx = logits.max(dim=1) if spec.sample else (local_max, None)
-                maxes = torch.stack([local_max, plain_max], dim=1)
-                all_reduce_model_parallel(maxes, groups, "max")
-                # The global argmax: among ranks holding the global maximum, the smallest global
-                # index, so ties resolve exactly as torch.argmax does on the unsplit logits.
-                no_code = torch.full_like(local_idx, spec.num_codes)
-                candidates = [torch.where(local_max == maxes[:, 0], local_idx, no_code)]
-                if plain_idx is not None:
-                    candidates.append(torch.where(plain_max == maxes[:, 1], plain_idx, no_code))
-                candidate = torch.stack(candidates, dim=1)
-                candidate.add_(spec.code_offset).clamp_(max=spec.num_codes)
-                all_reduce_model_parallel(candidate, groups, "min")
-                # NaN logits leave no candidate; keep the index valid, the NaN reaches the loss.
-                candidate.clamp_(max=spec.num_codes - 1)
-                codes[t0:t1] = candidate[:, 0]
-                greedy[t0:t1] = candidate[:, -1]
+                plain_max, plain_idx = logits.max(dim=1) if spec.sample else (local_max, local_idx)
+                maxes, chosen = _global_codes(
+                    torch.stack([local_max, plain_max], dim=1),
+                    torch.stack([local_idx, plain_idx], dim=1),
+                    spec,
+                )
+                codes[t0:t1], greedy[t0:t1] = chosen[:, 0], chosen[:, 1]
                 sums = torch.zeros(t1 - t0, 3, dtype=torch.float32, device=device)
                 soft = None
                 if spec.need_soft:
@@ -285,6 +291,61 @@ def owned_codes(codes: Tensor, offset: int, n_local: int) -> tuple[Tensor, Tenso
     return owned, local.clamp(0, n_local - 1)
 
 
+def _global_codes(local_max: Tensor, local_idx: Tensor, spec: FlatSpec) -> tuple[Tensor, Tensor]:
+    """The global maxima [n, 2] of the scores and of the noise-free logits, from this rank's
+    local maxima and the first local indices attaining them [n, 2], and the smallest global
+    index attaining each: among ranks holding a global maximum the smallest index, so ties
+    resolve exactly as torch.argmax does on the unsplit logits."""
+    maxes = all_reduce_model_parallel(local_max.clone(), spec.groups, "max")
+    no_code = torch.full_like(local_idx, spec.num_codes)
+    chosen = torch.where(local_max == maxes, local_idx, no_code)
+    chosen.add_(spec.code_offset).clamp_(max=spec.num_codes)
+    all_reduce_model_parallel(chosen, spec.groups, "min")
+    # NaN logits leave no candidate; keep the index valid, the NaN reaches the loss.
+    return maxes, chosen.clamp_(max=spec.num_codes - 1)
+
+
+def _fused_chunk(
+    x: Tensor,
+    wm: Tensor,
+    b32: Tensor,
+    hashes: tuple[Tensor, Tensor],
+    t0: int,
+    stats: Tensor,
+    psum: Tensor,
+    spec: FlatSpec,
+) -> Tensor:
+    """Forward of one chunk through the fused kernels: fills the chunk's ``stats`` [n, 5],
+    adds its diversity column sums to ``psum``; returns the codes and noise-free codes [n, 2]."""
+    tau = spec.temperature
+    chunk = _fused_chunk_of(x, wm, b32, hashes, t0, spec)
+    local_max, local_idx, sums = fused.row_stats(chunk)
+    maxes, chosen = _global_codes(local_max, local_idx, spec)
+    # The sums are relative to this rank's maxima: rescale them to the global ones before
+    # summing over ranks; sum e^(l-m)(l-m) also gains sum e^(l-m) times the shift.
+    shift = local_max - maxes
+    scale = torch.exp(torch.stack([shift[:, 0] / tau, shift[:, 1]], dim=1))
+    sums[:, 2].add_(sums[:, 1] * shift[:, 1]).mul_(scale[:, 1])
+    sums[:, :2].mul_(scale)
+    all_reduce_model_parallel(sums, spec.groups, "sum")
+    stats[:, :2] = maxes
+    stats[:, 2:4] = sums[:, :2]
+    stats[:, 4] = sums[:, 2] / sums[:, 1]
+    fused.column_sums(chunk, stats, psum)
+    return chosen
+
+
+def _fused_chunk_of(
+    x: Tensor, wm: Tensor, b32: Tensor, hashes: tuple[Tensor, Tensor], t0: int, spec: FlatSpec
+) -> fused.Chunk:
+    """The logit product of the chunk of tokens ``x`` starting at ``t0`` for the kernels."""
+    seeds = hashes[0][t0 : t0 + x.shape[0]]
+    product = _mm(x, wm.t(), spec.matmul_dtype)
+    return fused.Chunk(
+        product, b32, seeds, hashes[1], spec.temperature, spec.sample, spec.from_gumbel
+    )
+
+
 def _flat_logit_backward(
     a: Tensor,
     wm: Tensor,
@@ -311,7 +372,7 @@ def _flat_logit_backward(
     forward's unnormalised buffers of each chunk in turn (centred logits, their exponentials
     and, if computed, the Gumbel softmax), used in place instead of recomputed.
     """
-    groups, tau = spec.groups, spec.temperature
+    groups = spec.groups
     need_a, need_w, need_b = needs
     n_tok = a.shape[0]
     dtype = spec.matmul_dtype
@@ -320,79 +381,115 @@ def _flat_logit_backward(
     grad_a = torch.empty_like(a) if need_a else None
     grad_w: Tensor | None = None  # the first chunk's product, then accumulated (fp32)
     grad_b = torch.zeros(b32.shape, dtype=torch.float32, device=a.device) if need_b else None
-    soft_used = cm is not None or (spec.from_gumbel and g_div is not None)
-    plain_div = not spec.from_gumbel and g_div is not None
-    plain_used = plain_div or grad_entropy is not None
     starts = range(0, n_tok, spec.chunk_tokens)
     per_chunk = len(kept) // max(1, len(starts))
+    if spec.fused:
+        codes_here = range(spec.code_offset, spec.code_offset + wm.shape[0])
+        hashes = noise_hashes(spec.noise_key, range(n_tok), codes_here, a.device)
+        g_div = None if g_div is None else g_div.contiguous()
+        g_ent = None if grad_entropy is None else grad_entropy.float()
+    product_dtype = dtype if grad_a is not None or need_w else torch.float32
     for chunk, t0 in enumerate(starts):
         t1 = min(n_tok, t0 + spec.chunk_tokens)
-        st = stats[t0:t1]
-        logits = scores = None
-        this = kept[chunk * per_chunk : (chunk + 1) * per_chunk]
-        if not this:
-            logits, scores = _chunk_logits(a[t0:t1], wm, b32, spec, t0)
-        dots = torch.zeros(t1 - t0, 2, dtype=torch.float32, device=a.device)
-        grad_soft = soft = None
-        if soft_used:
-            if this:
-                soft = this[2]
-            else:
-                assert scores is not None
-                y = scores.div_(tau) if spec.sample else scores / tau
-                soft = y.sub_((st[:, 0] / tau)[:, None]).exp_()
-            soft.div_(st[:, 2:3])
-            if cm is not None:
-                assert grad_quantized is not None
-                grad_soft = _mm(grad_quantized[t0:t1], cm.t(), dtype)
-            else:
-                grad_soft = torch.zeros_like(soft)
-            if spec.from_gumbel and g_div is not None:
-                grad_soft.add_(g_div)
-            dots[:, 0] = (soft * grad_soft).sum(dim=1)
-        plain = centered = None
-        if plain_used:
-            if this:
-                centered, plain = this[0], this[1]
-            else:
-                assert logits is not None
-                centered = logits.sub_(st[:, 1:2])
-                plain = centered.exp()
-            plain.div_(st[:, 3:4])
-            if plain_div:
-                assert g_div is not None
-                dots[:, 1] = plain @ g_div
-        all_reduce_model_parallel(dots, groups, "sum")
-        if soft is not None:
-            assert grad_soft is not None
-            grad_logits = grad_soft.sub_(dots[:, 0:1]).mul_(soft).div_(tau)
+        g_soft = None
+        if cm is not None:
+            assert grad_quantized is not None
+            g_soft = _mm(grad_quantized[t0:t1], cm.t(), dtype)
+        if spec.fused:
+            chunk_in = _fused_chunk_of(a[t0:t1], wm, b32, hashes, t0, spec)
+            dots = fused.row_dots(chunk_in, stats[t0:t1], g_soft, g_div)
+            all_reduce_model_parallel(dots, groups, "sum")
+            # The kernel adds the gradient's column sums to grad_b.
+            grad_logits = fused.grad_logits(
+                chunk_in, stats[t0:t1], g_soft, g_div, dots, g_ent, grad_b, product_dtype
+            )
+            del chunk_in, dots
         else:
-            grad_logits = torch.zeros(t1 - t0, wm.shape[0], device=a.device)
-        if plain_div:
-            assert g_div is not None and plain is not None
-            grad_logits.add_((g_div - dots[:, 1:2]).mul_(plain))
-        if grad_entropy is not None:
-            assert plain is not None and centered is not None
-            # A 0-dim tensor multiplies without a host synchronisation.
-            grad_logits.sub_(plain.mul_(centered.sub_(st[:, 4:5])).mul_(grad_entropy))
-        if dtype != torch.float32 and (grad_a is not None or need_w):
-            grad_logits_mm = grad_logits.to(dtype)  # as autocast's backward multiplies
-        else:
-            grad_logits_mm = grad_logits
+            this = kept[chunk * per_chunk : (chunk + 1) * per_chunk]
+            grad_logits = _eager_grad_logits(
+                a[t0:t1], wm, b32, stats[t0:t1], g_soft, g_div, grad_entropy, this, spec, t0
+            )
+            if grad_b is not None:
+                grad_b.add_(grad_logits.sum(dim=0))
+        del g_soft
+        # The products' operands in the products' dtype, as autocast's backward multiplies.
+        grad_logits_mm = grad_logits.to(product_dtype)
         if grad_a is not None:
             grad_a[t0:t1] = _mm(grad_logits_mm, wm, dtype).to(a.dtype)
         if need_w:  # no zero-filled [Kl, d] buffer to add the first product to
             if dtype == torch.float32:
                 if grad_w is None:
-                    grad_w = grad_logits.t() @ a[t0:t1].float()
+                    grad_w = grad_logits.float().t() @ a[t0:t1].float()
                 else:
-                    grad_w.addmm_(grad_logits.t(), a[t0:t1].float())
+                    grad_w.addmm_(grad_logits.float().t(), a[t0:t1].float())
             else:
                 product = _mm(grad_logits_mm.t(), a[t0:t1], dtype)
                 grad_w = product if grad_w is None else grad_w.add_(product)
-        if grad_b is not None:
-            grad_b.add_(grad_logits.sum(dim=0))
-        del logits, scores, soft, plain, centered, grad_soft, grad_logits, grad_logits_mm
+        del grad_logits, grad_logits_mm
     if need_w and grad_w is None:  # no tokens
         grad_w = torch.zeros(wm.shape, dtype=torch.float32, device=a.device)
     return grad_a, grad_w, grad_b
+
+
+def _eager_grad_logits(
+    a: Tensor,
+    wm: Tensor,
+    b32: Tensor,
+    st: Tensor,
+    grad_soft: Tensor | None,
+    g_div: Tensor | None,
+    grad_entropy: Tensor | None,
+    kept: Sequence[Tensor],
+    spec: FlatSpec,
+    t0: int,
+) -> Tensor:
+    """One chunk's logits gradient [n, Kl] (fp32) from its ``st`` [n, 5], the
+    straight-through product ``grad_soft`` and forward's ``kept`` buffers, if any, else
+    recomputing the logits and the noise (see :func:`_flat_logit_backward`)."""
+    tau = spec.temperature
+    soft_used = grad_soft is not None or (spec.from_gumbel and g_div is not None)
+    plain_div = not spec.from_gumbel and g_div is not None
+    logits = scores = None
+    if not kept:
+        logits, scores = _chunk_logits(a, wm, b32, spec, t0)
+    dots = torch.zeros(a.shape[0], 2, dtype=torch.float32, device=a.device)
+    soft = None
+    if soft_used:
+        if kept:
+            soft = kept[2]
+        else:
+            assert scores is not None
+            y = scores.div_(tau) if spec.sample else scores / tau
+            soft = y.sub_((st[:, 0] / tau)[:, None]).exp_()
+        soft.div_(st[:, 2:3])
+        if grad_soft is None:
+            grad_soft = torch.zeros_like(soft)
+        if spec.from_gumbel and g_div is not None:
+            grad_soft.add_(g_div)
+        dots[:, 0] = (soft * grad_soft).sum(dim=1)
+    plain = centered = None
+    if plain_div or grad_entropy is not None:
+        if kept:
+            centered, plain = kept[0], kept[1]
+        else:
+            assert logits is not None
+            centered = logits.sub_(st[:, 1:2])
+            plain = centered.exp()
+        plain.div_(st[:, 3:4])
+        if plain_div:
+            assert g_div is not None
+            dots[:, 1] = plain @ g_div
+    all_reduce_model_parallel(dots, spec.groups, "sum")
+    if soft is not None:
+        assert grad_soft is not None
+        grad_logits = grad_soft.sub_(dots[:, 0:1]).mul_(soft).div_(tau)
+    else:
+        grad_logits = torch.zeros(a.shape[0], wm.shape[0], device=a.device)
+    if plain_div:
+        assert g_div is not None and plain is not None
+        grad_logits.add_((g_div - dots[:, 1:2]).mul_(plain))
+    if grad_entropy is not None:
+        assert plain is not None and centered is not None
+        # A 0-dim tensor multiplies without a host synchronisation.
+        grad_logits.sub_(plain.mul_(centered.sub_(st[:, 4:5])).mul_(grad_entropy))
+    return grad_logits

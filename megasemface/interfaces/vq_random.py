@@ -26,6 +26,7 @@ __all__ = [
     "gumbel_noise",
     "init_rows",
     "mix_key",
+    "noise_hashes",
 ]
 
 _INIT_BLOCK_ROWS = 1024
@@ -101,10 +102,8 @@ def gumbel_noise(
     out = torch.empty(num_tokens, num_codes, dtype=torch.float32, device=device)
     if num_tokens == 0 or num_codes == 0:
         return out
-    rows = torch.arange(token_start + 1, token_start + num_tokens + 1, device=device)
-    rows = _fmix64_(rows.mul_(_signed(_GOLDEN)).add_(_signed(key)))
-    cols = torch.arange(code_start + 1, code_start + num_codes + 1, device=device)
-    cols.mul_(_signed(_GOLDEN))
+    tokens = range(token_start, token_start + num_tokens)
+    rows, cols = noise_hashes(key, tokens, range(code_start, code_start + num_codes), device)
     if device.type == "cuda":
         fused = noise_from_hashes(rows, cols)
         if fused is not None:
@@ -117,6 +116,18 @@ def gumbel_noise(
         u = z.to(torch.float32).add_(0.5).mul_(2.0**-23)
         out[:, c0:c1] = u.log_().neg_().log_().neg_()
     return out
+
+
+def noise_hashes(
+    key: int, tokens: range, codes: range, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
+    """The row seeds [len(tokens)] and scaled code indices [len(codes)] (int64 holding
+    uint64 bits) whose sums :func:`gumbel_noise` hashes: element (t, c) is ``fmix(rows[t] +
+    cols[c])``."""
+    rows = torch.arange(tokens.start + 1, tokens.stop + 1, device=device)
+    rows = _fmix64_(rows.mul_(_signed(_GOLDEN)).add_(_signed(key)))
+    cols = torch.arange(codes.start + 1, codes.stop + 1, device=device)
+    return rows, cols.mul_(_signed(_GOLDEN))
 
 
 def _noise_elements(device: torch.device) -> int:

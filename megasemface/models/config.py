@@ -74,6 +74,10 @@ class VQConfig:
     backward instead of backward recomputing the logits and the noise: the same results,
     faster for small batches and codebooks (the tiny and small presets' 512 codes up to
     43,690 tokens a rank; the paper's 102,400 up to 218). 0 always recomputes."""
+    fused_kernels: bool = True
+    """On a GPU with Triton, the flat layer's passes over each chunk's [tokens, codes] logits
+    run as fused kernels (interfaces/vq_flat_fused.py; the same values up to float rounding);
+    False runs them as eager PyTorch operations, as on a CPU."""
     diversity_loss: Literal["perplexity", "eq6"] = "perplexity"
     """perplexity: wav2vec 2.0's ``(K - exp(H(pbar))) / K``, whose pull does not fade with K;
     eq6: the paper's Eq. 6 as printed, ``(1/K) sum pbar log pbar``, which moves by at most
