@@ -166,9 +166,14 @@ class FlatQuantize(torch.autograd.Function):
             for t0 in range(0, n_tok, spec.chunk_tokens):
                 t1 = min(n_tok, t0 + spec.chunk_tokens)
                 if spec.fused:
-                    chosen = _fused_chunk(x[t0:t1], wm, b32, hashes, t0, stats[t0:t1], psum, spec)
-                    codes[t0:t1], greedy[t0:t1] = chosen[:, 0], chosen[:, 1]
-                    continue
+                    chosen = fused.first_build(
+                        "forward", _fused_chunk, x[t0:t1], wm, b32, hashes, t0, stats[t0:t1],
+                        psum, spec,
+                    )  # fmt: skip
+                    if chosen is not None:
+                        codes[t0:t1], greedy[t0:t1] = chosen[:, 0], chosen[:, 1]
+                        continue
+                    spec = dataclasses.replace(spec, fused=False)  # they did not build here
                 logits, scores = _chunk_logits(x[t0:t1], wm, b32, spec, t0)
                 # Local maxima and the first (smallest) local index attaining them, of the
                 # scores and (when sampling) of the noise-free logits.
@@ -372,7 +377,6 @@ def _flat_logit_backward(
     forward's unnormalised buffers of each chunk in turn (centred logits, their exponentials
     and, if computed, the Gumbel softmax), used in place instead of recomputed.
     """
-    groups = spec.groups
     need_a, need_w, need_b = needs
     n_tok = a.shape[0]
     dtype = spec.matmul_dtype
@@ -395,16 +399,16 @@ def _flat_logit_backward(
         if cm is not None:
             assert grad_quantized is not None
             g_soft = _mm(grad_quantized[t0:t1], cm.t(), dtype)
+        grad_logits = None
         if spec.fused:
-            chunk_in = _fused_chunk_of(a[t0:t1], wm, b32, hashes, t0, spec)
-            dots = fused.row_dots(chunk_in, stats[t0:t1], g_soft, g_div)
-            all_reduce_model_parallel(dots, groups, "sum")
             # The kernel adds the gradient's column sums to grad_b.
-            grad_logits = fused.grad_logits(
-                chunk_in, stats[t0:t1], g_soft, g_div, dots, g_ent, grad_b, product_dtype
-            )
-            del chunk_in, dots
-        else:
+            grad_logits = fused.first_build(
+                "backward", _fused_grad_logits, a[t0:t1], wm, b32, hashes, t0, stats[t0:t1],
+                g_soft, g_div, g_ent, grad_b, product_dtype, spec,
+            )  # fmt: skip
+            if grad_logits is None:
+                spec = dataclasses.replace(spec, fused=False)  # they did not build here
+        if grad_logits is None:
             this = kept[chunk * per_chunk : (chunk + 1) * per_chunk]
             grad_logits = _eager_grad_logits(
                 a[t0:t1], wm, b32, stats[t0:t1], g_soft, g_div, grad_entropy, this, spec, t0
@@ -429,6 +433,28 @@ def _flat_logit_backward(
     if need_w and grad_w is None:  # no tokens
         grad_w = torch.zeros(wm.shape, dtype=torch.float32, device=a.device)
     return grad_a, grad_w, grad_b
+
+
+def _fused_grad_logits(
+    a: Tensor,
+    wm: Tensor,
+    b32: Tensor,
+    hashes: tuple[Tensor, Tensor],
+    t0: int,
+    stats: Tensor,
+    g_soft: Tensor | None,
+    g_div: Tensor | None,
+    g_ent: Tensor | None,
+    grad_b: Tensor | None,
+    dtype: torch.dtype,
+    spec: FlatSpec,
+) -> Tensor:
+    """One chunk's logits gradient in ``dtype`` through the fused kernels; adds its column
+    sums to ``grad_b``."""
+    chunk = _fused_chunk_of(a, wm, b32, hashes, t0, spec)
+    dots = fused.row_dots(chunk, stats, g_soft, g_div)
+    all_reduce_model_parallel(dots, spec.groups, "sum")
+    return fused.grad_logits(chunk, stats, g_soft, g_div, dots, g_ent, grad_b, dtype)
 
 
 def _eager_grad_logits(

@@ -23,6 +23,9 @@ repeats itself bit for bit. Used on a GPU where Triton is installed
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -34,7 +37,15 @@ if triton is not None:
 
     from megasemface.interfaces.noise_kernel import gumbel_from_hashes
 
-__all__ = ["Chunk", "available", "column_sums", "grad_logits", "row_dots", "row_stats"]
+__all__ = [
+    "Chunk",
+    "available",
+    "column_sums",
+    "first_build",
+    "grad_logits",
+    "row_dots",
+    "row_stats",
+]
 
 _ROW_BLOCK = 1024
 """Codes a row program reads at a time (row statistics and dot products)."""
@@ -42,9 +53,39 @@ _TILE_ROWS, _TILE_COLS = 32, 128
 """Tokens x codes of a column program's tile (column sums and the logits' gradient)."""
 
 
+_failed: list[str] = []
+"""Why the kernels did not build in this process, once they failed to."""
+_built: set[str] = set()
+"""The directions ("forward", "backward") whose kernels have run in this process."""
+
+T = TypeVar("T")
+
+
 def available(device: torch.device) -> bool:
-    """Whether the fused kernels can run on ``device``: a GPU with Triton installed."""
-    return triton is not None and device.type == "cuda"
+    """Whether the fused kernels can run on ``device``: a GPU with Triton installed, where
+    they have not failed to build."""
+    return triton is not None and device.type == "cuda" and not _failed
+
+
+def first_build(direction: str, call: Callable[..., T], *args: Any) -> T | None:
+    """``call(*args)``, whose kernels Triton builds on their first run in this process. Where
+    that first run fails (a GPU or a Triton they do not support), says so once and returns
+    None: the caller runs the eager passes, and :func:`available` is False from then on. A
+    failure after a first run that succeeded is an error of its own and is raised."""
+    if direction in _built:
+        return call(*args)
+    try:
+        result = call(*args)
+    except Exception as exc:
+        _failed.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
+        warnings.warn(
+            f"the VQ layer's fused kernels did not build ({_failed[0]}); running its eager "
+            "passes instead (--model vq.fused_kernels=false does so without trying)",
+            stacklevel=2,
+        )
+        return None
+    _built.add(direction)
+    return result
 
 
 @dataclasses.dataclass(frozen=True)
