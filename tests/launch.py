@@ -1,10 +1,18 @@
-"""Launching real training runs from tests: ``deepspeed --num_accelerators N`` over gloo.
+"""Launching real training runs from tests: N CPU ranks over gloo, started by the launcher
+the pipeline uses (``python -m megasemface.distributed.launch``), or by DeepSpeed's
+(``deepspeed --num_accelerators N``) where a test asks for it.
+
+Most tests start their runs with the pipeline's launcher: DeepSpeed's runs two more Python
+processes that import DeepSpeed (about 10 s of CPU a run on a 2-core machine) before the
+ranks start, and the ranks are the same. tests/test_train_launcher.py checks that both give
+the same run bit for bit and runs its own tests through DeepSpeed's.
 
 Imported by tests for the helpers; run by the launcher as a script, it is ``train.py`` with
-one addition: at every checkpoint the ranks of data-parallel rank 0 also write the weights
+two additions: at every checkpoint the ranks of data-parallel rank 0 also write the weights
 their live model holds (gathered under ZeRO-3) to
 ``<output-dir>/live/step-NNNNNNNN-mp<R>.safetensors``, which tests compare with what the
-checkpoint tools reconstruct from DeepSpeed's files.
+checkpoint tools reconstruct from DeepSpeed's files; and several runs, their arguments
+separated by ``--then``, run one after another in the same ranks (:func:`chain`).
 """
 
 from __future__ import annotations
@@ -62,15 +70,16 @@ def train_command(
     config: Path,
     procs: int = 2,
     live: bool = False,
-    local: bool = False,
+    deepspeed: bool = False,
 ) -> list[str]:
-    """``deepspeed`` running train.py (or, with ``live``, this file) on the tiny preset; with
-    ``local``, megasemface's own launcher of one machine's ranks (what the pipeline runs)."""
+    """train.py (or, with ``live``, this file) on the tiny preset, its ranks started by
+    megasemface's launcher of one machine's ranks (what the pipeline runs), or with
+    ``deepspeed`` by DeepSpeed's launcher."""
     script = Path(__file__) if live else ROOT / "megasemface" / "train.py"
     launcher = (
-        [sys.executable, "-m", "megasemface.distributed.launch", "--nproc", str(procs)]
-        if local
-        else [str(DEEPSPEED), "--num_accelerators", str(procs)]
+        [str(DEEPSPEED), "--num_accelerators", str(procs)]
+        if deepspeed
+        else [sys.executable, "-m", "megasemface.distributed.launch", "--nproc", str(procs)]
     )
     return [
         *launcher,
@@ -203,18 +212,53 @@ def _live_trainer() -> type:
     return LiveTrainer
 
 
+RUN_SEPARATOR = "--then"
+"""Separates the runs of one launch (:func:`chain`)."""
+
+
+def chain(commands: list[list[str]]) -> list[str]:
+    """One launch that runs the runs of ``commands`` (each from :func:`train_command` with
+    ``live``, on the same launcher and number of ranks) one after another in the same ranks.
+
+    For tests of many short runs: a rank's start (imports, DeepSpeed's and torch's first-use
+    setup) costs several times a 3-step run's training on a 2-core machine. The runs of one
+    launch are as independent as runs of their own: each seeds its model, and each step's
+    draws, from its own seed (tests/test_stage_losses.py compares them with losses recorded
+    from one launch per run)."""
+    script = str(Path(__file__))
+    joined = list(commands[0])
+    for cmd in commands[1:]:
+        joined += [RUN_SEPARATOR, *cmd[cmd.index(script) + 1 :]]  # the first's launcher
+    return joined
+
+
 def main() -> int:
-    """train.py's main with :class:`LiveTrainer`; run by the deepspeed launcher."""
+    """train.py's main with :class:`LiveTrainer`, for each run of the command line (their
+    arguments separated by ``--then``, see :func:`chain`); run by a launcher."""
     from megasemface.distributed.engine import init_distributed, load_ds_config
     from megasemface.train import build_parser
     from megasemface.training.options import train_config_from_args
 
-    args, _ = build_parser().parse_known_args()
-    config = train_config_from_args(args)
-    ds = load_ds_config(args.deepspeed_config)
-    groups = init_distributed(config.mp_size)
-    return _live_trainer()(config, ds, groups).run()
+    runs: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == RUN_SEPARATOR:
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    groups = None
+    for argv in runs:
+        args, _ = build_parser().parse_known_args(argv)
+        config = train_config_from_args(args)
+        ds = load_ds_config(args.deepspeed_config)
+        groups = groups or init_distributed(config.mp_size)
+        assert groups.mp_size == config.mp_size, "the runs of one launch share their groups"
+        status = _live_trainer()(config, ds, groups).run()
+        if status != 0:
+            return status
+    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from megasemface.distributed.engine import end_process
+
+    end_process(main())

@@ -1,6 +1,6 @@
 """Checkpoints under a crash in the middle of a save, a full disk and a hostile file.
 
-Through the real ``deepspeed`` launcher (2 CPU processes over gloo, ZeRO-2 fp32, the tiny
+Through the pipeline's launcher (2 CPU processes over gloo, ZeRO-2 fp32, the tiny
 preset): a run killed after DeepSpeed wrote its files but before ``COMPLETE``, and a run
 whose disk fills up during a save, both resume from the previous complete checkpoint and
 then repeat an uninterrupted run's losses exactly; a model-state file replaced by a pickle

@@ -1,7 +1,7 @@
 """Interface diagnostics: each figure against a direct computation, on real tiny runs.
 
-Two joint runs through the ``deepspeed`` launcher (2 CPU processes, fp32, ZeRO-2, tiny
-preset, MLflow in the run's own SQLite store): VQ-SemFace with its flat codebook split over
+Two launched joint runs (2 CPU processes, fp32, ZeRO-2, tiny preset, MLflow in the run's
+own SQLite store): VQ-SemFace with its flat codebook split over
 2 model-parallel ranks (so the diagnostics read the gathered layer), and CL-SemFace; and an
 XLM-style encoder stage without an interface, which the tool must refuse. The direct
 computations run one sentence at a time with the model's own modules, so they also
@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import ROOT, check_finished, launch, train_command
+from launch import ROOT, chain, check_finished, launch, train_command
 from safetensors.torch import save_file
 
 from megasemface.checkpoints import connect_runs, write_seq2seq_dir
@@ -152,33 +153,49 @@ def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model:
     }
 
 
-def _run(data: dict, out: Path, *args: str, steps: int = 3) -> Path:
-    config = ROOT / "ds_configs" / "cpu_fp32_zero2.json"
-    cmd = train_command(data, out, "--steps", str(steps), *args, config=config)
-    check_finished(launch(cmd), out, steps)
-    return out
-
-
-@pytest.fixture(scope="module")
-def vq_run(data: dict) -> Path:
+# name: (steps, arguments)
+RUNS: dict[str, tuple[int, tuple[str, ...]]] = {
     # The paper's extractor, so that its codes are reported (the default reads the encoder's).
-    args = (
-        "--stage",
-        "joint",
-        "--interface",
-        "vq",
-        "--mp-size",
-        "2",
-        "--decoder-codes",
-        "extractor",
-    )
-    return _run(data, data["dir"] / "vq", *args)
+    "vq": (
+        3,
+        ("--stage", "joint", "--interface", "vq", "--mp-size", "2", "--decoder-codes", "extractor"),
+    ),
+    "cl": (3, ("--stage", "joint", "--interface", "cl")),
+    "xlm": (2, ("--stage", "encoder", "--interface", "none", "--no-tracking")),
+}
 
 
 @pytest.fixture(scope="module")
-def cl_run(data: dict) -> Path:
-    args = ("--stage", "joint", "--interface", "cl", "--cl-table", str(data["cl"]))
-    return _run(data, data["dir"] / "cl", *args)
+def runs(data: dict) -> dict[str, Path]:
+    """The three runs in two launches side by side (tests/launch.py's ``chain``): the VQ run,
+    whose ranks form a model-parallel group, in one, the others after each other."""
+    config = ROOT / "ds_configs" / "cpu_fp32_zero2.json"
+
+    def command(name: str) -> list[str]:
+        steps, args = RUNS[name]
+        cl = ["--cl-table", str(data["cl"])] if name == "cl" else []
+        out = data["dir"] / name
+        return train_command(data, out, "--steps", str(steps), *args, *cl, config=config, live=True)
+
+    def run(names: list[str]) -> None:
+        result = launch(chain([command(name) for name in names]), timeout=600)
+        for name in names:
+            check_finished(result, data["dir"] / name, RUNS[name][0])
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for done in [pool.submit(run, names) for names in (["vq"], ["cl", "xlm"])]:
+            done.result()
+    return {name: data["dir"] / name for name in RUNS}
+
+
+@pytest.fixture(scope="module")
+def vq_run(runs: dict[str, Path]) -> Path:
+    return runs["vq"]
+
+
+@pytest.fixture(scope="module")
+def cl_run(runs: dict[str, Path]) -> Path:
+    return runs["cl"]
 
 
 def _config(data: dict, **options: object) -> DiagnosticsConfig:
@@ -387,11 +404,15 @@ def test_cli_prints_writes_json_and_logs_to_the_run(
 
 
 def test_cli_refuses_bad_input_with_one_line(
-    vq_run: Path, cl_run: Path, data: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    runs: dict[str, Path],
+    vq_run: Path,
+    cl_run: Path,
+    data: dict,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     en = f"en:{data['texts']['en']}"
-    args = ("--stage", "encoder", "--interface", "none", "--no-tracking")
-    xlm_run = _run(data, tmp_path / "xlm", *args, steps=2)
+    xlm_run = runs["xlm"]
     other = tmp_path / "other"
     corpora = parse_lang_path([f"en:{data['texts']['en']}", f"de:{data['texts']['de']}"])
     train_spm(corpora, other, SpmTrainConfig(vocab_size=600, num_threads=1, seed=1))

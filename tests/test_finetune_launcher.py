@@ -1,4 +1,4 @@
-"""Fine-tuning through the real ``deepspeed`` launcher with 2 CPU processes over gloo."""
+"""Fine-tuning runs launched as the pipeline launches them, 2 CPU processes over gloo."""
 
 from __future__ import annotations
 

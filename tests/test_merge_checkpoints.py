@@ -1,7 +1,7 @@
 """Checkpoint tools on real DeepSpeed checkpoints of real runs (2 CPU processes, gloo).
 
-Four runs, each through the ``deepspeed`` launcher with the tiny preset in fp32, and each
-writing its live weights beside every checkpoint (tests/launch.py):
+Four launched runs, each with the tiny preset in fp32, and each writing its live weights
+beside every checkpoint (tests/launch.py):
 
 - ``encoder``: VQ encoder stage, ZeRO-2, a checkpoint at every one of 3 steps, MLflow on;
 - ``decoder``: VQ decoder stage on the encoder run's codebook, ZeRO-1 (which leaves frozen
@@ -16,11 +16,12 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from launch import ROOT, check_finished, ds_config, environment, launch, train_command
+from launch import ROOT, chain, check_finished, ds_config, environment, launch, train_command
 from safetensors.torch import load_file
 
 from megasemface.checkpoints import (
@@ -62,38 +63,65 @@ def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model:
     return {"shards": root / "shards", "spm": spm_model, "dir": root}
 
 
-def _run(data: dict, out: Path, zero: int, steps: int, *args: str) -> Path:
-    config = ds_config(zero, data["dir"])
-    cmd = train_command(data, out, *args, "--steps", str(steps), config=config, live=True)
-    check_finished(launch(cmd), out, steps)
-    return out
+# name: (ZeRO stage, steps, arguments)
+RUNS: dict[str, tuple[int, int, tuple[str, ...]]] = {
+    "encoder": (
+        2,
+        3,
+        ("--stage", "encoder", "--interface", "vq", "--save-interval", "1", "--keep-last", "3"),
+    ),
+    "decoder": (1, 2, ("--stage", "decoder", "--interface", "vq", "--no-tracking")),
+    "mbart": (3, 2, ("--stage", "mbart", "--interface", "none", "--no-tracking")),
+    "split": (2, 2, ("--stage", "joint", "--interface", "vq", "--mp-size", "2", "--no-tracking")),
+}
 
 
 @pytest.fixture(scope="module")
-def encoder_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("runs") / "encoder"
-    args = ("--stage", "encoder", "--interface", "vq", "--save-interval", "1", "--keep-last", "3")
-    return _run(data, out, 2, 3, *args)
+def runs(data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The four runs in two launches side by side (tests/launch.py's ``chain``): the encoder,
+    the decoder on its codebook and mBART one after another; the split run, whose ranks form
+    a model-parallel group, in the other."""
+    root = tmp_path_factory.mktemp("runs")
+
+    def command(name: str) -> list[str]:
+        zero, steps, args = RUNS[name]
+        init = ["--init-from", str(root / "encoder")] if name == "decoder" else []
+        config = ds_config(zero, data["dir"])
+        out = root / name
+        return train_command(
+            data, out, *args, *init, "--steps", str(steps), config=config, live=True
+        )
+
+    def run(names: list[str]) -> None:
+        result = launch(chain([command(name) for name in names]), timeout=600)
+        for name in names:
+            check_finished(result, root / name, RUNS[name][1])
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        launches = [["encoder", "decoder", "mbart"], ["split"]]
+        for done in [pool.submit(run, names) for names in launches]:
+            done.result()
+    return {name: root / name for name in RUNS}
 
 
 @pytest.fixture(scope="module")
-def decoder_run(data: dict, encoder_run: Path) -> Path:
-    out = encoder_run.parent / "decoder"
-    args = ("--stage", "decoder", "--interface", "vq", "--init-from", str(encoder_run))
-    return _run(data, out, 1, 2, *args, "--no-tracking")
+def encoder_run(runs: dict[str, Path]) -> Path:
+    return runs["encoder"]
 
 
 @pytest.fixture(scope="module")
-def split_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("runs") / "split"
-    args = ("--stage", "joint", "--interface", "vq", "--mp-size", "2", "--no-tracking")
-    return _run(data, out, 2, 2, *args)
+def decoder_run(runs: dict[str, Path]) -> Path:
+    return runs["decoder"]
 
 
 @pytest.fixture(scope="module")
-def mbart_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("runs") / "mbart"
-    return _run(data, out, 3, 2, "--stage", "mbart", "--interface", "none", "--no-tracking")
+def split_run(runs: dict[str, Path]) -> Path:
+    return runs["split"]
+
+
+@pytest.fixture(scope="module")
+def mbart_run(runs: dict[str, Path]) -> Path:
+    return runs["mbart"]
 
 
 def _checkpoint(run: Path, step: int) -> Path:

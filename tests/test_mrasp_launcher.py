@@ -1,5 +1,5 @@
-"""mRASP's pre-training and random aligned substitution through the real ``deepspeed``
-launcher, 2 CPU processes over gloo, under ZeRO-2 and ZeRO-3."""
+"""mRASP's pre-training and random aligned substitution in launched runs, 2 CPU processes
+over gloo, under ZeRO-2 and ZeRO-3."""
 
 from __future__ import annotations
 

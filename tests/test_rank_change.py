@@ -1,4 +1,4 @@
-"""Resuming on another number of data-parallel ranks, through the real ``deepspeed`` launcher.
+"""Resuming on another number of data-parallel ranks, in launched runs.
 
 A run stopped after its checkpoint of step 3 (killed, or an uninterrupted reference run
 rewound to that checkpoint) is resumed on the other number of ranks; the uninterrupted run

@@ -1,8 +1,8 @@
 """Every stage's per-step losses with a fixed seed, against recorded values.
 
 Each stage (the SemFace encoder, decoder and joint stages over both interfaces, the XLM and
-mBART baselines, supervised and unsupervised fine-tuning) runs three steps through the real
-``deepspeed`` launcher, two CPU processes over gloo, fp32, under the ZeRO stage (2 or 3)
+mBART baselines, supervised and unsupervised fine-tuning) runs three steps launched as the
+pipeline launches them, two CPU processes over gloo, fp32, under the ZeRO stage (2 or 3)
 named beside it (this is also where each stage is shown to train under ZeRO-3). The losses
 must equal the ones recorded in ``tests/data/stage_losses.json``: a change to the trainer, a
 stage, an objective or the data path that alters what a run computes shows up here. The
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from launch import ROOT, check_finished, ds_config, launch, losses, train_command
+from launch import ROOT, chain, check_finished, ds_config, launch, losses, train_command
 
 RECORDED = ROOT / "tests" / "data" / "stage_losses.json"
 RECORD = os.environ.get("MEGASEMFACE_RECORD_STAGE_LOSSES") == "1"
@@ -92,24 +92,24 @@ def runs_root(launch_data: dict) -> Path:
 
 @pytest.fixture(scope="module")
 def measured(launch_data: dict) -> dict[str, list[float]]:
-    """Runs every stage once, two launches at a time (a run whose checkpoint another one
-    starts from finishes first); the losses of steps 1..STEPS per run.
+    """Runs every stage once; the losses of steps 1..STEPS per run.
 
-    Two at a time because a launch spends much of its time in one process (the launcher's
-    and the ranks' imports), which leaves the second core idle; the losses do not depend on
-    what else runs (one thread per rank)."""
+    The runs share two launches, one after another in each (tests/launch.py's ``chain``),
+    the two launches side by side: a rank's start costs more than a run's three steps, and
+    one launch leaves the second core idle much of the time. A run whose checkpoint another
+    one starts from comes first in the same launch. The losses depend on neither (one thread
+    per rank, every run seeded on its own)."""
     root = runs_root(launch_data)
 
-    def run(name: str) -> list[float]:
+    def command(name: str) -> list[str]:
         zero, shards, args, init = RUNS[name]
-        out = root / name
         extra = []
         if init is not None:
             source = launch_data["init"] if init == "init" else root / init
             extra = ["--init-from", str(source)]
-        cmd = train_command(
+        return train_command(
             {"shards": launch_data[shards], "spm": launch_data["spm"]},
-            out,
+            root / name,
             *args,
             *extra,
             "--cl-table",
@@ -122,21 +122,27 @@ def measured(launch_data: dict) -> dict[str, list[float]]:
             "1e-3",
             config=ds_config(zero, launch_data["root"]),
             procs=2,
+            live=True,
         )
-        result = launch(cmd)
-        check_finished(result, out, STEPS)
-        by_step = losses(out)
-        return [by_step[step] for step in range(1, STEPS + 1)]
+
+    streams: list[list[str]] = [[], []]
+    for index, (name, spec) in enumerate(RUNS.items()):
+        parent = spec[3]
+        stream = next((s for s in streams if parent in s), streams[index % 2])
+        stream.append(name)
+
+    def run(names: list[str]) -> None:
+        result = launch(chain([command(name) for name in names]), timeout=900)
+        for name in names:
+            check_finished(result, root / name, STEPS)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        started: dict[str, Future[list[float]]] = {}
-        independent = [name for name, spec in RUNS.items() if spec[3] not in RUNS]
-        for name in independent + [name for name in RUNS if name not in independent]:
-            parent = RUNS[name][3]
-            if parent in started:
-                started[parent].result()  # its checkpoint is this run's start
-            started[name] = pool.submit(run, name)
-        found = {name: started[name].result() for name in RUNS}
+        for done in [pool.submit(run, names) for names in streams]:
+            done.result()
+    found = {}
+    for name in RUNS:
+        by_step = losses(root / name)
+        found[name] = [by_step[step] for step in range(1, STEPS + 1)]
     if RECORD:
         RECORDED.parent.mkdir(exist_ok=True)
         RECORDED.write_text(json.dumps(found, indent=1) + "\n", encoding="utf-8")

@@ -1,4 +1,6 @@
-"""train.py through the real ``deepspeed`` launcher with 2 CPU processes over gloo."""
+"""train.py through the real ``deepspeed`` launcher with 2 CPU processes over gloo (and,
+where a test is about the trainer rather than the launcher, through the pipeline's launcher,
+which gives the same run bit for bit: test_local_launcher_trains_as_deepspeeds_does)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from launch import (
     kill_after_checkpoint,
     launch,
     losses,
+    rewind,
     train_command,
 )
 from safetensors.torch import save_file
@@ -50,9 +53,12 @@ def data(tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model:
     return {"shards": root / "shards", "spm": spm_model, "cl": root / "cl.safetensors"}
 
 
-def command(data: dict, out: Path, *args: str, zero: int = 2, procs: int = 2) -> list[str]:
+def command(
+    data: dict, out: Path, *args: str, zero: int = 2, procs: int = 2, deepspeed: bool = True
+) -> list[str]:
+    cl = ["--cl-table", str(data["cl"])]
     return train_command(
-        data, out, "--cl-table", str(data["cl"]), *args, config=CONFIGS[zero], procs=procs
+        data, out, *cl, *args, config=CONFIGS[zero], procs=procs, deepspeed=deepspeed
     )
 
 
@@ -97,7 +103,7 @@ def test_local_launcher_trains_as_deepspeeds_does(
     out = tmp_path / "run"
     args = ["--stage", "encoder", "--interface", "vq", "--steps", "4"]
     cl = ["--cl-table", str(data["cl"])]
-    cmd = train_command(data, out, *cl, *args, config=CONFIGS[2], local=True)
+    cmd = train_command(data, out, *cl, *args, config=CONFIGS[2])
     check_finished(launch(cmd), out, 4)
     assert losses(out) == losses(vq_encoder_run)
     tag = "step-00000004"
@@ -117,7 +123,9 @@ def test_joint_stage_under_zero1_in_bf16(data: dict, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_killed_run_resumes_exactly(data: dict, tmp_path: Path, compiled: bool) -> None:
-    """Also with --compile: the compiled layers draw dropout as eager ones do."""
+    """Also with --compile: the compiled layers draw dropout as eager ones do. (The compiled
+    run resumes from the reference rewound to its checkpoint of step 3, what the kill leaves:
+    the eager case shows that a killed run leaves that, and one launch less to compile.)"""
     args = [
         "--stage",
         "joint",
@@ -131,13 +139,16 @@ def test_killed_run_resumes_exactly(data: dict, tmp_path: Path, compiled: bool) 
         *(["--compile"] if compiled else []),
     ]
     reference = tmp_path / "reference"
-    check_finished(launch(command(data, reference, *args)), reference, 7)
+    check_finished(launch(command(data, reference, *args, deepspeed=False)), reference, 7)
 
     out = tmp_path / "killed"
-    kill_after_checkpoint(command(data, out, *args), out, 3)
+    if compiled:
+        rewind(reference, out, 3)
+    else:
+        kill_after_checkpoint(command(data, out, *args, deepspeed=False), out, 3)
     assert not (out / "checkpoints" / "step-00000007").exists()
 
-    result = launch(command(data, out, *args))
+    result = launch(command(data, out, *args, deepspeed=False))
     assert "resuming from" in result.stdout
     check_finished(result, out, 7)
     assert losses(out) == losses(reference)  # identical, not just close
@@ -215,6 +226,7 @@ def test_unreachable_tracking_server_does_not_stop_training(data: dict, tmp_path
             "3",
             "--tracking-uri",
             uri,
+            deepspeed=False,
         )
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -249,7 +261,8 @@ def test_decoder_stage_splits_an_unsplit_encoder_codebook(
 ) -> None:
     out = tmp_path / "decoder-mp2"
     args = ["--stage", "decoder", "--interface", "vq", "--mp-size", "2", "--steps", "2"]
-    check_finished(launch(command(data, out, *args, "--init-from", str(vq_encoder_run))), out, 2)
+    cmd = command(data, out, *args, "--init-from", str(vq_encoder_run), deepspeed=False)
+    check_finished(launch(cmd), out, 2)
     from megasemface.checkpoints import load_stage
 
     encoder, _ = load_stage(vq_encoder_run)

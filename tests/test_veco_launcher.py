@@ -1,4 +1,4 @@
-"""VECO's pre-training through the real ``deepspeed`` launcher, 2 CPU processes over gloo,
+"""VECO's pre-training in launched runs, 2 CPU processes over gloo,
 under ZeRO-2 and ZeRO-3, on one shard directory of monolingual text and en-de pairs; each
 run connects into a translation model."""
 
