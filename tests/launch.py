@@ -21,12 +21,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from megasemface.distributed.launch import free_port
 
 if TYPE_CHECKING:
     from megasemface.training.options import TrainConfig
@@ -37,12 +38,6 @@ SHIPPED_CONFIGS = {
     2: ROOT / "ds_configs" / "cpu_fp32_zero2.json",
     3: ROOT / "ds_configs" / "cpu_fp32_zero3.json",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ds_config(zero: int, directory: Path) -> Path:

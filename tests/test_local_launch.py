@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from launch import ROOT
+
+from megasemface.distributed import launch as launch_module
 
 RANK_SCRIPT = """
 import json, os, sys
@@ -135,3 +139,28 @@ def test_end_process_joins_threads_then_runs_exit_handlers(tmp_path: Path) -> No
     assert result.returncode == 5
     # The handler ran after the thread had finished; an idle thread pool did not hold it up.
     assert (tmp_path / "atexit").read_text() == "done"
+
+
+def test_the_rendezvous_port_is_free_and_no_connection_takes_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Below the kernel's range of ports for outgoing connections (which the gloo
+    connections of other runs draw from), and nothing listens on it; where the range is
+    unknown, a port the kernel picks."""
+    low = int(launch_module.EPHEMERAL_PORTS.read_text().split()[0])
+    assert low - launch_module.LOWEST_PORT >= 1000  # Linux's default range starts at 32768
+    ports = {launch_module.free_port() for _ in range(8)}
+    assert all(launch_module.LOWEST_PORT <= port < low for port in ports)
+    assert len(ports) > 1  # drawn at random: two launches started together rarely collide
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+    busy, other = sorted(ports)[:2]
+    with socket.socket() as held:  # a port in use is passed over
+        held.bind(("127.0.0.1", busy))
+        held.listen()
+        monkeypatch.setattr(launch_module.random, "sample", lambda *_: [busy, other])
+        assert launch_module.free_port() == other
+    monkeypatch.setattr(launch_module, "EPHEMERAL_PORTS", tmp_path / "missing")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", launch_module.free_port()))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from megasemface.distributed.groups import (
     build_parallel_groups,
     global_batch_sum,
 )
+from megasemface.distributed.launch import free_port
 from megasemface.interfaces.gumbel_quantizer import (
     GumbelVectorQuantizer,
     gather_state_dicts,
@@ -50,12 +50,6 @@ STEP = 3
 TOKENS_PER_DP = (7, 12)  # unequal on purpose: the global mean must weight tokens, not ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _worker(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -70,7 +64,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, out_dir: str) -> No
 
 
 def _spawn(scenario: str, world: int, tmp_path: Path) -> list[dict[str, Any]]:
-    mp.spawn(_worker, args=(world, _free_port(), scenario, str(tmp_path)), nprocs=world)
+    mp.spawn(_worker, args=(world, free_port(), scenario, str(tmp_path)), nprocs=world)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 

@@ -22,19 +22,53 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
-__all__ = ["launch", "rank_environment"]
+__all__ = ["free_port", "launch", "rank_environment"]
 
 GRACE_SECONDS = 30.0
 """How long the other ranks get to exit after one fails, before they are killed."""
 POLL_SECONDS = 0.05
 """How often the ranks are checked: a finished run is noticed within this."""
+
+
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""Where Linux keeps the range it takes the local ports of outgoing connections from."""
+LOWEST_PORT = 20000
+"""The lowest rendezvous port :func:`free_port` picks (below are well-known services')."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that nothing listens on, for a run's rendezvous (``--master_port``).
+
+    Rank 0 binds it only after its imports, seconds later. A port the kernel hands out for
+    binding port 0 is one it also hands out as the local port of new connections, and the
+    gloo connections of other runs on the machine make many: one could take the port in
+    between (the run then fails with EADDRINUSE). So the port comes from below the kernel's
+    ephemeral range where that range is known, which only an explicit bind takes."""
+    try:
+        ephemeral_low = int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    if ephemeral_low - LOWEST_PORT >= 1000:
+        for port in random.sample(range(LOWEST_PORT, ephemeral_low), 64):
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def rank_environment(

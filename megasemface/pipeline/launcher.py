@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from megasemface.checkpoints.layout import (
     complete_checkpoints,
     is_model_dir,
 )
+from megasemface.distributed.launch import free_port
 from megasemface.training.options import TrainConfig, train_argv
 
 __all__ = [
@@ -42,12 +42,6 @@ _SHOWN = ("step ", "validation", "resuming", "train: error", "Traceback", "Error
 
 class LaunchError(RuntimeError):
     """A pipeline step's subprocess failed; the message names its log."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _gpu() -> bool:
@@ -73,7 +67,7 @@ def launch_command(
     before they start (about 10 s a run on a 2-core machine, a minute of ``make demo``).
     """
     script = [str(TRAIN_SCRIPT), "--deepspeed_config", str(ds_config), *train_argv(config)]
-    port = ["--master_port", str(_free_port())]
+    port = ["--master_port", str(free_port())]
     if hostfile is None:
         return [
             sys.executable,
