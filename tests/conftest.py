@@ -107,18 +107,6 @@ def launch_data(
     }
 
 
-@pytest.fixture(scope="module")
-def no_leftover_shared_memory() -> Iterator[None]:
-    """Training runs remove their DeepSpeed shm all-reduce buffers at exit; a killed run
-    cannot, so a launching test module removes what is left (it would hold RAM until
-    reboot): the buffers no live process maps, so that the runs of tests beside this one
-    (``make test`` runs two test files at a time) keep theirs."""
-    from megasemface.distributed.engine import remove_stale_shm_buffers
-
-    yield
-    remove_stale_shm_buffers(min_age_s=5.0)
-
-
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
     """Mounts a tmpfs of the given size in bytes (a disk that fills up) and returns its path;

@@ -107,9 +107,17 @@ def parse_train_argv(argv: list[str]) -> TrainConfig:
     return train_config_from_args(build_parser().parse_args(argv))
 
 
-def launch(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def launch(
+    cmd: list[str], timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Runs ``cmd`` in the tests' environment, with ``env`` on top of it."""
     return subprocess.run(
-        cmd, capture_output=True, text=True, env=environment(), cwd=ROOT, timeout=timeout
+        cmd,
+        capture_output=True,
+        text=True,
+        env={**environment(), **(env or {})},
+        cwd=ROOT,
+        timeout=timeout,
     )
 
 

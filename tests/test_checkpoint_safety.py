@@ -26,7 +26,7 @@ from launch import ROOT, environment, launch, losses, train_command
 
 from megasemface.checkpoints.manager import FAULT_KILL_AT_SAVE
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_shared_memory")]
+pytestmark = pytest.mark.slow
 
 CONFIG = ROOT / "ds_configs" / "cpu_fp32_zero2.json"
 LIMIT = 600

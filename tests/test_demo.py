@@ -12,8 +12,6 @@ from megasemface.demo import main
 from megasemface.models.model_dir import load_seq2seq
 from megasemface.tracking.compare import select_runs
 
-pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
-
 
 def test_pipeline_runs_end_to_end_and_reuses_its_work(
     tmp_path: Path, locale_dir: Path, capsys: pytest.CaptureFixture[str]

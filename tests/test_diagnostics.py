@@ -46,8 +46,6 @@ from megasemface.evaluation.diagnostics.dictionary import whole_word_occurrences
 from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.config import VQConfig
 
-pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
-
 SENTENCES = 24
 
 

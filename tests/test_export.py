@@ -29,7 +29,6 @@ from megasemface.models.transformer import Seq2SeqModel
 
 pytest.importorskip("transformers")
 pytest.importorskip("ctranslate2")
-pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
 
 SENTENCES = 50
 STEPS = 8

@@ -23,8 +23,6 @@ from launch import (
 from megasemface.data.tokenizer import Tokenizer
 from megasemface.models.model_dir import load_seq2seq
 
-pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
-
 
 def _finetune(data: dict, out: Path, shards: Path, *args: str, zero: int) -> list[str]:
     return train_command(

@@ -51,7 +51,7 @@ from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, load_seq2seq
 from megasemface.models.seq2seq_init import ConnectError
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_shared_memory")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,6 @@ from mlflow import MlflowClient
 from megasemface.cli.reproduce import main
 from megasemface.tracking.compare import select_runs
 
-pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
-
 LANGUAGES = ("en", "de", "fr")
 """English and the two catalogs with the most text (docs/data.md)."""
 

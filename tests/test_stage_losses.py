@@ -27,7 +27,6 @@ RECORDED = ROOT / "tests" / "data" / "stage_losses.json"
 RECORD = os.environ.get("MEGASEMFACE_RECORD_STAGE_LOSSES") == "1"
 STEPS = 3
 
-pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
 
 # name: (ZeRO stage, shards, arguments, the run whose checkpoint --init-from names, if any)
 RUNS: dict[str, tuple[int, str, tuple[str, ...], str | None]] = {

@@ -17,8 +17,6 @@ from megasemface.checkpoints import connect_mbart, write_seq2seq_dir
 from megasemface.checkpoints.consolidate import load_stage
 from megasemface.models.model_dir import load_seq2seq_state
 
-pytestmark = pytest.mark.usefixtures("no_leftover_shared_memory")
-
 
 @pytest.fixture(scope="module")
 def mixed_shards(

@@ -20,7 +20,6 @@ import os
 import sys
 import tempfile
 import threading
-import time
 import warnings
 import zipfile
 from collections.abc import Iterable, Iterator
@@ -45,12 +44,8 @@ __all__ = [
     "load_ds_config",
     "loading_universal",
     "on_device",
-    "remove_stale_shm_buffers",
     "unsafe_checkpoint_file",
-    "warn_stale_extension_lock",
 ]
-
-_SHM_BUFFER = "deepspeed_allreduce_buffer_"
 
 
 def init_distributed(mp_size: int) -> ParallelGroups:
@@ -62,79 +57,35 @@ def init_distributed(mp_size: int) -> ParallelGroups:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    remove_stale_shm_buffers()  # before this run makes its own
     if backend == "gloo":
-        warn_stale_extension_lock()
+        _without_shm_all_reduce()
     deepspeed.init_distributed(dist_backend=backend)
-    atexit.register(_remove_shm_buffers)
     return build_parallel_groups(mp_size)
 
 
-def warn_stale_extension_lock(name: str = "deepspeed_shm_comm", min_age_s: float = 600.0) -> None:
-    """Says so when DeepSpeed's CPU all-reduce extension is locked by a build that looks dead.
+SHM_COMM_OP = "deepspeed_shm_comm"
+"""DeepSpeed's shared-memory all-reduce for its CPU accelerator (a C++ extension)."""
 
-    The first run on a machine compiles the extension (a minute or two) holding a ``lock``
-    file in its build folder; every later run waits for that file to go. A build killed
-    midway never removes it, and the next run would wait forever without a word. The lock
-    is left alone (another run may be compiling right now): the line says what to do.
+
+def _without_shm_all_reduce() -> None:
+    """Tells DeepSpeed that its CPU shared-memory all-reduce is not available here.
+
+    DeepSpeed builds that extension when its communication backend starts on the CPU
+    accelerator, but only its inference all-reduce (tensor-parallel inference) calls it:
+    training's collectives go through torch.distributed, gloo on CPU. Building it took
+    40-80 s of the first launch in every new environment on a 2-core machine (the first
+    training run of ``make demo``, the first launched test of a fresh clone), needs a C++
+    compiler on the host, and the extension leaves a buffer per rank in /dev/shm that
+    nothing removes. An op that is not available is what DeepSpeed does off Linux.
     """
-    from torch.utils.cpp_extension import get_default_build_root
+    import deepspeed.ops
 
-    roots = [os.environ.get("TORCH_EXTENSIONS_DIR") or ""]
-    if not roots[0]:
-        roots = [str(p) for p in Path(get_default_build_root()).glob("*")]
-    now = time.time()
-    for root in roots:
-        lock = Path(root) / name / "lock"
-        with contextlib.suppress(OSError):
-            age = now - lock.stat().st_mtime
-            if age > min_age_s:
-                print(
-                    f"warning: {lock} is {age / 60:.0f} min old; if no other run is compiling "
-                    f"DeepSpeed's {name} extension, a killed build left it: delete it, or this "
-                    "run waits for it forever",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-
-def remove_stale_shm_buffers(shm: Path = Path("/dev/shm"), min_age_s: float = 60.0) -> list[Path]:
-    """Removes the DeepSpeed all-reduce buffers of this user that no live process maps: what
-    killed runs left behind (their exit handlers never ran). Returns the removed paths.
-
-    A buffer younger than ``min_age_s`` is kept, so that a rank starting beside this one,
-    which may have created its buffer and not mapped it yet, keeps it. Only this user's
-    processes are looked at: their maps are readable, and only this user's files can go.
-    """
-    uid = os.getuid()
-    now = time.time()
-    candidates = []
-    for path in sorted(shm.glob(f"{_SHM_BUFFER}*")):
-        with contextlib.suppress(OSError):  # gone meanwhile
-            info = path.stat()
-            if info.st_uid == uid and now - info.st_mtime > min_age_s:
-                candidates.append(path)
-    if not candidates:
-        return []
-    mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):  # ended meanwhile, or another user's
-            if maps.parent.stat().st_uid != uid:
-                continue
-            mapped.update(
-                line.split(maxsplit=5)[-1].removesuffix(" (deleted)")
-                for line in maps.read_text().splitlines()
-                if _SHM_BUFFER in line
-            )
-    removed = [path for path in candidates if str(path) not in mapped]
-    for path in removed:
-        path.unlink(missing_ok=True)
-    return removed
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 def exit_now(code: int) -> NoReturn:
-    """Ends this rank at once with status ``code``: output flushed, its shared-memory buffer
-    removed, and no interpreter teardown.
+    """Ends this rank at once with status ``code``: output flushed, and no interpreter
+    teardown.
 
     For an error that stops every rank of a launched run. The launcher reports the first
     non-zero status it sees, and the teardown of a rank whose peers had already exited has
@@ -144,7 +95,6 @@ def exit_now(code: int) -> NoReturn:
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    _remove_shm_buffers()
     os._exit(code)
 
 
@@ -156,8 +106,7 @@ def end_process(code: int) -> NoReturn:
     on a 2-core machine after the run has done everything it had to, about as long as the
     run's start-up, and a pipeline pays it at every launch. What a normal exit does before
     that still happens here, in its order: threading's own exit hooks run and non-daemon
-    threads are joined, then the exit handlers run (the tracker's, the shared-memory
-    buffer's, the logging module's).
+    threads are joined, then the exit handlers run (the tracker's, the logging module's).
     """
     # What the interpreter calls first at exit. Joining the threads without it would wait
     # forever on the idle workers of a ThreadPoolExecutor (inductor's compile pool under
@@ -167,20 +116,6 @@ def end_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _remove_shm_buffers() -> None:
-    """Deletes this rank's DeepSpeed CPU all-reduce buffer from /dev/shm at exit.
-
-    DeepSpeed's shared-memory all-reduce on CPU creates a file per rank named after the
-    master address and port, and never removes it: tens of MB of RAM per rank per run, for
-    as long as the machine is up. Each rank removes its own (other ranks' mappings survive
-    an unlink).
-    """
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    local_rank = os.environ.get("LOCAL_RANK", "0")
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_{local_rank}"):
-        path.unlink(missing_ok=True)
 
 
 def load_ds_config(path: str | Path, *, accumulation: int | None = None) -> dict[str, Any]:
