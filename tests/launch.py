@@ -24,6 +24,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -233,6 +235,27 @@ def chain(commands: list[list[str]]) -> list[str]:
     for cmd in commands[1:]:
         joined += [RUN_SEPARATOR, *cmd[cmd.index(script) + 1 :]]  # the first's launcher
     return joined
+
+
+def launch_chains(
+    groups: list[list[str]],
+    command: Callable[[str], list[str]],
+    finished: Callable[[str], tuple[Path, int]],
+    timeout: float = 600,
+) -> None:
+    """Launches each group of named runs as one :func:`chain`, the launches side by side (a
+    2-core machine's ranks are idle for much of a rank's start), and checks that every run
+    finished: ``command(name)`` is a run's command, ``finished(name)`` its output folder and
+    last step."""
+
+    def run(names: list[str]) -> None:
+        result = launch(chain([command(name) for name in names]), timeout=timeout)
+        for name in names:
+            check_finished(result, *finished(name))
+
+    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+        for done in [pool.submit(run, names) for names in groups]:
+            done.result()
 
 
 def main() -> int:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import ROOT, chain, check_finished, launch, train_command
+from launch import ROOT, launch_chains, train_command
 from safetensors.torch import save_file
 
 from megasemface.checkpoints import connect_runs, write_seq2seq_dir
@@ -175,14 +174,9 @@ def runs(data: dict) -> dict[str, Path]:
         out = data["dir"] / name
         return train_command(data, out, "--steps", str(steps), *args, *cl, config=config, live=True)
 
-    def run(names: list[str]) -> None:
-        result = launch(chain([command(name) for name in names]), timeout=600)
-        for name in names:
-            check_finished(result, data["dir"] / name, RUNS[name][0])
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for done in [pool.submit(run, names) for names in (["vq"], ["cl", "xlm"])]:
-            done.result()
+    launch_chains(
+        [["vq"], ["cl", "xlm"]], command, lambda name: (data["dir"] / name, RUNS[name][0])
+    )
     return {name: data["dir"] / name for name in RUNS}
 
 

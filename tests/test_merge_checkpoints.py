@@ -16,12 +16,11 @@ import json
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from launch import ROOT, chain, check_finished, ds_config, environment, launch, train_command
+from launch import ROOT, ds_config, environment, launch_chains, train_command
 from safetensors.torch import load_file
 
 from megasemface.checkpoints import (
@@ -92,15 +91,8 @@ def runs(data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
             data, out, *args, *init, "--steps", str(steps), config=config, live=True
         )
 
-    def run(names: list[str]) -> None:
-        result = launch(chain([command(name) for name in names]), timeout=600)
-        for name in names:
-            check_finished(result, root / name, RUNS[name][1])
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        launches = [["encoder", "decoder", "mbart"], ["split"]]
-        for done in [pool.submit(run, names) for names in launches]:
-            done.result()
+    groups = [["encoder", "decoder", "mbart"], ["split"]]
+    launch_chains(groups, command, lambda name: (root / name, RUNS[name][1]))
     return {name: root / name for name in RUNS}
 
 
