@@ -314,7 +314,7 @@ BUDGETS: dict[str, dict[str, object]] = {
         "shard_jobs": 16,
     },
 }
-"""Named budgets: demo (the README's main command, 2 CPU cores, 18 to 33 minutes by the
+"""Named budgets: demo (the README's main command, 2 CPU cores, 18 to 28 minutes by the
 machine), smoke (the test suite's reduced end-to-end run), study (below) and paper (the
 paper's scale, on GPUs). A budget may name its systems and settings; ``--systems`` and
 ``--settings`` override them.
