@@ -351,7 +351,9 @@ def _scenario_deepspeed(rank: int, world: int) -> dict[str, Any]:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import deepspeed  # only here: model code never imports DeepSpeed
 
-    groups = build_parallel_groups(2)
+    from megasemface.distributed.engine import init_distributed
+
+    groups = init_distributed(2)  # DeepSpeed's communication started as train.py starts it
     vq = GumbelVectorQuantizer(FLAT, D, groups, seed=SEED)
     config = {
         "train_micro_batch_size_per_gpu": 1,
