@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from megasemface.distributed import collectives
+from megasemface.distributed import collectives, zero_grad_checks
 from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups, build_parallel_groups
 
 __all__ = [
@@ -208,6 +208,8 @@ class DeepSpeedEngine:
             config=config,
             mpu=DeepSpeedMpu(groups),
         )
+        # ZeRO-1/2's per-tensor gradient checks as multi-tensor operations (same values).
+        zero_grad_checks.install(self.optimizer)
 
     @property
     def device(self) -> torch.device:
