@@ -6,7 +6,9 @@ decoder loss on the encoder's codes; forward, backward, DeepSpeed's step) runs i
 ZeRO-2 and under ZeRO-3, through the same ``DeepSpeedEngine`` as ``train.py`` and the
 configs in ``ds_configs/``. Beside them, in the same rounds: megasemface's translation step
 and Hugging Face BART's of the same shape (``bench_peer.py``: bf16 autocast, the same
-batches and loss) and a large bf16 matrix product (the measured matmul peak). FLOPs are
+batches and loss), the ZeRO-2 step with DeepSpeed's own per-tensor gradient checks in place
+of ``distributed/zero_grad_checks.py``'s multi-tensor ones, and a large bf16 matrix product
+(the measured matmul peak). FLOPs are
 counted per step with torch's FlopCounterMode (``megasemface/flop_count.py``); model FLOPs
 utilisation (MFU) is FLOP/s over the GPU's dense bf16 peak from its datasheet, and the
 measured peak stands beside it. The
@@ -42,6 +44,7 @@ if not torch.cuda.is_available():
 from bench_model import TRAIN_OBJECTIVE  # sibling script
 from bench_peer import SPECIAL, Shape, _sync, build_runners, gpu_bf16_peak, make_batches
 
+from megasemface.distributed import zero_grad_checks
 from megasemface.distributed.engine import DeepSpeedEngine, init_distributed, load_ds_config
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.flop_count import flop_counter
@@ -75,6 +78,7 @@ class JointStep:
         *,
         compiled: bool = False,
         fused: bool = True,
+        per_tensor_checks: bool = False,
     ) -> None:
         config = build_model_config(preset, ["vq.layout=flat", f"vq.fused_kernels={fused}"])
         torch.manual_seed(0)
@@ -88,6 +92,8 @@ class JointStep:
         self.engine = DeepSpeedEngine(
             model, load_ds_config(ROOT / "ds_configs" / ds_config), groups, list(model.parameters())
         )
+        if per_tensor_checks:  # DeepSpeed's own gradient norm and inf/NaN check
+            zero_grad_checks.uninstall(self.engine.optimizer)
         self.engine.train()
         self.batch = batch
         self.generator = torch.Generator().manual_seed(0)
@@ -139,10 +145,14 @@ def profile_table(fn: Callable[[], None], device: torch.device, rows: int = 15) 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
+        started = time.perf_counter()
         fn()
         _sync(device)
+        wall = time.perf_counter() - started
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+    table = prof.key_averages().table(sort_by=key, row_limit=rows)
+    # Beside the table's device time total: the call's wall time under the profiler.
+    return f"{table}\nThe profiled call took {wall * 1e3:,.1f} ms."
 
 
 def run(
@@ -175,6 +185,10 @@ def run(
         "ZeRO-3": JointStep(preset, "zero3_bf16.json", groups, src),
         # The VQ layer's passes over its logits as eager PyTorch operations (as on a CPU).
         "ZeRO-2 eager VQ": JointStep(preset, "zero2_bf16.json", groups, src, fused=False),
+        # DeepSpeed's per-tensor gradient checks in place of zero_grad_checks' multi-tensor ones.
+        "ZeRO-2 per-tensor checks": JointStep(
+            preset, "zero2_bf16.json", groups, src, per_tensor_checks=True
+        ),
     }
     _, runners, target_tokens, _ = build_runners(dataclasses.replace(shape), device)
     flops = {name: step.flops() for name, step in steps.items()}
@@ -215,6 +229,9 @@ def run(
     if profiled:
         results["profiles"] = {
             "joint step, ZeRO-2": profile_table(steps["ZeRO-2"], device),
+            "joint step, ZeRO-2, per-tensor checks": profile_table(
+                steps["ZeRO-2 per-tensor checks"], device
+            ),
             "translation step": profile_table(fns[runners[0].name], device),
         }
         for name, table in results["profiles"].items():
