@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import math
+import traceback
 from pathlib import Path
 
 import pytest
@@ -411,3 +413,53 @@ def test_bf16_model_gives_a_finite_fp32_loss() -> None:
     out = model.joint_loss(random_batch(config), torch.Generator().manual_seed(0))
     assert out.loss.dtype == torch.float32 and math.isfinite(out.loss.item())
     out.loss.backward()
+
+
+# Operations after which a GPU's host waits for the device: a value read back, a size that
+# depends on the data (a boolean index counts its true entries), bincount's largest id.
+_WAITING = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique", "_unique2"}
+
+
+def _waits(step: object) -> collections.Counter[str]:
+    """Operations of ``step()`` that wait for the device, by the project file they come from
+    (``backward`` for those autograd's engine runs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found: collections.Counter[str] = collections.Counter()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.__name__.split(".")[0]
+            indices = args[1] if name.startswith("index") and len(args) > 1 else ()
+            boolean = isinstance(indices, (list, tuple)) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
+            )
+            if name in _WAITING or boolean:
+                frames = [f for f in traceback.extract_stack() if "megasemface" in f.filename]
+                found[Path(frames[-1].filename).name if frames else "backward"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        step()  # type: ignore[operator]
+    return found
+
+
+def test_joint_step_waits_for_the_device_only_where_its_sizes_depend_on_the_data() -> None:
+    """A VQ-SemFace joint step (forward and backward) reads nothing back from the device:
+    metrics stay tensors, code counts and the copies of chosen code vectors use masks. It
+    waits where a size depends on the data: once for each set of real-token positions (the
+    encoder's, the extractor's, the decoder's targets), once for the MLM targets in the
+    stage and once in the interface (and in the latter's backward), and in the noising, which
+    runs before each pass's work is queued."""
+    config = tiny(**{"vq.layout": "flat", "vq.num_codes": 64})
+    model = model_for("vq", config).train()
+    model.stage = "joint"
+    batch = random_batch(config, batch=4, length=7)
+
+    def step() -> None:
+        model(batch, torch.Generator().manual_seed(0)).loss.backward()
+
+    waits = _waits(step)
+    noising = waits.pop("noising.py", 0)
+    assert waits == {"layers.py": 3, "stages.py": 1, "vector_quantized.py": 1, "backward": 1}
+    assert noising > 0  # still there: a change that removes them updates this test

@@ -245,7 +245,7 @@ def test_diversity_and_perplexities_by_hand() -> None:
     entropy = -sum(p * math.log(p) for p in pbar)
     out = vq(h)
     assert out.codes.tolist() == [0, 1, 2]
-    assert out.metrics()["vq_diversity_loss"] == pytest.approx((4 - math.exp(entropy)) / 4)
+    assert float(out.metrics()["vq_diversity_loss"]) == pytest.approx((4 - math.exp(entropy)) / 4)
     eq6 = make_vq(num_codes=4, hidden_dim=3, diversity_loss="eq6").eval()
     eq6.load_state_dict(vq.state_dict())
     assert float(eq6(h).diversity_loss.detach()) == pytest.approx(-entropy / 4, rel=1e-6)
@@ -591,7 +591,7 @@ def test_diversity_gradient_does_not_vanish_with_the_codebook_size(codes: int) -
 def test_empty_batch_and_input_checks() -> None:
     vq = make_vq()
     out = vq(torch.zeros(0, D))
-    assert out.quantized.shape == (0, D) and out.metrics()["vq_diversity_loss"] == 0.0
+    assert out.quantized.shape == (0, D) and float(out.metrics()["vq_diversity_loss"]) == 0.0
     with pytest.raises(ValueError):
         vq(torch.zeros(3, D + 1))
 

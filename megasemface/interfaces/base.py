@@ -40,7 +40,8 @@ class EncoderHeadOutput:
     """Features the MLM output layer reads, at the N positions with a target."""
     losses: dict[str, torch.Tensor]
     """Unweighted auxiliary losses by name (mse, diversity, l2)."""
-    metrics: dict[str, float]
+    metrics: dict[str, float | torch.Tensor]
+    """For logging; tensors are detached scalars, read only when a step logs."""
 
 
 @dataclasses.dataclass
@@ -48,7 +49,7 @@ class InterfaceMemory:
     memory_BSD: torch.Tensor
     """What the decoder cross-attends to, in place of the encoder output."""
     mask_BS: torch.Tensor
-    metrics: dict[str, float]
+    metrics: dict[str, float | torch.Tensor]
     losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Unweighted auxiliary losses of the decoder side (VQ: the extractor's diversity and
     token entropy); the objective decides whether they train the extractor."""

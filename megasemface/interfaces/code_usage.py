@@ -14,7 +14,7 @@ from torch import Tensor
 
 from megasemface.distributed.groups import ParallelGroups, all_reduce_data_parallel
 
-__all__ = ["CodeUsage", "usage_figures"]
+__all__ = ["CodeUsage", "count_codes", "usage_figures"]
 
 
 class CodeUsage:
@@ -39,7 +39,7 @@ class CodeUsage:
         codes = codes.detach().reshape(-1)
         if self.counts is None:
             self.counts = torch.zeros(self.num_codes, dtype=torch.int64, device=codes.device)
-        self.counts += torch.bincount(codes, minlength=self.num_codes)
+        self.counts += count_codes(codes, self.num_codes)
 
     def summary(self) -> dict[str, float]:
         """Over the window: tokens, codes used (count and fraction of K), perplexity of the
@@ -50,6 +50,14 @@ class CodeUsage:
         counts = all_reduce_data_parallel(self.counts.clone(), self.groups)
         self.counts.zero_()
         return usage_figures(counts, self.num_codes) if int(counts.sum()) else {}
+
+
+def count_codes(codes: Tensor, num_codes: int, counted: Tensor | None = None) -> Tensor:
+    """[num_codes] int64 histogram of the ids ``codes`` [N] (where ``counted`` [N] bool, if
+    given, is true). ``torch.bincount``'s counts without its host synchronisation on a GPU,
+    where it first reads the largest id to size its output."""
+    ones = torch.ones_like(codes) if counted is None else counted.to(codes.dtype)
+    return torch.zeros(num_codes, dtype=torch.int64, device=codes.device).index_add_(0, codes, ones)
 
 
 def usage_figures(counts: Tensor, num_codes: int) -> dict[str, float]:

@@ -96,7 +96,7 @@ from megasemface.distributed.groups import (
     mark_model_parallel_parameter,
     reduce_from_model_parallel,
 )
-from megasemface.interfaces.code_usage import CodeUsage
+from megasemface.interfaces.code_usage import CodeUsage, count_codes
 from megasemface.interfaces.vq_flat import FlatQuantize, FlatSpec, matmul_dtype, owned_codes
 from megasemface.interfaces.vq_random import (
     TAG_CODEBOOK,
@@ -165,17 +165,17 @@ class VQOutput(NamedTuple):
     """[N] int64 global ids of the noise-free argmax codes, the ones inference picks (equal
     to ``codes`` when nothing is sampled). Feed them to :class:`CodeUsage`."""
 
-    def metrics(self) -> dict[str, float]:
-        """Plain floats for logging, about this call's batch.
+    def metrics(self) -> dict[str, Tensor | float]:
+        """Detached scalars for logging about this call's batch, read only when a step logs.
 
         Code usage is not among them: one batch's sampled codes say little about the codes
         the model picks (the Gumbel noise spreads them); :class:`CodeUsage` measures that.
         """
         return {
-            "vq_diversity_loss": float(self.diversity_loss.detach()),
-            "vq_token_perplexity": float(self.token_entropy.detach().exp()),
-            "vq_sampled_perplexity": float(self.code_perplexity.detach()),
-            "vq_prob_perplexity": float(self.prob_perplexity.detach()),
+            "vq_diversity_loss": self.diversity_loss.detach(),
+            "vq_token_perplexity": self.token_entropy.detach().exp(),
+            "vq_sampled_perplexity": self.code_perplexity.detach(),
+            "vq_prob_perplexity": self.prob_perplexity.detach(),
             "vq_temperature": self.temperature,
         }
 
@@ -413,7 +413,7 @@ class GumbelVectorQuantizer(nn.Module):
         local_out, psum, codes, greedy, entropy_sum = FlatQuantize.apply(*params, spec)
         quantized = reduce_from_model_parallel(local_out, self.groups)
         owned, local = owned_codes(codes, self.code_offset, self.num_local)
-        counts = torch.bincount(local[owned], minlength=self.num_local)
+        counts = count_codes(local, self.num_local, owned)
         return self._finish(quantized, codes, greedy, psum, entropy_sum, counts, h.shape[0])
 
     def _forward_product(
@@ -453,7 +453,7 @@ class GumbelVectorQuantizer(nn.Module):
         if sample:
             greedy = (logits.view(n_tok, groups, entries).argmax(dim=-1) * place).sum(dim=1)
         flat_idx = (idx + torch.arange(groups, device=h.device) * entries).reshape(-1)
-        counts = torch.bincount(flat_idx, minlength=groups * entries)
+        counts = count_codes(flat_idx, groups * entries)
         return self._finish(out.to(h.dtype), codes, greedy, psum, entropy_sum, counts, n_tok)
 
     def _finish(
@@ -470,7 +470,7 @@ class GumbelVectorQuantizer(nn.Module):
         groups = self.groups
         psum = global_batch_sum(psum, groups)
         entropy_sum = global_batch_sum(entropy_sum.reshape(1), groups)[0]
-        counts_n = torch.cat([counts, counts.new_tensor([n_tok])])
+        counts_n = torch.cat([counts, counts.new_full((1,), n_tok)])  # filled, not copied
         all_reduce_data_parallel(counts_n, groups)
         counts, total = counts_n[:-1], counts_n[-1].clamp(min=1).to(torch.float32)
         pbar = psum / total

@@ -31,16 +31,20 @@ from megasemface.interfaces.base import (
 from megasemface.interfaces.code_usage import CodeUsage
 from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer, VQOutput
 from megasemface.models.config import ModelConfig
+from megasemface.models.layers import positions
 from megasemface.models.transformer import EncoderOutput, TransformerEncoder
 
 __all__ = ["VectorQuantizedInterface"]
 
 
-def _scatter_tokens(values_ND: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """Places the rows for the real tokens back into a zero-padded [B, T, D] tensor."""
-    out = values_ND.new_zeros(*mask_BT.shape, values_ND.shape[-1])
-    out[mask_BT] = values_ND
-    return out
+def _scatter_tokens(
+    values_ND: torch.Tensor, rows: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """Places the rows for the real tokens (at ``rows``, :func:`positions` of ``mask_BT``)
+    back into a zero-padded [B, T, D] tensor."""
+    (batch, length), dim = mask_BT.shape, values_ND.shape[-1]
+    out = values_ND.new_zeros(batch * length, dim).index_copy(0, rows, values_ND)
+    return out.view(batch, length, dim)
 
 
 class VectorQuantizedInterface(SemanticInterface):
@@ -55,19 +59,20 @@ class VectorQuantizedInterface(SemanticInterface):
         self.decoder_usage: CodeUsage = self.quantizer.code_usage()
 
     def encoder_head(self, encoded: EncoderOutput, targets_BT: torch.Tensor) -> EncoderHeadOutput:
-        mask = encoded.mask_BT
+        mask, rows = encoded.mask_BT, positions(encoded.mask_BT)
         # All real tokens are quantised, so the codebook statistics see the whole batch; only
         # the positions with a target feed the MLM output layer.
-        out = self.quantizer(encoded.hidden_BTD[mask])
+        out = self.quantizer(encoded.hidden_BTD.flatten(0, 1)[rows])
         self.last_output = out
         if self.training:
             self.encoder_usage.update(out.greedy_codes)
-        quantized = _scatter_tokens(out.quantized, mask)
-        l2 = encoded.pre_norm_BTD[mask].float().pow(2).mean()
+        quantized = _scatter_tokens(out.quantized, rows, mask)
+        l2 = encoded.pre_norm_BTD.flatten(0, 1)[rows].float().pow(2).mean()
         # Squared distance of each output to its argmax code vector (held fixed): the decoder
         # stage cross-attends to code vectors, the connected decoder to these outputs.
         chosen = self.quantizer.lookup(out.greedy_codes).detach()
-        commitment = (encoded.hidden_BTD[mask].float() - chosen.float()).pow(2).sum(-1).mean()
+        hidden_ND = encoded.hidden_BTD.flatten(0, 1)[rows]
+        commitment = (hidden_ND.float() - chosen.float()).pow(2).sum(-1).mean()
         losses = {
             "diversity": out.diversity_loss,
             "l2": l2,
@@ -86,13 +91,15 @@ class VectorQuantizedInterface(SemanticInterface):
 
     def features_memory(self, features_BTD: torch.Tensor, mask_BT: torch.Tensor) -> InterfaceMemory:
         """The code vectors the fixed codebook picks for ``features`` by Eq. 5."""
-        out: VQOutput = self.quantizer(features_BTD[mask_BT], detach_weights=True)
+        rows = positions(mask_BT)
+        out: VQOutput = self.quantizer(features_BTD.flatten(0, 1)[rows], detach_weights=True)
         if self.training:
             self.decoder_usage.update(out.greedy_codes)
         metrics = {f"dec_{k}": v for k, v in out.metrics().items() if k != "vq_diversity_loss"}
         # With the layer's weights detached, these losses reach only the extractor.
         losses = {"diversity": out.diversity_loss, "token_entropy": out.token_entropy}
-        return InterfaceMemory(_scatter_tokens(out.quantized, mask_BT), mask_BT, metrics, losses)
+        memory = _scatter_tokens(out.quantized, rows, mask_BT)
+        return InterfaceMemory(memory, mask_BT, metrics, losses)
 
     def health(self) -> dict[str, float]:
         """Argmax code usage of the encoder (``vq_*``) and of the decoder stage's extractor

@@ -210,9 +210,9 @@ class FlatQuantize(torch.autograd.Function):
                 del logits, scores, soft, plain, centered
         # H(softmax(l)) per token = log S - E[l - max]; identical on every model-parallel rank.
         entropy_sum = (stats[:, 3].log() - stats[:, 4]).sum()
+        # Masks rather than boolean indexing, which would wait for the device to count.
         owned, local = owned_codes(codes, spec.code_offset, n_local)
-        quantized = torch.zeros(n_tok, codebook.shape[1], dtype=spec.out_dtype, device=device)
-        quantized[owned] = codebook[local[owned]].to(spec.out_dtype)
+        quantized = codebook[local].to(spec.out_dtype).masked_fill(~owned[:, None], 0.0)
         ctx.spec = spec
         ctx.bias_dtype = None if bias is None else bias.dtype
         # Detached: under ZeRO-3 the parameters' .data is released after the forward; the
@@ -283,7 +283,8 @@ class FlatQuantize(torch.autograd.Function):
                 owned, local = owned_codes(codes, spec.code_offset, n_local)
                 if grad_c is None:
                     grad_c = torch.zeros(codebook.shape, dtype=torch.float32, device=a.device)
-                grad_c.index_add_(0, local[owned], grad_quantized[owned].float())
+                rows = grad_quantized.float().masked_fill(~owned[:, None], 0.0)
+                grad_c.index_add_(0, local, rows)
             if grad_c is not None:
                 grad_c = grad_c.to(codebook.dtype)
         return grad_a, grad_w, grad_b, grad_c, None

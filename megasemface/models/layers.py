@@ -23,6 +23,7 @@ __all__ = [
     "MultiHeadAttention",
     "TransformerLayer",
     "attention_mask",
+    "positions",
 ]
 
 
@@ -38,6 +39,15 @@ def attention_mask(key_mask_BS: torch.Tensor, query_len: int, causal: bool) -> t
         allowed = torch.ones(query_len, keys, dtype=torch.bool, device=key_mask_BS.device)
         mask = mask & allowed.tril(diagonal=keys - query_len)
     return mask
+
+
+def positions(mask_BT: torch.Tensor) -> torch.Tensor:
+    """Flat indices [N] of the true entries of ``mask_BT``, row by row.
+
+    ``x.flatten(0, 1)[positions(mask)]`` equals ``x[mask]``; a boolean index waits for the
+    device to count its true entries each time it is used, forward and backward, where these
+    indices count once for every tensor they select from."""
+    return mask_BT.flatten().nonzero().squeeze(1)
 
 
 @dataclasses.dataclass

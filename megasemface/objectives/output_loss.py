@@ -169,7 +169,8 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 None if bias_V is None or grad_b is None else grad_b.to(bias_V.dtype),
             )
         # Means over no tokens are NaN, as F.cross_entropy's.
-        count = torch.tensor(float(tokens) if tokens else float("nan"), device=total.device)
+        # Filled on the device: a tensor made from a host value waits for the copy.
+        count = torch.full((), float(tokens) if tokens else float("nan"), device=total.device)
         nll, accuracy = total_nll / count, correct.float() / count
         ctx.mark_non_differentiable(nll, accuracy)
         return total / count, nll, accuracy

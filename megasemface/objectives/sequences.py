@@ -59,7 +59,7 @@ def append_token(
     batch, length = tokens_BT.shape
     out = torch.full((batch, length + 1), pad, dtype=tokens_BT.dtype, device=tokens_BT.device)
     out[:, :length] = tokens_BT
-    out[torch.arange(batch, device=tokens_BT.device), lengths_B] = token
+    out.scatter_(1, lengths_B[:, None], token)  # no host value copied to the device
     return out, lengths_B + 1
 
 

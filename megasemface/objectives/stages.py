@@ -19,6 +19,7 @@ from torch import nn
 
 from megasemface.interfaces.base import InterfaceMemory, SemanticInterface
 from megasemface.models.config import ModelConfig
+from megasemface.models.layers import positions
 from megasemface.models.transformer import Seq2SeqModel, TransformerDecoder, TransformerEncoder
 from megasemface.objectives.noising import (
     drop_and_shuffle,
@@ -129,11 +130,14 @@ class ObjectiveConfig:
 
 @dataclasses.dataclass
 class StageOutput:
-    """A loss to back-propagate, its detached components and metrics."""
+    """A loss to back-propagate, its detached components and metrics.
+
+    Components and tensor metrics stay on the device until a logging step reads them, so a
+    step waits for the device only where its control flow needs a value."""
 
     loss: torch.Tensor
     components: dict[str, torch.Tensor]
-    metrics: dict[str, float]
+    metrics: dict[str, float | torch.Tensor]
     num_targets: int
 
     def __add__(self, other: StageOutput) -> StageOutput:
@@ -238,7 +242,7 @@ class SemFaceModel(nn.Module):
         for name, value in head.losses.items():
             loss = loss + self.objective.weight_of(name) * value
             components[f"enc_{name}"] = value.detach()
-        metrics = {**head.metrics, "enc_mlm_accuracy": mlm.accuracy.item()}
+        metrics = {**head.metrics, "enc_mlm_accuracy": mlm.accuracy}
         return StageOutput(loss, components, metrics, int(wanted.numel()))
 
     # Decoder stage ------------------------------------------------------------------------
@@ -290,10 +294,13 @@ class SemFaceModel(nn.Module):
             memory.mask_BS,
             causal=causal,
         )
-        selected = targets != -100
-        wanted = targets[selected]
+        selected = positions(targets != -100)
+        wanted = targets.flatten()[selected]
         lm = output_cross_entropy(
-            hidden[selected], *self.decoder.output_layer(), wanted, obj.label_smoothing
+            hidden.flatten(0, 1)[selected],
+            *self.decoder.output_layer(),
+            wanted,
+            obj.label_smoothing,
         )
         loss = lm.loss
         components = {f"dec_{obj.decoder_objective}": lm.loss.detach()}
@@ -301,7 +308,7 @@ class SemFaceModel(nn.Module):
             for name, value in memory.losses.items():
                 loss = loss + obj.weight_of(name) * value
                 components[f"dec_{name}"] = value.detach()
-        metrics = {**memory.metrics, "dec_accuracy": lm.accuracy.item()}
+        metrics = {**memory.metrics, "dec_accuracy": lm.accuracy}
         return StageOutput(loss, components, metrics, int(wanted.numel()))
 
     def _encoder_codes(
@@ -365,6 +372,7 @@ def teacher_forced_hidden(
     inputs, lengths = prepend_tokens(tgt.tokens_BT, tgt.lengths_B, tags)
     targets, _ = append_token(tgt.tokens_BT, tgt.lengths_B, sp.eos, sp.pad)
     target_mask = lengths_to_mask(lengths, targets.shape[1])
+    selected = positions(target_mask)
     hidden = model(
         source,
         lengths_to_mask(source_lengths, source.shape[1]),
@@ -373,7 +381,7 @@ def teacher_forced_hidden(
         target_mask,
         tgt.langs_B,
     )
-    return hidden[target_mask], targets[target_mask]
+    return hidden.flatten(0, 1)[selected], targets.flatten()[selected]
 
 
 def teacher_forced_logits(
@@ -439,6 +447,6 @@ class DenoisingSeq2Seq(nn.Module):
         return StageOutput(
             out.loss,
             {"denoise": out.loss.detach()},
-            {"denoise_accuracy": out.accuracy.item()},
+            {"denoise_accuracy": out.accuracy},
             int(wanted.numel()),
         )

@@ -87,7 +87,7 @@ class TranslationModel(nn.Module):
         return StageOutput(
             out.loss,
             {prefix: out.loss.detach(), f"{prefix}_nll": out.nll},
-            {f"{prefix}_accuracy": out.accuracy.item()},
+            {f"{prefix}_accuracy": out.accuracy},
             int(wanted.numel()),
         )
 

@@ -374,7 +374,7 @@ class Trainer:
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 elapsed = time.perf_counter() - window_started
                 metrics = {name: float(v) for name, v in out.components.items()}
-                metrics.update(out.metrics)
+                metrics.update({name: float(v) for name, v in out.metrics.items()})
                 metrics.update(self.unit.health(self.engine, step))
                 metrics.update(
                     loss=mean_loss,
