@@ -19,8 +19,11 @@ Without a GPU it says so and stops (``make bench`` reports it skipped); ``--cpu 
 tiny`` runs the same code on DeepSpeed's CPU accelerator (bf16) to check it, with a CPU's
 figures.
 
+``--phases`` times each call of the ZeRO-2 step on the host and on the GPU and lists the
+calls that make the host wait for the GPU.
+
 Run: ``python benchmarks/bench_gpu.py [--preset paper] [--sentences 512] [--profile]
-[--json out.json]``.
+[--phases] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -155,6 +158,83 @@ def profile_table(fn: Callable[[], None], device: torch.device, rows: int = 15) 
     return f"{table}\nThe profiled call took {wall * 1e3:,.1f} ms."
 
 
+def phase_times(step: JointStep, device: torch.device, rounds: int = 6) -> dict[str, Any]:
+    """Host time of each call of one step (forward, backward, DeepSpeed's step) beside the
+    GPU time between events recorded as each call returns (medians), and the calls that
+    make the host wait for the GPU (torch's sync debug mode, by source line).
+
+    The host runs ahead of a GPU-bound step: its calls return early and it waits at the
+    end. Where each call's host time equals its GPU time, the GPU waited for the host."""
+    import warnings
+
+    cuda = device.type == "cuda"
+    names = ("forward", "backward", "step")
+    host: dict[str, list[float]] = {name: [] for name in (*names, "wait", "whole")}
+    gpu: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        _sync(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
+        marks = [time.perf_counter()]
+        calls = (
+            lambda: step.engine.forward(step.batch, step.generator),
+            lambda out: step.engine.backward(out.loss),
+            lambda _: step.engine.step(),
+        )
+        value: Any = None
+        for i, call in enumerate(calls):
+            if cuda:
+                events[i].record()
+            value = call() if i == 0 else call(value)
+            marks.append(time.perf_counter())
+        if cuda:
+            events[3].record()
+        _sync(device)
+        marks.append(time.perf_counter())
+        for i, name in enumerate(names):
+            host[name].append(marks[i + 1] - marks[i])
+            if cuda:
+                gpu[name].append(events[i].elapsed_time(events[i + 1]) / 1e3)
+        host["wait"].append(marks[4] - marks[3])
+        host["whole"].append(marks[4] - marks[0])
+    result: dict[str, Any] = {
+        "host_s": {k: statistics.median(v) for k, v in host.items()},
+        "gpu_s": {k: statistics.median(v) for k, v in gpu.items() if v},
+    }
+    if cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step()
+                _sync(device)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        sites: dict[str, int] = {}
+        for w in caught:
+            where = f"{'/'.join(Path(w.filename).parts[-2:])}:{w.lineno}"
+            sites[where] = sites.get(where, 0) + 1
+        result["syncs"] = dict(sorted(sites.items()))
+    return result
+
+
+def report_phases(p: dict[str, Any]) -> str:
+    lines = ["ZeRO-2 joint step by call (medians): host time, GPU time between the calls' returns"]
+    for name in ("forward", "backward", "step"):
+        gpu = p["gpu_s"].get(name)
+        lines.append(
+            f"  {name:8s} host {p['host_s'][name] * 1e3:7.1f} ms"
+            + (f", GPU {gpu * 1e3:7.1f} ms" if gpu is not None else "")
+        )
+    lines.append(
+        f"  waiting for the GPU after the step {p['host_s']['wait'] * 1e3:.1f} ms; "
+        f"whole step {p['host_s']['whole'] * 1e3:.1f} ms"
+    )
+    if "syncs" in p:
+        lines.append(f"  calls that wait for the GPU in one step: {sum(p['syncs'].values())}")
+        lines += [f"    {count:3d} {where}" for where, count in p["syncs"].items()]
+    return "\n".join(lines)
+
+
 def run(
     preset: str,
     sentences: int,
@@ -163,6 +243,7 @@ def run(
     compiled: bool,
     save: Callable[[dict[str, Any]], None],
     profiled: bool = False,
+    phases: bool = False,
 ) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     groups = init_distributed(1)
@@ -237,6 +318,10 @@ def run(
         for name, table in results["profiles"].items():
             print(f"\nProfile of one {name}:\n{table}", flush=True)
         save(results)
+    if phases:
+        results["phases"] = phase_times(steps["ZeRO-2"], device)
+        print(report_phases(results["phases"]), flush=True)
+        save(results)
     if compiled:
         results["compiled"] = _compiled(preset, groups, src, steps["ZeRO-2"], repeats, device)
         print(report_compiled(results["compiled"]), flush=True)
@@ -310,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled step")
     parser.add_argument("--profile", action="store_true", help="print each step's top operators")
+    parser.add_argument(
+        "--phases", action="store_true", help="host and GPU time of each call, host waits"
+    )
     parser.add_argument("--cpu", action="store_true", help="run without a GPU (a check)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
@@ -335,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         not args.no_compile,
         save,
         args.profile,
+        args.phases,
     )
     return 0
 
