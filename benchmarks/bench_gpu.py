@@ -158,6 +158,13 @@ def profile_table(fn: Callable[[], None], device: torch.device, rows: int = 15) 
     return f"{table}\nThe profiled call took {wall * 1e3:,.1f} ms."
 
 
+def _mark(marks: list[float], events: list[Any]) -> None:
+    """As a call returns: the host's clock, and an event in the GPU's queue."""
+    marks.append(time.perf_counter())
+    if events:
+        events[len(marks) - 1].record()
+
+
 def phase_times(step: JointStep, device: torch.device, rounds: int = 6) -> dict[str, Any]:
     """Host time of each call of one step (forward, backward, DeepSpeed's step) beside the
     GPU time between events recorded as each call returns (medians), and the calls that
@@ -174,20 +181,14 @@ def phase_times(step: JointStep, device: torch.device, rounds: int = 6) -> dict[
     for _ in range(rounds):
         _sync(device)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
-        marks = [time.perf_counter()]
-        calls = (
-            lambda: step.engine.forward(step.batch, step.generator),
-            lambda out: step.engine.backward(out.loss),
-            lambda _: step.engine.step(),
-        )
-        value: Any = None
-        for i, call in enumerate(calls):
-            if cuda:
-                events[i].record()
-            value = call() if i == 0 else call(value)
-            marks.append(time.perf_counter())
-        if cuda:
-            events[3].record()
+        marks: list[float] = []
+        _mark(marks, events)
+        out = step.engine.forward(step.batch, step.generator)
+        _mark(marks, events)
+        step.engine.backward(out.loss)
+        _mark(marks, events)
+        step.engine.step()
+        _mark(marks, events)
         _sync(device)
         marks.append(time.perf_counter())
         for i, name in enumerate(names):

@@ -62,7 +62,8 @@ class VectorQuantizedInterface(SemanticInterface):
         mask, rows = encoded.mask_BT, positions(encoded.mask_BT)
         # All real tokens are quantised, so the codebook statistics see the whole batch; only
         # the positions with a target feed the MLM output layer.
-        out = self.quantizer(encoded.hidden_BTD.flatten(0, 1)[rows])
+        hidden_ND = encoded.hidden_BTD.flatten(0, 1)[rows]
+        out = self.quantizer(hidden_ND)
         self.last_output = out
         if self.training:
             self.encoder_usage.update(out.greedy_codes)
@@ -71,7 +72,6 @@ class VectorQuantizedInterface(SemanticInterface):
         # Squared distance of each output to its argmax code vector (held fixed): the decoder
         # stage cross-attends to code vectors, the connected decoder to these outputs.
         chosen = self.quantizer.lookup(out.greedy_codes).detach()
-        hidden_ND = encoded.hidden_BTD.flatten(0, 1)[rows]
         commitment = (hidden_ND.float() - chosen.float()).pow(2).sum(-1).mean()
         losses = {
             "diversity": out.diversity_loss,
