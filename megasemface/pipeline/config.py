@@ -320,16 +320,17 @@ BUDGETS: dict[str, dict[str, object]] = {
         "shard_jobs": 16,
     },
 }
-"""Named budgets: demo (the README's main command, 2 CPU cores, 18 to 28 minutes by the
-machine), smoke (the test suite's reduced end-to-end run), study (below) and paper (the
-paper's scale, on GPUs). A budget may name its systems and settings; ``--systems`` and
-``--settings`` override them.
+"""Named budgets: demo (the README's main command, 2 CPU cores, about 20 to 25 minutes by
+the machine and the day), smoke (the test suite's reduced end-to-end run), study (below)
+and paper (the paper's scale, on GPUs). A budget may name its systems and settings;
+``--systems`` and ``--settings`` override them.
 
 study: the five systems of Table 3, supervised, in about three hours on the 2-core CPU
 machine with 2 processes: the ``small`` model (d 128, 4+4 layers; see its docstring for why
-not wider), 800 pre-training steps (the demo: 400) and 1,000 fine-tuning steps (800), the
-demo's data, batches and learning rates otherwise. The arithmetic, from the demo's measured
-rates on that machine (a slow day: 3,700 tokens/s for joint pre-training, 9,000 for
+not wider), 800 pre-training steps and 1,000 fine-tuning steps at a peak learning rate of
+2e-3 (the demo's budget when the study's runs were measured: 400, 800 and 2e-3), the
+demo's data, batches and pre-training learning rate otherwise. The arithmetic, from the
+demo's measured rates on that machine (a slow day: 3,700 tokens/s for joint pre-training, 9,000 for
 fine-tuning, about 4,400 tokens a step: 1.2 s and 0.49 s a step; XLM's encoder stage 0.23 of
 a joint step, 0.27 s; mBART's denoising a fine-tuning-shaped step, 0.49 s) times the small
 model's measured cost per step (2.3x tiny's for the joint stage, 2.0x for the others):
