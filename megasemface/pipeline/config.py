@@ -320,10 +320,10 @@ BUDGETS: dict[str, dict[str, object]] = {
         "shard_jobs": 16,
     },
 }
-"""Named budgets: demo (the README's main command, 2 CPU cores, about 20 to 25 minutes by
-the machine and the day), smoke (the test suite's reduced end-to-end run), study (below)
-and paper (the paper's scale, on GPUs). A budget may name its systems and settings;
-``--systems`` and ``--settings`` override them.
+"""Named budgets: demo (the README's main command, 2 CPU cores: 25 minutes on the slower
+machine on a slow day, less elsewhere; README), smoke (the test suite's reduced end-to-end
+run), study (below) and paper (the paper's scale, on GPUs). A budget may name its systems
+and settings; ``--systems`` and ``--settings`` override them.
 
 study: the five systems of Table 3, supervised, in about three hours on the 2-core CPU
 machine with 2 processes: the ``small`` model (d 128, 4+4 layers; see its docstring for why
