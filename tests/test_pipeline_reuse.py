@@ -186,3 +186,13 @@ def test_an_unreadable_checkpoint_record_is_one_line_naming_it(tmp_path: Path, t
     with pytest.raises(LaunchError) as caught:
         lineage(run_dir)
     assert str(meta) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_run_trained_past_the_steps_asked_is_refused_in_one_line(tmp_path: Path) -> None:
+    # A work directory of a longer budget: train.py would resume past the end and never
+    # write the shorter run's final checkpoint.
+    _finished(_config(tmp_path, steps=6), "pre", {})
+    shorter = _config(tmp_path, steps=3)
+    with pytest.raises(LaunchError, match="is trained to step 6, past the 3 asked") as caught:
+        _pipeline(tmp_path)._train(shorter)
+    assert "\n" not in str(caught.value) and f"{shorter.output_dir}" in str(caught.value)
