@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -257,35 +258,34 @@ def test_system_metrics_follow_the_training_step(tmp_path: Path, template_db: Pa
 
 
 def test_unreachable_server_never_blocks_and_warns_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # "Never blocks" is checked by where the network is touched, not with a stopwatch (a
+    # loaded machine can stall any thread for a while): every connection attempt must come
+    # from the tracker's worker thread, none from the thread that logs.
+    connecting_threads: list[int] = []
+    connect = socket.socket.connect
+
+    def recording_connect(sock: socket.socket, address: object) -> None:
+        connecting_threads.append(threading.get_ident())
+        connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", recording_connect)
     uri = f"http://127.0.0.1:{_free_port()}"
     caplog.set_level(logging.INFO, logger=LOGGER)
+    caller = threading.get_ident()
 
-    start = time.perf_counter()
     tracker = MLflowTracker(uri, tmp_path, "nmt", "offline", max_spooled_metrics=500)
-    assert time.perf_counter() - start < 1.0
     assert tracker.run_id is None  # the run could not be created; it would be, later
+    # The constructor returned when the first attempt failed, not when its wait ran out.
+    assert not [r for r in caplog.records if "is not ready after" in r.getMessage()]
 
-    slowest = 0.0
-    start = time.perf_counter()
     for step in range(1000):
-        t0 = time.perf_counter()
         tracker.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
-        slowest = max(slowest, time.perf_counter() - t0)
-    calls: list[Callable[[], None]] = [
-        lambda: tracker.log_params({"model": {"layers": 6}}),
-        lambda: tracker.set_tags({"k": "v"}),
-        lambda: tracker.log_dict({"a": 1}, "config.json"),
-        lambda: tracker.log_artifact(tmp_path),
-    ]
-    for call in calls:
-        t0 = time.perf_counter()
-        call()
-        slowest = max(slowest, time.perf_counter() - t0)
-    total = time.perf_counter() - start
-    assert slowest < 0.05, f"slowest log call took {slowest * 1000:.1f} ms"
-    assert total < 0.5, f"1000 log calls took {total:.2f} s"
+    tracker.log_params({"model": {"layers": 6}})
+    tracker.set_tags({"k": "v"})
+    tracker.log_dict({"a": 1}, "config.json")
+    tracker.log_artifact(tmp_path)
 
     def warnings() -> list[logging.LogRecord]:
         return [r for r in caplog.records if _ours(r) and r.levelno >= logging.WARNING]
@@ -297,14 +297,19 @@ def test_unreachable_server_never_blocks_and_warns_once(
     assert not tracker.reachable  # so the trainer does not wait for it at checkpoints
     assert uri in outage[0].getMessage() and "500 metric points" in outage[0].getMessage()
 
-    start = time.perf_counter()
+    start = time.monotonic()
     tracker.end("FINISHED", timeout=1.0)
-    assert time.perf_counter() - start < 1.5
+    # Within its timeout, with a margin for a loaded machine; waiting on the store instead
+    # would take HTTP retries with backoff.
+    assert time.monotonic() - start < 10
     summary = warnings()[1:]
     assert len(summary) == 1  # what was lost, reported once more at the end
     assert "about 1000 metric points" in summary[0].getMessage()
     tracker.end()  # idempotent
     tracker.log_metrics({"late": 1.0}, step=1)  # ignored after end, never raises
+
+    assert connecting_threads, "the worker never tried the server: the check above saw nothing"
+    assert caller not in connecting_threads
 
 
 def test_spool_is_replayed_in_order_when_the_store_comes_back(
