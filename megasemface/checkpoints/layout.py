@@ -114,12 +114,24 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
             f"{run_dir} is not a training run directory (no checkpoints/ folder); pass the "
             "--output-dir of a train.py run, a checkpoint directory or a model directory"
         )
+    return [path for _, path in _complete_by_step(root)]
+
+
+def newest_complete_step(run_dir: Path) -> int:
+    """The step of the run's newest complete checkpoint; 0 when it has none yet."""
+    root = run_dir / "checkpoints"
+    done = _complete_by_step(root) if root.is_dir() else []
+    return done[-1][0] if done else 0
+
+
+def _complete_by_step(root: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoint directories under ``root`` with their steps, oldest first."""
     found = []
     for path in root.iterdir():
         match = TAG_PATTERN.match(path.name)
         if match and path.is_dir() and (path / MARKER).is_file():
             found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+    return sorted(found)
 
 
 def find_checkpoint(path: str | Path) -> CheckpointInfo:

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from megasemface.checkpoints import connect_mbart, connect_runs, write_seq2seq_dir
 from megasemface.checkpoints.connect import SEQ2SEQ_STAGES
-from megasemface.checkpoints.layout import TAG_PATTERN, complete_checkpoints, is_model_dir
+from megasemface.checkpoints.layout import is_model_dir, newest_complete_step
 from megasemface.data.lines import read_lines, write_lines
 from megasemface.evaluation.diagnostics import DiagnosticsConfig, diagnose_interface, log_to_run
 from megasemface.evaluation.metrics import evaluate
@@ -283,8 +283,7 @@ class Pipeline:
         if training_complete(run_dir, config.steps):
             print(f"reusing {run_dir} (finished, {config.steps} steps)")
             return
-        done = complete_checkpoints(run_dir) if (run_dir / "checkpoints").is_dir() else []
-        trained = int(TAG_PATTERN.match(done[-1].name).group(1)) if done else 0
+        trained = newest_complete_step(run_dir)
         if trained > config.steps:
             # train.py would resume past the end and save nothing at config.steps.
             raise LaunchError(
