@@ -19,7 +19,11 @@ from megasemface.models.config import (
     apply_overrides,
     build_model_config,
 )
-from megasemface.models.layers import MultiHeadAttention, attention_mask
+from megasemface.models.layers import (
+    MultiHeadAttention,
+    attention_mask,
+    scaled_dot_product_attention,
+)
 from megasemface.models.seq2seq_init import ConnectError, connect_stages
 from megasemface.models.transformer import Seq2SeqModel, TransformerEncoder, parameter_shapes
 
@@ -54,6 +58,37 @@ def test_attention_matches_the_formula(causal: bool) -> None:
     memory = torch.randn(3, 7, 16)
     cross = attention_mask(torch.ones(3, 7, dtype=torch.bool), 5, causal=False)
     torch.testing.assert_close(attn(x, memory, cross), naive_attention(attn, x, memory, cross))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_attention_with_dropout_is_the_formula_and_its_gradient(causal: bool) -> None:
+    """With dropout on a CPU, attention runs its own unfused path (models/layers.py); at a
+    rate that rounds to no drop it must be SDPA's values and gradients."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 5, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    key_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    mask = attention_mask(key_mask, 5, causal)
+    ours = scaled_dot_product_attention(q, k, v, mask, dropout_p=1e-7)
+    grads = torch.autograd.grad(ours.sum(), (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(ours, sdpa)
+    for got, want in zip(grads, torch.autograd.grad(sdpa.sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_cpu_attention_dropout_drops_probabilities_not_outputs() -> None:
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 64, 16), torch.randn(2, 4, 64, 16)
+    v = torch.ones(2, 4, 64, 16)
+    out = scaled_dot_product_attention(q, k, v, None, dropout_p=0.5)
+    # Each output row is its dropped and rescaled probabilities summed: the same in every
+    # column, 1 on average, and rarely 0 or 2 (which dropping the outputs would give).
+    assert torch.equal(out, out[..., :1].expand_as(out))
+    assert float(out.mean()) == pytest.approx(1.0, abs=0.05)
+    assert float(((out == 0) | (out == 2)).float().mean()) < 0.05
+    # A query with every key masked (padding) stays finite.
+    none_allowed = torch.zeros(2, 1, 64, 64, dtype=torch.bool)
+    assert torch.isfinite(scaled_dot_product_attention(q, k, v, none_allowed, 0.5)).all()
 
 
 def test_padding_does_not_change_real_positions() -> None:

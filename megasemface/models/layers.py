@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megasemface.models.config import ModelConfig
-from megasemface.models.dropout import Dropout
+from megasemface.models.dropout import Dropout, dropout
 
 __all__ = [
     "Embeddings",
@@ -24,6 +24,7 @@ __all__ = [
     "TransformerLayer",
     "attention_mask",
     "positions",
+    "scaled_dot_product_attention",
 ]
 
 
@@ -86,6 +87,33 @@ class KVCache:
         )
 
 
+def scaled_dot_product_attention(
+    q_BHTK: torch.Tensor,
+    k_BHSK: torch.Tensor,
+    v_BHSK: torch.Tensor,
+    mask_B1TS: torch.Tensor | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, except with dropout on a CPU.
+
+    There SDPA falls back to its unfused path and draws the dropout mask of the [B, H, T, S]
+    probabilities with ``bernoulli_``, one Mersenne-Twister number per element: a quarter of
+    the attention's time at d 512. The same path written out uses :func:`dropout` instead
+    (a quarter of the draws; ``models/dropout.py``). A query with no key to attend to gets
+    the mean of the values rather than SDPA's zeros: such rows are padding, which nothing
+    reads.
+    """
+    if dropout_p == 0.0 or q_BHTK.device.type != "cpu":
+        return F.scaled_dot_product_attention(
+            q_BHTK, k_BHSK, v_BHSK, attn_mask=mask_B1TS, dropout_p=dropout_p
+        )
+    scores_BHTS = (q_BHTK * q_BHTK.shape[-1] ** -0.5) @ k_BHSK.transpose(-1, -2)
+    if mask_B1TS is not None:
+        # The dtype's lowest finite value, not -inf: a row with every key masked stays finite.
+        scores_BHTS = scores_BHTS.masked_fill(~mask_B1TS, torch.finfo(scores_BHTS.dtype).min)
+    return dropout(scores_BHTS.softmax(dim=-1), dropout_p) @ v_BHSK
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention over all heads at once with F.scaled_dot_product_attention."""
 
@@ -122,12 +150,8 @@ class MultiHeadAttention(nn.Module):
             k_BHSK, v_BHSK = kv.permute(2, 0, 3, 1, 4).unbind(0)
             if cache is not None:
                 k_BHSK, v_BHSK = cache.update(k_BHSK, v_BHSK)
-        out_BHTK = F.scaled_dot_product_attention(
-            q_BHTK,
-            k_BHSK,
-            v_BHSK,
-            attn_mask=mask_B1TS,
-            dropout_p=self.dropout if self.training else 0.0,
+        out_BHTK = scaled_dot_product_attention(
+            q_BHTK, k_BHSK, v_BHSK, mask_B1TS, self.dropout if self.training else 0.0
         )
         return self.out_proj(out_BHTK.transpose(1, 2).reshape(batch, length, dim))
 
