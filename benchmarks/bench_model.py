@@ -63,6 +63,9 @@ TRAIN_OBJECTIVE = objective_config_from(
 """The losses of ``train.py --stage joint --interface vq`` without other options (its
 decoder stage reads the encoder's own codes), which are not the library's defaults."""
 SHAPES = {"tiny": (32, 32), "paper": (4, 32)}  # sentences x tokens per batch
+REPEATS = {"tiny": 15, "paper": 3}
+"""Timed rounds by default: a tiny step is short enough for one burst of load to move a
+median of three, and cheap enough for more."""
 
 
 PEAK_SIZE = 2048
@@ -308,9 +311,9 @@ def report(results: dict[str, dict[str, float]], allocator: dict[str, float] | N
     return "\n".join(rows)
 
 
-def run(presets: list[str], repeats: int = 3) -> dict[str, dict[str, float]]:
+def run(presets: list[str], repeats: int | None = None) -> dict[str, dict[str, float]]:
     return {
-        f"{preset}, {layout}": bench(preset, layout, repeats)
+        f"{preset}, {layout}": bench(preset, layout, repeats or REPEATS[preset])
         for preset in presets
         for layout in ("flat", "product")
     }
@@ -319,7 +322,7 @@ def run(presets: list[str], repeats: int = 3) -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", default="tiny,paper")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, help="timed rounds (default: 15 tiny, 3 paper)")
     parser.add_argument("--json", help="also write the figures as JSON")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--allocator-child", choices=("keep", "glibc"), help=argparse.SUPPRESS)
@@ -335,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     # rows reuse the graphs of layers of the same shapes, as a pipeline's later runs do.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
     results = run(args.presets.split(","), args.repeats)
-    allocator = allocator_comparison(args.repeats) if "tiny" in args.presets else None
+    allocator = allocator_comparison(args.repeats or 3) if "tiny" in args.presets else None
     print(report(results, allocator))
     if args.json:
         with open(args.json, "w") as handle:
