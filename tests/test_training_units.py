@@ -238,7 +238,9 @@ def test_cpu_runs_use_torch_fused_adam_for_exact_resume(tmp_path: Path) -> None:
     assert "torch_adam" not in load_ds_config(path)["optimizer"]["params"]  # offload: as given
 
 
-def test_options_are_checked_before_distributed_start_up() -> None:
+def test_options_are_checked_before_distributed_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     base = {"data": Path("d"), "spm_model": Path("m"), "output_dir": Path("o")}
     plain: dict = {"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}
     scheduled = {**plain, "scheduler": {"type": "WarmupLR", "params": {}}}
@@ -258,6 +260,10 @@ def test_options_are_checked_before_distributed_start_up() -> None:
     check_before_start(compiled, {**plain, "zero_optimization": {"stage": 2}})
     with pytest.raises(ValueError, match="--compile works under ZeRO stage 1 or 2"):
         check_before_start(compiled, {**plain, "zero_optimization": {"stage": 3}})
+    monkeypatch.setenv("MEGASEMFACE_CPU_GEMM", "mkl")
+    with pytest.raises(ValueError, match="MEGASEMFACE_CPU_GEMM must be auto, blas or onednn"):
+        check_before_start(compiled, plain)
+    monkeypatch.delenv("MEGASEMFACE_CPU_GEMM")
     with pytest.raises(ValueError, match="--mp-size 2 does not divide the 3 processes"):
         check_before_start(TrainConfig(stage="joint", interface="vq", mp_size=2, **base), plain, 3)
     with pytest.raises(ValueError, match=r"vq\.num_codes 512 is not divisible by --mp-size 3"):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megasemface.models.config import ModelConfig
+from megasemface.models.cpu_gemm import Linear
 from megasemface.models.dropout import Dropout, dropout
 
 __all__ = [
@@ -121,9 +122,9 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.kv_proj = nn.Linear(d_model, 2 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.q_proj = Linear(d_model, d_model)
+        self.kv_proj = Linear(d_model, 2 * d_model)
+        self.out_proj = Linear(d_model, d_model)
 
     def forward(
         self,
@@ -159,8 +160,8 @@ class MultiHeadAttention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, ffn_dim: int, dropout: float) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(d_model, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.fc1 = Linear(d_model, ffn_dim)
+        self.fc2 = Linear(ffn_dim, d_model)
         self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

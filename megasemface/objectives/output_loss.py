@@ -23,6 +23,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from megasemface.models import cpu_gemm
+
 __all__ = ["CHUNK_LOGITS", "CHUNK_LOGITS_GPU", "OutputLoss", "output_cross_entropy"]
 
 CHUNK_LOGITS = 1 << 24
@@ -115,11 +117,13 @@ class _OutputCrossEntropy(torch.autograd.Function):
         for start in range(0, tokens, rows):
             h_CD = hidden_ND[start : start + rows]
             t_C = targets_N[start : start + rows]
-            if bias_V is None or h_CD.is_cuda:
+            if h_CD.is_cuda:
                 z_CV = F.linear(h_CD, weight_VD, bias_V).float()
             else:  # addmm's broadcast copy of the bias into its [C, V] output is slower on a
                 # CPU than the product itself (8 ms for 1,056 x 8,000); an add is one pass.
-                z_CV = F.linear(h_CD, weight_VD).float().add_(bias_V)
+                z_CV = cpu_gemm.mm(h_CD, weight_VD.t()).float()
+                if bias_V is not None:
+                    z_CV.add_(bias_V)
             target_C = z_CV.gather(1, t_C[:, None]).squeeze(1)
             top_C = z_CV.amax(dim=-1)
             # The target has the highest logit (a tie counts): argmax's answer without its
@@ -147,12 +151,16 @@ class _OutputCrossEntropy(torch.autograd.Function):
             g_CV = e_CV.to(grad_dtype)
             scaled_h_CD = h_CD * scale_C[:, None].to(h_CD.dtype)
             rows_h = grad_h[start : start + rows]
-            if g_CV.dtype == hidden_ND.dtype:
+            if g_CV.dtype == hidden_ND.dtype and cpu_gemm.enabled(g_CV):
+                rows_h.copy_(cpu_gemm.mm(g_CV, weight_VD))
+            elif g_CV.dtype == hidden_ND.dtype:
                 torch.mm(g_CV, weight_VD, out=rows_h)
             else:  # half operands into fp32 states (CUDA autocast)
                 rows_h.copy_(torch.mm(g_CV, half_weight_VD, out_dtype=torch.float32))
             rows_h.mul_(scale_C[:, None].to(rows_h.dtype))
-            if g_CV.dtype == torch.float32:
+            if cpu_gemm.enabled(g_CV):
+                grad_w += cpu_gemm.mm(g_CV.t(), scaled_h_CD)
+            elif g_CV.dtype == torch.float32:
                 grad_w.addmm_(g_CV.t(), scaled_h_CD)
             elif g_CV.is_cuda:  # half operands, fp32 accumulation and result (CUDA only)
                 grad_w += torch.mm(g_CV.t(), scaled_h_CD.to(grad_dtype), out_dtype=torch.float32)

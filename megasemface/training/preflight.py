@@ -10,6 +10,7 @@ from typing import Any
 
 from megasemface.checkpoints.manager import CheckpointManager
 from megasemface.checkpoints.universal import check_parallel_sizes
+from megasemface.models import cpu_gemm
 from megasemface.training.options import TrainConfig, user_model_config
 from megasemface.training.units import UNITS, unit_name
 
@@ -46,6 +47,7 @@ def check_before_start(config: TrainConfig, ds_config: dict[str, Any], world_siz
     if config.output_dir.exists() and not config.output_dir.is_dir():
         raise ValueError(f"--output-dir {config.output_dir} is a file; name a directory")
     lr_schedule_of(config, ds_config)
+    cpu_gemm.check_setting()
     if config.compile and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
         # ZeRO-3's hooks gather each layer's weights inside the compiled forward.
         raise ValueError(

@@ -1,0 +1,152 @@
+"""fp32 matrix products on a CPU through oneDNN where torch's BLAS runs at half speed.
+
+torch multiplies fp32 matrices on a CPU with MKL, which on AMD processors runs its AVX2
+kernels even where the cores have AVX-512. oneDNN, which torch bundles and which picks its
+kernels by instruction set, multiplies the same matrices 2.1-2.5x faster on a 2-core AMD EPYC
+with fifth-generation Zen cores (the square 2,048 product: 457 against 211 GFLOP/s; the
+transformer's and the output layer's products alike; ``benchmarks/bench_peer.py``). The
+results are fp32 products with fp32 accumulation, equal to MKL's up to rounding (about 1e-6
+of their scale).
+
+:func:`enabled` says whether a tensor's products go through oneDNN: fp32 on a CPU whose
+vendor is AMD and whose vector unit torch reports as AVX-512 (elsewhere MKL is not known to
+leave speed behind), unless ``MEGASEMFACE_CPU_GEMM=blas`` is set (``onednn`` forces it on
+wherever torch has oneDNN). :class:`Linear` is ``nn.Linear`` (same parameters and state-dict
+names) with its three products through :func:`mm`; :func:`mm` is ``a @ b``. Under
+``torch.compile`` both are torch's own operators, which inductor compiles its way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ENV", "Linear", "blas_only", "check_setting", "enabled", "linear", "mm"]
+
+ENV = "MEGASEMFACE_CPU_GEMM"
+"""``blas``: torch's own products everywhere; ``onednn``: oneDNN on any CPU that torch built
+it for; unset or ``auto``: oneDNN on AMD processors with AVX-512."""
+
+_forced_blas = False
+
+
+def check_setting() -> str:
+    """The setting of :data:`ENV`; ValueError for one it does not know."""
+    choice = os.environ.get(ENV, "auto").lower()
+    if choice not in ("auto", "blas", "onednn"):
+        raise ValueError(f"{ENV} must be auto, blas or onednn, got {choice!r}")
+    return choice
+
+
+@functools.cache
+def _machine_default() -> bool:
+    choice = check_setting()
+    if choice == "blas" or not _have_onednn():
+        return False
+    if choice == "onednn":
+        return True
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and _cpu_vendor() == "AuthenticAMD"
+
+
+def _have_onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether products of ``t`` (and tensors like it) go through oneDNN."""
+    return (
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and not _forced_blas
+        and not torch.compiler.is_compiling()
+        and _machine_default()
+    )
+
+
+@contextlib.contextmanager
+def blas_only() -> Iterator[None]:
+    """torch's own products inside the block (for torch's FLOP counter, which counts only
+    its own operators, and for comparisons)."""
+    global _forced_blas
+    before, _forced_blas = _forced_blas, True
+    try:
+        yield
+    finally:
+        _forced_blas = before
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``x @ weight.T + bias`` for 2-D ``x``; strided operands are taken as they are."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 2-D tensors (no autograd); contiguous."""
+    if not enabled(a) or b.dtype != a.dtype or a.numel() == 0 or b.numel() == 0:
+        return a @ b
+    if a.stride(-2) == 1 and a.stride(-1) != 1:
+        # A transposed left operand (a weight's gradient, states.T @ grads): oneDNN is 2-3x
+        # faster on the transposed product, (b.T @ a.T).T, and the copy back is small.
+        return _onednn_linear(b.t(), a).t().contiguous()
+    return _onednn_linear(a, b.t())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear``, its products through oneDNN where :func:`enabled`."""
+    if not enabled(x) or weight.dtype != x.dtype or x.numel() == 0:
+        return F.linear(x, weight, bias)
+    return _Linear.apply(x, weight, bias)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x_MK = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x_MK, weight)
+        ctx.has_bias = bias is not None  # type: ignore[attr-defined]
+        ctx.shape = x.shape  # type: ignore[attr-defined]
+        return _onednn_linear(x_MK, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        x_MK, weight_NK = ctx.saved_tensors  # type: ignore[attr-defined]
+        grad_MN = grad.reshape(-1, weight_NK.shape[0])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _onednn_linear(grad_MN, weight_NK.t()).view(ctx.shape)  # type: ignore[attr-defined]
+        if ctx.needs_input_grad[1]:
+            grad_w = mm(grad_MN.t(), x_MK)
+        if ctx.has_bias and ctx.needs_input_grad[2]:  # type: ignore[attr-defined]
+            grad_b = grad_MN.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose products go through :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
