@@ -22,6 +22,7 @@ from torch import Tensor
 from megasemface.distributed.groups import ParallelGroups, all_reduce_model_parallel
 from megasemface.interfaces import vq_flat_fused as fused
 from megasemface.interfaces.vq_random import gumbel_noise, noise_hashes
+from megasemface.models import cpu_gemm
 
 __all__ = ["FlatQuantize", "FlatSpec", "owned_codes"]
 
@@ -73,7 +74,7 @@ def matmul_dtype(weight: Tensor) -> torch.dtype:
 def _mm(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
     """``x @ y`` in fp32, from operands of ``dtype`` (see :func:`matmul_dtype`)."""
     if dtype == torch.float32:
-        return x.float() @ y.float()
+        return cpu_gemm.mm(x.float(), y.float())
     return torch.mm(x.to(dtype), y.to(dtype), out_dtype=torch.float32)
 
 
@@ -102,7 +103,7 @@ def _chunk_logits(
 ) -> tuple[Tensor, Tensor]:
     """Local logits l [n, Kl] and selection scores s = l + v (training) or l itself (eval).
     ``wm``: the logit weights in ``spec.matmul_dtype``."""
-    if spec.matmul_dtype == torch.float32:
+    if spec.matmul_dtype == torch.float32 and not cpu_gemm.enabled(wm):
         logits = torch.addmm(b32, a.float(), wm.t())
     else:
         logits = _mm(a, wm.t(), spec.matmul_dtype).add_(b32)
@@ -422,7 +423,10 @@ def _flat_logit_backward(
         if grad_a is not None:
             grad_a[t0:t1] = _mm(grad_logits_mm, wm, dtype).to(a.dtype)
         if need_w:  # no zero-filled [Kl, d] buffer to add the first product to
-            if dtype == torch.float32:
+            if dtype == torch.float32 and cpu_gemm.enabled(a):
+                product = cpu_gemm.mm(grad_logits.float().t(), a[t0:t1].float())
+                grad_w = product if grad_w is None else grad_w.add_(product)
+            elif dtype == torch.float32:
                 if grad_w is None:
                     grad_w = grad_logits.float().t() @ a[t0:t1].float()
                 else:
