@@ -18,6 +18,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Each test once with oneDNN's products, once with torch's, whatever this machine's
     default."""
     monkeypatch.setattr(cpu_gemm, "_machine_default", lambda: request.param == "onednn")
+    monkeypatch.setattr(cpu_gemm, "_MIN_MULTIPLY_ADDS", 0)  # these tests' products are small
     return request.param
 
 
@@ -85,6 +86,7 @@ def test_only_fp32_cpu_tensors_and_never_inside_blas_only(backend: str) -> None:
 
 
 def test_output_loss_is_the_same_with_either_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_gemm, "_MIN_MULTIPLY_ADDS", 0)
     torch.manual_seed(0)
     h = torch.randn(37, 16, requires_grad=True)
     w = torch.randn(50, 16, requires_grad=True)
@@ -99,6 +101,21 @@ def test_output_loss_is_the_same_with_either_product(monkeypatch: pytest.MonkeyP
         h.grad = w.grad = b.grad = None
     for a, c in zip(*results, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_inference_and_small_products(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without autograd the product is called directly; below the size where oneDNN pays,
+    torch's own runs."""
+    torch.manual_seed(0)
+    layer = cpu_gemm.Linear(24, 40)
+    x = torch.randn(3, 7, 24)
+    with torch.no_grad():
+        want = F.linear(x, layer.weight, layer.bias)
+        assert _linear_call_count(lambda: layer(x)) == (1 if backend == "onednn" else 0)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(cpu_gemm, "_MIN_MULTIPLY_ADDS", 21 * 24 * 40 + 1)
+        assert _linear_call_count(lambda: layer(x)) == 0
+        assert _linear_call_count(lambda: cpu_gemm.mm(x[0], layer.weight.t())) == 0
 
 
 def test_flop_counter_counts_onednn_products_as_torch_counts_its_own(backend: str) -> None:

@@ -97,9 +97,24 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _worth_it(rows: int, inner: int, cols: int) -> bool:
+    """oneDNN's call costs a few microseconds more than MKL's: below about 2M multiply-adds
+    (64 rows of a d 64 -> 256 map in incremental decoding) MKL is as fast or faster."""
+    return rows * inner * cols >= _MIN_MULTIPLY_ADDS
+
+
+_MIN_MULTIPLY_ADDS = 1 << 21
+
+
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for 2-D tensors (no autograd); contiguous."""
-    if not enabled(a) or b.dtype != a.dtype or a.numel() == 0 or b.numel() == 0:
+    if (
+        not enabled(a)
+        or b.dtype != a.dtype
+        or not _worth_it(a.shape[0], a.shape[1], b.shape[1])
+        or a.numel() == 0
+        or b.numel() == 0
+    ):
         return a @ b
     if a.stride(-2) == 1 and a.stride(-1) != 1:
         # A transposed left operand (a weight's gradient, states.T @ grads): oneDNN is 2-3x
@@ -110,8 +125,19 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``F.linear``, its products through oneDNN where :func:`enabled`."""
-    if not enabled(x) or weight.dtype != x.dtype or x.numel() == 0:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (
+        not enabled(x)
+        or weight.dtype != x.dtype
+        or x.numel() == 0
+        or not _worth_it(rows, weight.shape[1], weight.shape[0])
+    ):
         return F.linear(x, weight, bias)
+    if not torch.is_grad_enabled() or not any(
+        t is not None and t.requires_grad for t in (x, weight, bias)
+    ):  # inference: no autograd node to build (decoding calls many small products)
+        out = _onednn_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
     return _Linear.apply(x, weight, bias)
 
 
