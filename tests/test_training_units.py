@@ -318,3 +318,22 @@ def test_the_tokenizer_sets_the_vocabulary_and_refuses_a_contradicting_option(
     other = TrainConfig(stage="joint", interface="vq", model_options=["vocab_size=999"], **base)
     with pytest.raises(ValueError, match="vocab_size=999 contradicts"):
         model_config_from(other, data)
+
+
+def test_a_bad_cpu_product_setting_stops_commands_before_they_start(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The variable is read by the first matrix product, deep in a run: commands refuse a
+    bad value at their start, in one line, with nothing built."""
+    from megasemface.cli import reproduce, translate
+
+    monkeypatch.setenv("MEGASEMFACE_CPU_GEMM", "mkl")
+    args = ["--model", str(tmp_path), "--input", str(tmp_path / "in.txt")]
+    assert translate.main([*args, "--src-lang", "en", "--tgt-lang", "de"]) == 2
+    assert "MEGASEMFACE_CPU_GEMM must be auto, blas or onednn" in capsys.readouterr().err
+    assert reproduce.main(["--budget", "smoke", "--workdir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "error: MEGASEMFACE_CPU_GEMM must be auto, blas or onednn, got 'mkl'" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import textwrap
@@ -35,12 +36,22 @@ def command_parser(doc: str | None, **kwargs: Any) -> argparse.ArgumentParser:
 
 def parse_or_status(parser: argparse.ArgumentParser, argv: list[str] | None) -> Any:
     """The parsed arguments, or the exit status when argparse stopped: 0 after ``--help``, 2
-    after a usage error it has already printed. Commands return it instead of exiting, so
-    they can be called as functions."""
+    after a usage error it has already printed (a bad ``MEGASEMFACE_CPU_GEMM`` is one).
+    Commands return it instead of exiting, so they can be called as functions."""
     try:
-        return parser.parse_args(argv)
+        args = parser.parse_args(argv)
+        # Read by the first matrix product, deep in a run: checked here instead (and torch
+        # imported for it only when the variable is set).
+        if "MEGASEMFACE_CPU_GEMM" in os.environ:
+            from megasemface.models import cpu_gemm
+
+            try:
+                cpu_gemm.check_setting()
+            except ValueError as exc:
+                parser.error(str(exc))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
+    return args
 
 
 def add_score_logging_arguments(parser: argparse.ArgumentParser) -> None:

@@ -157,11 +157,13 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
 
 def run(args: argparse.Namespace) -> int:
     from megasemface.data.demo_corpus import DemoCorpusError
+    from megasemface.models import cpu_gemm
     from megasemface.pipeline.launcher import LaunchError
     from megasemface.pipeline.pipeline import Pipeline
 
     keep_freed_memory()  # for the test translations, which run in this process
     try:
+        cpu_gemm.check_setting()  # before the data steps, not at the first training launch
         config = config_from_args(args)
         if config.multilingual and args.corpus is None:  # before anything is built
             config.check_catalogs()
