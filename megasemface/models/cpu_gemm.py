@@ -12,7 +12,7 @@ of their scale).
 vendor is AMD and whose vector unit torch reports as AVX-512 (elsewhere MKL is not known to
 leave speed behind), unless ``MEGASEMFACE_CPU_GEMM=blas`` is set (``onednn`` forces it on
 wherever torch has oneDNN). :class:`Linear` is ``nn.Linear`` (same parameters and state-dict
-names) with its three products through :func:`mm`; :func:`mm` is ``a @ b``. Under
+names) with its three products through oneDNN; :func:`mm` is ``a @ b``. Under
 ``torch.compile`` both are torch's own operators, which inductor compiles its way.
 """
 
