@@ -63,11 +63,15 @@ def test_linear_is_f_linear_with_its_gradients(backend: str, bias: bool) -> None
     assert layer.weight.grad is not None and layer.weight.grad.is_contiguous()
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_mm_is_the_product(backend: str, transposed: bool) -> None:
+# A transposed left operand over more inner rows than result columns (many tokens) takes the
+# transposed product; over fewer (a wide weight's gradient from few tokens), the direct one.
+@pytest.mark.parametrize(
+    ("transposed", "inner", "cols"), [(False, 50, 20), (True, 50, 20), (True, 6, 40)]
+)
+def test_mm_is_the_product(backend: str, transposed: bool, inner: int, cols: int) -> None:
     torch.manual_seed(0)
-    a = torch.randn(50, 33).t() if transposed else torch.randn(33, 50)
-    b = torch.randn(50, 20)
+    a = torch.randn(inner, 33).t() if transposed else torch.randn(33, inner)
+    b = torch.randn(inner, cols)
     out = cpu_gemm.mm(a, b)
     torch.testing.assert_close(out, a @ b, rtol=1e-5, atol=1e-5)
     assert out.is_contiguous()

@@ -116,9 +116,12 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         or b.numel() == 0
     ):
         return a @ b
-    if a.stride(-2) == 1 and a.stride(-1) != 1:
-        # A transposed left operand (a weight's gradient, states.T @ grads): oneDNN is 2-3x
-        # faster on the transposed product, (b.T @ a.T).T, and the copy back is small.
+    if a.stride(-2) == 1 and a.stride(-1) != 1 and a.shape[1] > b.shape[1]:
+        # A transposed left operand (a weight's gradient, grads.T @ states) over many
+        # tokens: oneDNN reorders a strided left operand into a copy first, and the
+        # transposed product, (b.T @ a.T).T, copies the smaller result instead (2x faster at
+        # 1,056 tokens x 8,000 x 256). Over few tokens (the paper preset's 102,400-code
+        # table from 132 tokens) the result is the larger: copying it back doubled the time.
         return _onednn_linear(b.t(), a).t().contiguous()
     return _onednn_linear(a, b.t())
 
