@@ -103,8 +103,8 @@ def _chunk_logits(
 ) -> tuple[Tensor, Tensor]:
     """Local logits l [n, Kl] and selection scores s = l + v (training) or l itself (eval).
     ``wm``: the logit weights in ``spec.matmul_dtype``."""
-    if spec.matmul_dtype == torch.float32 and not cpu_gemm.enabled(wm):
-        logits = torch.addmm(b32, a.float(), wm.t())
+    if spec.matmul_dtype == torch.float32:
+        logits = cpu_gemm.linear(a.float(), wm, b32)  # the bias added in the product's pass
     else:
         logits = _mm(a, wm.t(), spec.matmul_dtype).add_(b32)
     if not spec.sample:

@@ -65,14 +65,19 @@ def mix_key(*parts: int) -> int:
     return h
 
 
-def _fmix64_(z: Tensor) -> Tensor:
+def _fmix64_(z: Tensor, *, high_bits_only: bool = False) -> Tensor:
     """In-place SplitMix64 finaliser on an int64 tensor with wrap-around multiplication.
 
     torch's ``>>`` on int64 is arithmetic, so the logical shift is an arithmetic one followed
-    by a mask of the low 64 - s bits.
+    by a mask of the low 64 - s bits. ``high_bits_only`` leaves out the last xor-shift,
+    which changes only the low 33 bits (``z >> 31`` has none above bit 32): bits 33 to 63 are
+    final without it, and the noise reads only its top 23.
     """
     tmp = torch.empty_like(z)
-    for shift, mul in ((30, _MUL1), (27, _MUL2), (31, None)):
+    rounds = (
+        ((30, _MUL1), (27, _MUL2)) if high_bits_only else ((30, _MUL1), (27, _MUL2), (31, None))
+    )
+    for shift, mul in rounds:
         torch.bitwise_right_shift(z, shift, out=tmp)
         tmp.bitwise_and_((1 << (64 - shift)) - 1)
         z.bitwise_xor_(tmp)
@@ -111,7 +116,7 @@ def gumbel_noise(
     step = max(64, _noise_elements(device) // num_tokens)
     for c0 in range(0, num_codes, step):
         c1 = min(num_codes, c0 + step)
-        z = _fmix64_(rows[:, None] + cols[None, c0:c1])
+        z = _fmix64_(rows[:, None] + cols[None, c0:c1], high_bits_only=True)
         z.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)
         u = z.to(torch.float32).add_(0.5).mul_(2.0**-23)
         out[:, c0:c1] = u.log_().neg_().log_().neg_()
