@@ -11,6 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups
 from megasemface.evaluation.diagnostics.figures import code_log_probs
+from megasemface.interfaces import vq_random
 from megasemface.interfaces.gumbel_quantizer import (
     SPLIT_PARAMETERS,
     GumbelVectorQuantizer,
@@ -473,6 +474,20 @@ def test_gumbel_noise_is_tiling_independent_and_gumbel_distributed() -> None:
     assert float(big.std()) == pytest.approx(math.pi / math.sqrt(6), abs=0.01)
     # Rows and columns are not copies of each other.
     assert float(torch.corrcoef(big[:2])[0, 1]).__abs__() < 0.05
+
+
+def test_gumbel_noise_is_splitmix64_of_its_indices() -> None:
+    """Element (t, c) from the documented hash on Python integers, with the full finaliser
+    (the tensor version leaves out a last step that cannot reach the bits it reads)."""
+    key, t0, c0 = 99, 1000, 5000
+    noise = gumbel_noise(key, t0, 3, c0, 64)
+    m64, golden = (1 << 64) - 1, vq_random._GOLDEN
+    for t in range(3):
+        row = vq_random._fmix64((t0 + t + 1) * golden + key)
+        bits = [vq_random._fmix64(row + (c0 + c + 1) * golden) >> 41 for c in range(64)]
+        assert all(0 <= b < 1 << 23 for b in bits) and row <= m64
+        u = (torch.tensor(bits, dtype=torch.float32) + 0.5) * 2.0**-23
+        assert torch.equal(noise[t], -torch.log(-torch.log(u)))
 
 
 def test_flat_split_checks_divisibility_and_init_is_split_independent() -> None:
