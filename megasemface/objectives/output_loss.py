@@ -107,11 +107,12 @@ class _OutputCrossEntropy(torch.autograd.Function):
         if with_grad:
             half_weight_VD = weight_VD.to(grad_dtype)  # once a call, not once a chunk
             grad_h = torch.empty_like(hidden_ND)
-            # Accumulated over chunks in fp32 (a bf16 sum of chunks would round at each one),
-            # starting from the uniform part: - s / (V N) times the sum of the states, in
-            # every row of the weight's gradient, and - s / V in every bias entry.
+            # The weight's gradient: the first chunk's product, then accumulated over chunks
+            # in fp32 (a bf16 sum of chunks would round at each one), and the uniform part,
+            # - s / (V N) times the sum of the states in every row, subtracted after the
+            # loop (no [V, D] buffer filled for it). The bias's starts from its uniform
+            # part, - s / V in every entry.
             sum_h_D = hidden_ND.sum(dim=0, dtype=torch.float32)
-            grad_w = (-uniform * sum_h_D).expand(weight_VD.shape).contiguous()
             if bias_V is not None:
                 grad_b = torch.full((vocab,), -smoothing / vocab, device=device)
         for start in range(0, tokens, rows):
@@ -119,6 +120,8 @@ class _OutputCrossEntropy(torch.autograd.Function):
             t_C = targets_N[start : start + rows]
             if h_CD.is_cuda:
                 z_CV = F.linear(h_CD, weight_VD, bias_V).float()
+            elif cpu_gemm.enabled(h_CD):  # oneDNN adds the bias in the product's own pass
+                z_CV = cpu_gemm.linear(h_CD, weight_VD, bias_V).float()
             else:  # addmm's broadcast copy of the bias into its [C, V] output is slower on a
                 # CPU than the product itself (8 ms for 1,056 x 8,000); an add is one pass.
                 z_CV = cpu_gemm.mm(h_CD, weight_VD.t()).float()
@@ -140,7 +143,7 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 # A product and a sum rather than addmv, which CUDA autocast would run in bf16.
                 mean_C = (h_CD.float() * sum_w_D).sum(dim=-1) / vocab + mean_b - top_C
                 total += ((1.0 - smoothing) * nll_C + smoothing * (lse_C - mean_C)).sum()
-            if grad_h is None or grad_w is None:
+            if grad_h is None:
                 continue
             # d loss / d z = (softmax - (1 - s) onehot - s / V) / N. The buffer keeps the
             # unnormalised exp(z - max), with the one-hot in its units; the rows' 1 / (sum N)
@@ -159,18 +162,26 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 rows_h.copy_(torch.mm(g_CV, half_weight_VD, out_dtype=torch.float32))
             rows_h.mul_(scale_C[:, None].to(rows_h.dtype))
             if cpu_gemm.enabled(g_CV):
-                grad_w += cpu_gemm.mm(g_CV.t(), scaled_h_CD)
+                product = cpu_gemm.mm(g_CV.t(), scaled_h_CD)
             elif g_CV.dtype == torch.float32:
-                grad_w.addmm_(g_CV.t(), scaled_h_CD)
+                product = g_CV.t() @ scaled_h_CD if grad_w is None else None
+                if grad_w is not None:  # accumulated in the product's own pass
+                    grad_w.addmm_(g_CV.t(), scaled_h_CD)
             elif g_CV.is_cuda:  # half operands, fp32 accumulation and result (CUDA only)
-                grad_w += torch.mm(g_CV.t(), scaled_h_CD.to(grad_dtype), out_dtype=torch.float32)
+                product = torch.mm(g_CV.t(), scaled_h_CD.to(grad_dtype), out_dtype=torch.float32)
             else:
-                grad_w += (g_CV.t() @ scaled_h_CD).float()
+                product = (g_CV.t() @ scaled_h_CD).float()
+            if product is not None:
+                grad_w = product if grad_w is None else grad_w.add_(product)
             if grad_b is not None:
                 grad_b.addmv_(e_CV.t(), scale_C)
         if grad_h is not None and sum_w_D is not None:
             grad_h -= (uniform * sum_w_D).to(grad_h.dtype)
-        if grad_h is not None and grad_w is not None:
+        if grad_h is not None:
+            if grad_w is None:  # no tokens
+                grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=device)
+            if smoothing:
+                grad_w.sub_(uniform * sum_h_D)
             ctx.grads = (
                 grad_h,
                 grad_w.to(weight_VD.dtype),
