@@ -63,10 +63,12 @@ def test_linear_is_f_linear_with_its_gradients(backend: str, bias: bool) -> None
     assert layer.weight.grad is not None and layer.weight.grad.is_contiguous()
 
 
-# A transposed left operand over more inner rows than result columns (many tokens) takes the
-# transposed product; over fewer (a wide weight's gradient from few tokens), the direct one.
+# A transposed left operand (33 result rows) takes the transposed product where the result's
+# columns are fewer than its rows and than the inner rows (many tokens), else the direct one:
+# few tokens, or more columns than rows.
 @pytest.mark.parametrize(
-    ("transposed", "inner", "cols"), [(False, 50, 20), (True, 50, 20), (True, 6, 40)]
+    ("transposed", "inner", "cols"),
+    [(False, 50, 20), (True, 50, 20), (True, 6, 40), (True, 6, 20), (True, 50, 40)],
 )
 def test_mm_is_the_product(backend: str, transposed: bool, inner: int, cols: int) -> None:
     torch.manual_seed(0)

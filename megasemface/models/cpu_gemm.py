@@ -116,12 +116,14 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         or b.numel() == 0
     ):
         return a @ b
-    if a.stride(-2) == 1 and a.stride(-1) != 1 and a.shape[1] > b.shape[1]:
-        # A transposed left operand (a weight's gradient, grads.T @ states) over many
-        # tokens: oneDNN reorders a strided left operand into a copy first, and the
-        # transposed product, (b.T @ a.T).T, copies the smaller result instead (2x faster at
-        # 1,056 tokens x 8,000 x 256). Over few tokens (the paper preset's 102,400-code
-        # table from 132 tokens) the result is the larger: copying it back doubled the time.
+    rows, inner, cols = a.shape[0], a.shape[1], b.shape[1]
+    if a.stride(-2) == 1 and a.stride(-1) != 1 and cols < min(rows, inner):
+        # A transposed left operand (a weight's gradient, grads.T @ states): oneDNN takes it
+        # strided as it is, or the transposed product (b.T @ a.T).T is copied back. The
+        # latter was faster where the result has more rows than columns and the product
+        # runs over more tokens than columns (up to 2.6x: 1,056 tokens, 8,000 x 64); the
+        # former elsewhere (up to 2x: 132 tokens, the paper preset's 102,400 x 1,024 or
+        # 4,096 x 1,024; 1.6x: 1,056 tokens, 64 x 256).
         return _onednn_linear(b.t(), a).t().contiguous()
     return _onednn_linear(a, b.t())
 
