@@ -63,6 +63,33 @@ def test_linear_is_f_linear_with_its_gradients(backend: str, bias: bool) -> None
     assert layer.weight.grad is not None and layer.weight.grad.is_contiguous()
 
 
+def test_compiled_linear_multiplies_as_eager(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile the layer's three products are still oneDNN's where it is on
+    (its own operators, not inductor's BLAS), with F.linear's values and gradients."""
+    calls = []
+    real = cpu_gemm._onednn_linear
+    monkeypatch.setattr(cpu_gemm, "_onednn_linear", lambda *a: calls.append(1) or real(*a))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = cpu_gemm.Linear(24, 40)
+    x = torch.randn(3, 7, 24, requires_grad=True)
+    grad = torch.randn(3, 7, 40)
+    compiled = torch.compile(lambda t: torch.relu(layer(t)) * 2.0, dynamic=True)
+    out = compiled(x)
+    out.backward(grad)
+    torch._dynamo.reset()
+    assert len(calls) == (3 if backend == "onednn" else 0)
+    got = [out.detach(), x.grad, layer.weight.grad, layer.bias.grad]
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    with cpu_gemm.blas_only():
+        y = torch.relu(F.linear(x, layer.weight, layer.bias)) * 2.0
+        y.backward(grad)
+    want = [y.detach(), x.grad, layer.weight.grad, layer.bias.grad]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 # A transposed left operand (33 result rows) takes the transposed product where the result's
 # columns are fewer than its rows and than the inner rows (many tokens), else the direct one:
 # few tokens, or more columns than rows.
