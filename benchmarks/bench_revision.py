@@ -37,8 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HOST_MEMORY = ROOT / "megasemface" / "host_memory.py"
 BEFORE_SPEED_WORK = "3cf4fdb"
 """The last commit before issue 13's speed work (the fused output loss came next)."""
-SIDES = ("before", "before, today's optimizer and allocator", "now")
-_FROM_TREE = "--tree"
+SIDES = ("before", "before, with this code's optimizer and allocator", "now")
 
 
 def _child(args: argparse.Namespace) -> dict[str, float]:
@@ -48,7 +47,7 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
         # would also supply modules that the revision does not have).
         sys.path.insert(0, args.tree)
         sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in type(f).__module__]
-    if args.today:
+    if args.current_settings:
         # This revision's allocator settings, loaded from its file: the earlier revision
         # has no such module.
         spec = importlib.util.spec_from_file_location("host_memory", HOST_MEMORY)
@@ -77,7 +76,7 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     special = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
     model = SemFaceModel(config, build_interface("vq", config), special)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=args.today)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=args.current_settings)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(7, config.vocab_size, (32, 32), generator=g)
     batch = SequenceBatch(tokens, torch.full((32,), 32), torch.arange(32) % 2)
@@ -106,13 +105,17 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
     return {"step_s": statistics.median(seconds), "flops": float(counter.get_total_flops())}
 
 
-def _run_child(layout: str, steps: int, tree: str | None, today: bool) -> dict[str, float]:
+def _run_child(
+    layout: str, steps: int, tree: str | None, current_settings: bool
+) -> dict[str, float]:
     command = [sys.executable, __file__, "--child", "--layout", layout, "--steps", str(steps)]
-    command += [_FROM_TREE, tree] if tree else []
-    command += ["--today"] if today else []
+    command += ["--tree", tree] if tree else []
+    command += ["--current-settings"] if current_settings else []
     done = subprocess.run(command, capture_output=True, text=True, cwd=tempfile.gettempdir())
     if done.returncode:
-        raise SystemExit(f"the step failed ({' '.join(command)}):\n{done.stderr[-2000:]}")
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        where = f"at {tree}" if tree else "here"
+        raise SystemExit(f"the step {where} failed: {last} (rerun: {' '.join(command)})")
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -123,15 +126,15 @@ def compare(against: str, rounds: int, steps: int) -> dict[str, dict[str, float]
         git = ["git", "-C", str(ROOT)]
         add = [*git, "worktree", "add", "--detach", tree, against]
         if subprocess.run(add, capture_output=True).returncode:
-            raise SystemExit(f"git could not check out {against} (a shallow clone?)")
+            raise SystemExit(f"git could not check out {against} (not a revision of this clone)")
         try:
             results = {}
             for layout in ("flat", "product"):
                 runs: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
                 for _ in range(rounds):
-                    runs[SIDES[0]].append(_run_child(layout, steps, tree, today=False))
-                    runs[SIDES[1]].append(_run_child(layout, steps, tree, today=True))
-                    runs[SIDES[2]].append(_run_child(layout, steps, None, today=True))
+                    runs[SIDES[0]].append(_run_child(layout, steps, tree, current_settings=False))
+                    runs[SIDES[1]].append(_run_child(layout, steps, tree, current_settings=True))
+                    runs[SIDES[2]].append(_run_child(layout, steps, None, current_settings=True))
                 results[layout] = _figures(runs)
         finally:
             subprocess.run([*git, "worktree", "remove", "--force", tree], capture_output=True)
@@ -140,13 +143,13 @@ def compare(against: str, rounds: int, steps: int) -> dict[str, dict[str, float]
 
 def _figures(runs: dict[str, list[dict[str, float]]]) -> dict[str, float]:
     figures: dict[str, float] = {}
-    for key, side in zip(("before", "before_today", "now"), SIDES, strict=True):
+    for key, side in zip(("before", "before_current", "now"), SIDES, strict=True):
         figures[f"{key}_step_s"] = statistics.median(r["step_s"] for r in runs[side])
         figures[f"{key}_flops"] = runs[side][0]["flops"]
         figures[f"{key}_flops_per_s"] = statistics.median(
             r["flops"] / r["step_s"] for r in runs[side]
         )
-    for key, side in (("before", SIDES[0]), ("before_today", SIDES[1])):
+    for key, side in (("before", SIDES[0]), ("before_current", SIDES[1])):
         # Per-round ratios: each round's processes ran next to each other.
         pairs = list(zip(runs[side], runs[SIDES[2]], strict=True))
         figures[f"speedup_vs_{key}"] = statistics.median(
@@ -163,19 +166,20 @@ def report(against: str, results: dict[str, dict[str, float]]) -> str:
         f"Tiny joint step at {against} and now, fresh processes taking turns "
         "(FLOP/s by torch's own count):",
         "",
-        "| layout | before | before, today's optimizer and allocator | now "
-        "| now vs before: time (FLOP/s) | now vs before with today's optimizer: time (FLOP/s) |",
+        "| layout | before | before, with this code's optimizer and allocator | now "
+        "| now vs before: time (FLOP/s) "
+        "| now vs before with this code's optimizer: time (FLOP/s) |",
         "|---|---|---|---|---|---|",
     ]
     for layout, f in results.items():
         cells = [
             f"{f[f'{key}_step_s'] * 1e3:,.1f} ms, {f[f'{key}_flops_per_s'] / 1e9:,.1f} GFLOP/s"
-            for key in ("before", "before_today", "now")
+            for key in ("before", "before_current", "now")
         ]
         rows.append(
             f"| {layout} | " + " | ".join(cells) + f" | {f['speedup_vs_before']:.2f}x "
-            f"({f['flops_per_s_ratio_vs_before']:.2f}x) | {f['speedup_vs_before_today']:.2f}x "
-            f"({f['flops_per_s_ratio_vs_before_today']:.2f}x) |"
+            f"({f['flops_per_s_ratio_vs_before']:.2f}x) | {f['speedup_vs_before_current']:.2f}x "
+            f"({f['flops_per_s_ratio_vs_before_current']:.2f}x) |"
         )
     return "\n".join(rows)
 
@@ -188,9 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the figures as JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="flat", help=argparse.SUPPRESS)
-    parser.add_argument(_FROM_TREE, dest="tree", help=argparse.SUPPRESS)
-    parser.add_argument("--today", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
+    parser.add_argument("--current-settings", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for name in ("rounds", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.child:
         print(json.dumps(_child(args)))
         return 0

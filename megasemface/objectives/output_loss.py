@@ -161,12 +161,11 @@ class _OutputCrossEntropy(torch.autograd.Function):
             else:  # half operands into fp32 states (CUDA autocast)
                 rows_h.copy_(torch.mm(g_CV, half_weight_VD, out_dtype=torch.float32))
             rows_h.mul_(scale_C[:, None].to(rows_h.dtype))
-            if cpu_gemm.enabled(g_CV):
-                product = cpu_gemm.mm(g_CV.t(), scaled_h_CD)
+            product = None
+            if grad_w is not None and g_CV.dtype == torch.float32 and not cpu_gemm.enabled(g_CV):
+                grad_w.addmm_(g_CV.t(), scaled_h_CD)  # accumulated in the product's own pass
             elif g_CV.dtype == torch.float32:
-                product = g_CV.t() @ scaled_h_CD if grad_w is None else None
-                if grad_w is not None:  # accumulated in the product's own pass
-                    grad_w.addmm_(g_CV.t(), scaled_h_CD)
+                product = cpu_gemm.mm(g_CV.t(), scaled_h_CD)
             elif g_CV.is_cuda:  # half operands, fp32 accumulation and result (CUDA only)
                 product = torch.mm(g_CV.t(), scaled_h_CD.to(grad_dtype), out_dtype=torch.float32)
             else:
