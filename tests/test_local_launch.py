@@ -4,6 +4,7 @@ signals (with small scripts; train.py through it: tests/test_train_launcher.py).
 from __future__ import annotations
 
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -152,6 +153,12 @@ def test_the_rendezvous_port_is_free_and_no_connection_takes_it(
     ports = {launch_module.free_port() for _ in range(8)}
     assert all(launch_module.LOWEST_PORT <= port < low for port in ports)
     assert len(ports) > 1  # drawn at random: two launches started together rarely collide
+    # Not from the global generator, which a training loop seeds with the run's seed: two
+    # processes seeded alike would draw the same ports.
+    random.seed(0)
+    state = random.getstate()
+    launch_module.free_port()
+    assert random.getstate() == state
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
@@ -159,7 +166,7 @@ def test_the_rendezvous_port_is_free_and_no_connection_takes_it(
     with socket.socket() as held:  # a port in use is passed over
         held.bind(("127.0.0.1", busy))
         held.listen()
-        monkeypatch.setattr(launch_module.random, "sample", lambda *_: [busy, other])
+        monkeypatch.setattr(launch_module._PORTS, "sample", lambda *_: [busy, other])
         assert launch_module.free_port() == other
     monkeypatch.setattr(launch_module, "EPHEMERAL_PORTS", tmp_path / "missing")
     with socket.socket() as sock:

@@ -46,6 +46,9 @@ LOWEST_PORT = 20000
 """The lowest rendezvous port :func:`free_port` picks (below are well-known services')."""
 
 
+_PORTS = random.SystemRandom()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that nothing listens on, for a run's rendezvous (``--master_port``).
 
@@ -59,7 +62,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     except (OSError, ValueError, IndexError):
         ephemeral_low = 0
     if ephemeral_low - LOWEST_PORT >= 1000:
-        for port in random.sample(range(LOWEST_PORT, ephemeral_low), 64):
+        # Drawn from the OS, not the global generator: a training loop in the same process
+        # seeds that one with the run's seed, and two processes seeded alike (tests run side
+        # by side) drew the same ports and met at each other's rendezvous.
+        for port in _PORTS.sample(range(LOWEST_PORT, ephemeral_low), 64):
             with socket.socket() as sock:
                 try:
                     sock.bind((host, port))
