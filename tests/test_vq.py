@@ -11,7 +11,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups
 from megasemface.evaluation.diagnostics.figures import code_log_probs
-from megasemface.interfaces import vq_random
+from megasemface.flop_count import flop_counter
+from megasemface.interfaces import vq_flat_passes, vq_random
 from megasemface.interfaces.gumbel_quantizer import (
     SPLIT_PARAMETERS,
     GumbelVectorQuantizer,
@@ -134,6 +135,54 @@ def test_flat_gradients_match_dense_reference(
     for name, grad in grads_of(vq).items():
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(got_h, h_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("logits", "from_gumbel", "keep_mib"), [("distance", 0, 1), ("mlp", 1, 0)])
+def test_compiled_passes_match_dense_reference(
+    monkeypatch: pytest.MonkeyPatch, logits: str, from_gumbel: int, keep_mib: int
+) -> None:
+    """The flat layer's passes through torch.compile, as a CPU runs them from 4M logits a
+    chunk (here every chunk): the dense reference's values, with every pass compiled. Under
+    a dispatch mode (FLOP counting) they run eagerly, which leaves them compiled after."""
+    monkeypatch.setattr(vq_flat_passes, "MIN_COMPILED_ELEMENTS", 0)
+    with flop_counter():
+        make_vq(logits=logits)(features(13), noise_key=7).quantized.sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        test_flat_gradients_match_dense_reference(logits, bool(from_gumbel), True, 0.7, keep_mib)
+    regions = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
+    # 13 tokens in chunks of 5: per chunk the noise and the exponentials in forward, the
+    # two backward passes, and without kept buffers the forward's two again.
+    assert len(regions) == 3 * (4 if keep_mib else 6)
+    assert not vq_flat_passes._failed
+
+
+def test_passes_that_do_not_compile_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a working compiler: one warning, then the eager passes and their values."""
+
+    def step() -> tuple[torch.Tensor, ...]:
+        vq = make_vq(logits="distance")
+        h = features(13)
+        out = vq(h, noise_key=7)
+        (out.quantized.square().sum() + out.diversity_loss + out.token_entropy).backward()
+        return out.codes, out.quantized, h.grad, *grads_of(vq).values()
+
+    eager = step()
+    monkeypatch.setattr(vq_flat_passes, "MIN_COMPILED_ELEMENTS", 0)
+    monkeypatch.setattr(vq_flat_passes, "_compiled", {})
+    monkeypatch.setattr(vq_flat_passes, "_failed", [])
+    monkeypatch.setattr(vq_flat_passes, "_built", set())
+
+    def no_compiler(fn: object, **_options: object) -> object:
+        def broken(*_args: object) -> None:
+            raise RuntimeError("C++ compile error\nthe compiler's output")
+
+        return broken
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with pytest.warns(UserWarning, match=r"compiled passes did not build \(RuntimeError: C\+\+"):
+        failed = step()
+    assert vq_flat_passes._failed == ["RuntimeError: C++ compile error"]
+    assert all(torch.equal(a, b) for a, b in zip(failed, eager, strict=True))
 
 
 @pytest.mark.parametrize("layout", ["flat", "product"])

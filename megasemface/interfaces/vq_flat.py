@@ -21,6 +21,7 @@ from torch import Tensor
 
 from megasemface.distributed.groups import ParallelGroups, all_reduce_model_parallel
 from megasemface.interfaces import vq_flat_fused as fused
+from megasemface.interfaces import vq_flat_passes as passes
 from megasemface.interfaces.vq_random import gumbel_noise, noise_hashes
 from megasemface.models import cpu_gemm
 
@@ -59,7 +60,11 @@ class FlatSpec:
     """Each chunk's passes over its logits as the fused kernels of
     :mod:`~megasemface.interfaces.vq_flat_fused` where they run (a GPU with Triton); forward
     then keeps no buffers for backward, whose recomputation costs one product and two fused
-    passes."""
+    passes. Elsewhere, the eager passes compiled where :attr:`compiled` says."""
+    compiled: bool = False
+    """The eager passes through ``torch.compile``
+    (:mod:`~megasemface.interfaces.vq_flat_passes`): set by :class:`FlatQuantize` from
+    ``fused`` where the fused kernels do not run, for a CPU and large chunks."""
 
 
 def matmul_dtype(weight: Tensor) -> torch.dtype:
@@ -109,9 +114,12 @@ def _chunk_logits(
         logits = _mm(a, wm.t(), spec.matmul_dtype).add_(b32)
     if not spec.sample:
         return logits, logits
-    noise = gumbel_noise(
-        spec.noise_key, t0, a.shape[0], spec.code_offset, wm.shape[0], device=a.device
-    )
+    n_tok, n_local = a.shape[0], wm.shape[0]
+    if spec.compiled:  # hashed and added in one pass, no int64 [n, Kl] temporaries
+        codes = range(spec.code_offset, spec.code_offset + n_local)
+        rows, cols = noise_hashes(spec.noise_key, range(t0, t0 + n_tok), codes, a.device)
+        return logits, passes.run(passes.noisy_scores, True, logits, rows, cols)
+    noise = gumbel_noise(spec.noise_key, t0, n_tok, spec.code_offset, n_local, device=a.device)
     return logits, noise.add_(logits)
 
 
@@ -147,7 +155,9 @@ class FlatQuantize(torch.autograd.Function):
         n_tok, n_local = a.shape[0], codebook.shape[0]
         device = a.device
         if spec.fused and not fused.available(device):
-            spec = dataclasses.replace(spec, fused=False)
+            elements = min(n_tok, spec.chunk_tokens) * n_local
+            compiled = passes.use_compiled(elements, device)
+            spec = dataclasses.replace(spec, fused=False, compiled=compiled)
         codes = torch.empty(n_tok, dtype=torch.int64, device=device)
         greedy = torch.empty(n_tok, dtype=torch.int64, device=device)
         # Per token: global max of s, global max of l, sum exp for Eq. 5, sum exp for softmax(l),
@@ -186,17 +196,11 @@ class FlatQuantize(torch.autograd.Function):
                     spec,
                 )
                 codes[t0:t1], greedy[t0:t1] = chosen[:, 0], chosen[:, 1]
-                sums = torch.zeros(t1 - t0, 3, dtype=torch.float32, device=device)
-                soft = None
-                if spec.need_soft:
-                    # fl(max(s) / tau) == max(fl(s / tau)): rounding is monotone.
-                    y = scores.div_(tau) if spec.sample else scores / tau
-                    soft = y.sub_((maxes[:, 0] / tau)[:, None]).exp_()
-                    sums[:, 0] = soft.sum(dim=1)
-                centered = logits.sub_(maxes[:, 1:])
-                plain = centered.exp()
-                sums[:, 1] = plain.sum(dim=1)
-                sums[:, 2] = (plain * centered).sum(dim=1)
+                # fl(max(s) / tau) == max(fl(s / tau)): rounding is monotone.
+                soft, centered, plain, sums = passes.run(
+                    passes.exponentials, spec.compiled, scores, logits, maxes, tau,
+                    spec.sample, spec.need_soft,
+                )  # fmt: skip
                 all_reduce_model_parallel(sums, groups, "sum")
                 stats[t0:t1, :2] = maxes
                 stats[t0:t1, 2:4] = sums[:, :2]
@@ -395,13 +399,17 @@ def _flat_logit_backward(
         g_div = None if g_div is None else g_div.contiguous()
         g_ent = None if grad_entropy is None else grad_entropy.float()
     product_dtype = dtype if grad_a is not None or need_w else torch.float32
+    # The compiled passes also write the gradient transposed for the weight's product:
+    # oneDNN would otherwise copy the [n, Kl] gradient transposed itself, a strided read
+    # that took 2x as long again where the buffer started on a page boundary.
+    transposed = spec.compiled and need_w and dtype == torch.float32 and cpu_gemm.enabled(a)
     for chunk, t0 in enumerate(starts):
         t1 = min(n_tok, t0 + spec.chunk_tokens)
         g_soft = None
         if cm is not None:
             assert grad_quantized is not None
             g_soft = _mm(grad_quantized[t0:t1], cm.t(), dtype)
-        grad_logits = None
+        grad_logits = grad_logits_t = None
         if spec.fused:
             # The kernel adds the gradient's column sums to grad_b.
             grad_logits = fused.first_build(
@@ -412,11 +420,10 @@ def _flat_logit_backward(
                 spec = dataclasses.replace(spec, fused=False)  # they did not build here
         if grad_logits is None:
             this = kept[chunk * per_chunk : (chunk + 1) * per_chunk]
-            grad_logits = _eager_grad_logits(
-                a[t0:t1], wm, b32, stats[t0:t1], g_soft, g_div, grad_entropy, this, spec, t0
-            )
-            if grad_b is not None:
-                grad_b.add_(grad_logits.sum(dim=0))
+            grad_logits, grad_logits_t = _eager_grad_logits(
+                a[t0:t1], wm, b32, stats[t0:t1], g_soft, g_div, grad_entropy, this, spec, t0,
+                grad_b, transposed,
+            )  # fmt: skip
         del g_soft
         # The products' operands in the products' dtype, as autocast's backward multiplies.
         grad_logits_mm = grad_logits.to(product_dtype)
@@ -424,7 +431,8 @@ def _flat_logit_backward(
             grad_a[t0:t1] = _mm(grad_logits_mm, wm, dtype).to(a.dtype)
         if need_w:  # no zero-filled [Kl, d] buffer to add the first product to
             if dtype == torch.float32 and cpu_gemm.enabled(a):
-                product = cpu_gemm.mm(grad_logits.float().t(), a[t0:t1].float())
+                left = grad_logits.float().t() if grad_logits_t is None else grad_logits_t
+                product = cpu_gemm.mm(left, a[t0:t1].float())
                 grad_w = product if grad_w is None else grad_w.add_(product)
             elif dtype == torch.float32:
                 if grad_w is None:
@@ -434,7 +442,7 @@ def _flat_logit_backward(
             else:
                 product = _mm(grad_logits_mm.t(), a[t0:t1], dtype)
                 grad_w = product if grad_w is None else grad_w.add_(product)
-        del grad_logits, grad_logits_mm
+        del grad_logits, grad_logits_t, grad_logits_mm
     if need_w and grad_w is None:  # no tokens
         grad_w = torch.zeros(wm.shape, dtype=torch.float32, device=a.device)
     return grad_a, grad_w, grad_b
@@ -473,54 +481,36 @@ def _eager_grad_logits(
     kept: Sequence[Tensor],
     spec: FlatSpec,
     t0: int,
-) -> Tensor:
+    grad_b: Tensor | None,
+    transposed: bool,
+) -> tuple[Tensor, Tensor | None]:
     """One chunk's logits gradient [n, Kl] (fp32) from its ``st`` [n, 5], the
     straight-through product ``grad_soft`` and forward's ``kept`` buffers, if any, else
-    recomputing the logits and the noise (see :func:`_flat_logit_backward`)."""
-    tau = spec.temperature
+    recomputing the logits and the noise (see :func:`_flat_logit_backward`), and when
+    ``transposed`` the same [Kl, n]; adds its column sums to ``grad_b``."""
     soft_used = grad_soft is not None or (spec.from_gumbel and g_div is not None)
-    plain_div = not spec.from_gumbel and g_div is not None
-    logits = scores = None
-    if not kept:
-        logits, scores = _chunk_logits(a, wm, b32, spec, t0)
-    dots = torch.zeros(a.shape[0], 2, dtype=torch.float32, device=a.device)
-    soft = None
-    if soft_used:
-        if kept:
-            soft = kept[2]
-        else:
-            assert scores is not None
-            y = scores.div_(tau) if spec.sample else scores / tau
-            soft = y.sub_((st[:, 0] / tau)[:, None]).exp_()
-        soft.div_(st[:, 2:3])
-        if grad_soft is None:
-            grad_soft = torch.zeros_like(soft)
-        if spec.from_gumbel and g_div is not None:
-            grad_soft.add_(g_div)
-        dots[:, 0] = (soft * grad_soft).sum(dim=1)
-    plain = centered = None
-    if plain_div or grad_entropy is not None:
-        if kept:
-            centered, plain = kept[0], kept[1]
-        else:
-            assert logits is not None
-            centered = logits.sub_(st[:, 1:2])
-            plain = centered.exp()
-        plain.div_(st[:, 3:4])
-        if plain_div:
-            assert g_div is not None
-            dots[:, 1] = plain @ g_div
-    all_reduce_model_parallel(dots, spec.groups, "sum")
-    if soft is not None:
-        assert grad_soft is not None
-        grad_logits = grad_soft.sub_(dots[:, 0:1]).mul_(soft).div_(tau)
+    plain_used = (not spec.from_gumbel and g_div is not None) or grad_entropy is not None
+    if not soft_used and not plain_used:
+        return torch.zeros(a.shape[0], wm.shape[0], device=a.device), None
+    if kept:
+        centered, plain = kept[0], kept[1]
+        soft = kept[2] if soft_used else None
     else:
-        grad_logits = torch.zeros(a.shape[0], wm.shape[0], device=a.device)
-    if plain_div:
-        assert g_div is not None and plain is not None
-        grad_logits.add_((g_div - dots[:, 1:2]).mul_(plain))
-    if grad_entropy is not None:
-        assert plain is not None and centered is not None
-        # A 0-dim tensor multiplies without a host synchronisation.
-        grad_logits.sub_(plain.mul_(centered.sub_(st[:, 4:5])).mul_(grad_entropy))
-    return grad_logits
+        logits, scores = _chunk_logits(a, wm, b32, spec, t0)
+        soft, centered, plain, _ = passes.run(
+            passes.exponentials, spec.compiled, scores, logits, st[:, :2], spec.temperature,
+            spec.sample, soft_used,
+        )  # fmt: skip
+    if not plain_used:
+        plain = centered = None
+    dots = passes.run(
+        passes.gradient_dots, spec.compiled, soft, plain, st, grad_soft, g_div, spec.from_gumbel
+    )
+    all_reduce_model_parallel(dots, spec.groups, "sum")
+    grad_logits, grad_logits_t, column_sums = passes.run(
+        passes.logits_gradient, spec.compiled, soft, plain, centered, st, grad_soft, g_div,
+        dots, grad_entropy, spec.temperature, spec.from_gumbel, grad_b is not None, transposed,
+    )  # fmt: skip
+    if grad_b is not None:
+        grad_b.add_(column_sums)
+    return grad_logits, grad_logits_t

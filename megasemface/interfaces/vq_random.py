@@ -24,6 +24,7 @@ __all__ = [
     "TAG_LOGITS_W",
     "TAG_NOISE",
     "gumbel_noise",
+    "gumbel_of_hashes",
     "init_rows",
     "mix_key",
     "noise_hashes",
@@ -73,14 +74,11 @@ def _fmix64_(z: Tensor, *, high_bits_only: bool = False) -> Tensor:
     which changes only the low 33 bits (``z >> 31`` has none above bit 32): bits 33 to 63 are
     final without it, and the noise reads only its top 23.
     """
-    tmp = torch.empty_like(z)
     rounds = (
         ((30, _MUL1), (27, _MUL2)) if high_bits_only else ((30, _MUL1), (27, _MUL2), (31, None))
     )
     for shift, mul in rounds:
-        torch.bitwise_right_shift(z, shift, out=tmp)
-        tmp.bitwise_and_((1 << (64 - shift)) - 1)
-        z.bitwise_xor_(tmp)
+        z.bitwise_xor_((z >> shift).bitwise_and_((1 << (64 - shift)) - 1))
         if mul is not None:
             z.mul_(_signed(mul))
     return z
@@ -116,11 +114,18 @@ def gumbel_noise(
     step = max(64, _noise_elements(device) // num_tokens)
     for c0 in range(0, num_codes, step):
         c1 = min(num_codes, c0 + step)
-        z = _fmix64_(rows[:, None] + cols[None, c0:c1], high_bits_only=True)
-        z.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)
-        u = z.to(torch.float32).add_(0.5).mul_(2.0**-23)
-        out[:, c0:c1] = u.log_().neg_().log_().neg_()
+        out[:, c0:c1] = gumbel_of_hashes(rows[:, None] + cols[None, c0:c1])
     return out
+
+
+def gumbel_of_hashes(z: Tensor) -> Tensor:
+    """Gumbel noise (fp32) of the hash inputs ``z`` (int64: row seed plus scaled code
+    index, see :func:`noise_hashes`), of any shape; overwrites ``z``. SplitMix64's
+    finaliser, its top 23 bits as ``u``, and ``-log(-log(u))``."""
+    z = _fmix64_(z, high_bits_only=True)
+    z.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)
+    u = z.to(torch.float32).add_(0.5).mul_(2.0**-23)
+    return u.log_().neg_().log_().neg_()
 
 
 def noise_hashes(

@@ -76,8 +76,9 @@ class VQConfig:
     43,690 tokens a rank; the paper's 102,400 up to 218). 0 always recomputes."""
     fused_kernels: bool = True
     """On a GPU with Triton, the flat layer's passes over each chunk's [tokens, codes] logits
-    run as fused kernels (interfaces/vq_flat_fused.py; the same values up to float rounding);
-    False runs them as eager PyTorch operations, as on a CPU."""
+    run as fused kernels (interfaces/vq_flat_fused.py); on a CPU, from 4M logits a chunk
+    (the paper's codebook), compiled by torch.compile (interfaces/vq_flat_passes.py). The
+    same values up to float rounding; False runs them as eager PyTorch operations."""
     diversity_loss: Literal["perplexity", "eq6"] = "perplexity"
     """perplexity: wav2vec 2.0's ``(K - exp(H(pbar))) / K``, whose pull does not fade with K;
     eq6: the paper's Eq. 6 as printed, ``(1/K) sum pbar log pbar``, which moves by at most
