@@ -115,7 +115,8 @@ def _model_rows(r: Figures, others: dict[str, Figures]) -> list[Row]:
         [
             (
                 f"model step FLOP/s, {name}",
-                f"{m['flops_per_s'] / 1e9:,.1f} GFLOP/s ({m['tokens_per_s']:,.0f} tokens/s)",
+                f"{m['flops_per_s'] / 1e9:,.1f} GFLOP/s ({m['tokens_per_s']:,.0f} tokens/s; "
+                f"step {m['step_s'] * 1e3:,.0f} ms, the first {m.get('first_step_s', 0):,.1f} s)",
                 f"fp32 matmul peak {m['matmul_peak'] / 1e9:,.1f} GFLOP/s (in turn)",
                 _share_goal(name, m),
             )
