@@ -90,6 +90,10 @@ def _measure(case: Case, groups: ParallelGroups) -> dict[str, float]:
         entries=320,
         hidden_dim=case.hidden,
         chunk_tokens=case.chunk,
+        # Recomputed in backward at every split: with the default 256 MiB, a rank's buffers
+        # at mp 2 fit and are kept (at 256 tokens: 152 MiB a rank, 0.67x the memory of mp 1
+        # instead of 0.5x), which would measure that choice rather than the split.
+        keep_logits_mib=0,
     )
     vq = GumbelVectorQuantizer(vq_config, case.d_model, groups, seed=0).train()
     gen = torch.Generator().manual_seed(groups.dp_rank)
