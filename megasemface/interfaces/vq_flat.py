@@ -503,7 +503,7 @@ def _eager_grad_logits(
         )  # fmt: skip
     if not plain_used:
         plain = centered = None
-    dots = passes.run(
+    dots, grad_soft = passes.run(
         passes.gradient_dots, spec.compiled, soft, plain, st, grad_soft, g_div, spec.from_gumbel
     )
     all_reduce_model_parallel(dots, spec.groups, "sum")

@@ -8,10 +8,10 @@ dot products per token and the logits' gradient in backward. Inductor's C++ back
 each function here into one or two loops over the chunk (the noise hashed and added in one
 pass, forward's exponentials and sums in one, backward's dot products in one and the
 gradient, with its transpose for the weight's product, in one). At the paper's 102,400 codes
-on the 2-core CPU machine, the two VQ calls of a joint step (132 and 115 tokens) spent 266
-ms outside their matrix products (504 ms) eagerly and 149 ms compiled. The functions are the
-eager passes themselves: compiled and eager runs compute the same operations, up to the
-order of the sums and the logarithms' last bit.
+on the 2-core CPU machine, the two VQ calls of a joint step (132 and 115 tokens) spent 263
+ms outside their matrix products (about 500 ms) eagerly and 161 ms compiled. The functions
+are the eager passes themselves: compiled and eager runs compute the same operations, up to
+the order of the sums and the logarithms' last bit.
 
 Compiled where a chunk holds at least :data:`MIN_COMPILED_ELEMENTS` logits on a CPU and
 ``VQConfig.fused_kernels`` is on (on a GPU the Triton kernels of
@@ -121,18 +121,27 @@ def gradient_dots(
     grad_soft: Tensor | None,
     grad_div: Tensor | None,
     from_gumbel: bool,
-) -> Tensor:
+) -> tuple[Tensor, Tensor | None]:
     """This rank's parts [n, 2] of ``<q, gq>`` and ``<r, grad_div>`` (see
-    ``vq_flat._flat_logit_backward``) from the unnormalised ``soft`` (q) and ``plain`` (r),
-    normalised by the partition sums in ``stats`` [n, 5]."""
+    ``vq_flat._flat_logit_backward``), and ``gq``: the straight-through product
+    ``grad_soft`` (zeros where None) plus, when the diversity averages Eq. 5's
+    probabilities, ``grad_div``. In place, as the buffers are not read again: ``soft`` (q)
+    and ``plain`` (r) are normalised by the partition sums in ``stats`` [n, 5], and ``gq``
+    is ``grad_soft`` itself. (Eagerly that is one pass fewer each, at the tiny preset an
+    eighth of a call; compiled, the writes cost 3 ms of a call at the paper's.)"""
     dots = torch.zeros(stats.shape[0], 2, dtype=torch.float32, device=stats.device)
     if soft is not None:
-        dots[:, 0] = (
-            (soft / stats[:, 2:3]) * _soft_grad(soft, grad_soft, grad_div, from_gumbel)
-        ).sum(dim=1)
-    if plain is not None and not from_gumbel and grad_div is not None:
-        dots[:, 1] = (plain / stats[:, 3:4]) @ grad_div
-    return dots
+        soft.div_(stats[:, 2:3])
+        if grad_soft is None:
+            grad_soft = torch.zeros_like(soft)
+        if from_gumbel and grad_div is not None:
+            grad_soft.add_(grad_div)
+        dots[:, 0] = (soft * grad_soft).sum(dim=1)
+    if plain is not None:
+        plain.div_(stats[:, 3:4])
+        if not from_gumbel and grad_div is not None:
+            dots[:, 1] = plain @ grad_div
+    return dots, grad_soft
 
 
 def logits_gradient(
@@ -149,34 +158,25 @@ def logits_gradient(
     bias_grad: bool,
     transposed: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The logits' gradient [n, Kl] (fp32) from the buffers :func:`gradient_dots` read and
-    the global ``dots``, the same [Kl, n] contiguous when ``transposed`` (written in the
-    same pass when compiled), and its column sums [Kl] when ``bias_grad``."""
+    """The logits' gradient [n, Kl] (fp32) from :func:`gradient_dots`' normalised buffers,
+    ``gq`` (as ``grad_soft``) and the global ``dots``, the same [Kl, n] contiguous when
+    ``transposed`` (written in the same pass when compiled), and its column sums [Kl] when
+    ``bias_grad``. The buffers are overwritten."""
     if soft is not None:
-        gq = _soft_grad(soft, grad_soft, grad_div, from_gumbel)
-        grad_logits = (gq - dots[:, 0:1]) * (soft / stats[:, 2:3]) / tau
+        assert grad_soft is not None
+        grad_logits = grad_soft.sub_(dots[:, 0:1]).mul_(soft).div_(tau)
     else:
         assert plain is not None
         grad_logits = torch.zeros_like(plain)
     if plain is not None:
-        r = plain / stats[:, 3:4]
         if not from_gumbel and grad_div is not None:
-            grad_logits = grad_logits + (grad_div - dots[:, 1:2]) * r
+            grad_logits.add_((grad_div - dots[:, 1:2]).mul_(plain))
         if grad_entropy is not None:
             assert centered is not None
             # A 0-dim tensor multiplies without a host synchronisation.
-            grad_logits = grad_logits - r * (centered - stats[:, 4:5]) * grad_entropy
+            grad_logits.sub_(plain.mul_(centered.sub_(stats[:, 4:5])).mul_(grad_entropy))
     return (
         grad_logits,
         grad_logits.t().contiguous() if transposed else None,
         grad_logits.sum(dim=0) if bias_grad else None,
     )
-
-
-def _soft_grad(
-    soft: Tensor, grad_soft: Tensor | None, grad_div: Tensor | None, from_gumbel: bool
-) -> Tensor:
-    """``gq``: the straight-through product (zeros where None), plus the diversity's gradient
-    when the diversity averages Eq. 5's probabilities."""
-    gq = torch.zeros_like(soft) if grad_soft is None else grad_soft
-    return gq + grad_div if from_gumbel and grad_div is not None else gq
