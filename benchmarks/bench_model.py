@@ -104,9 +104,10 @@ def matmul_peak(size: int = PEAK_SIZE, repeats: int = 5) -> float:
 
 HEAP_GROWTH_FAULTS = 2_000
 """Page faults in one call that mark a round in which the heap grew (8 MB of fresh pages):
-the kernel zero-fills them, up to 0.6 s at the paper preset. A training run's heap stops
-growing within its first 20 steps or so; five workloads taking turns in one process keep
-re-fragmenting it, so that it grows again every ten rounds or so. Such a round is timed
+the kernel zero-fills them, up to 0.6 s at the paper preset. The paper preset's step
+repeated alone stopped growing its heap after 17 steps (then none in 43 more); five
+workloads taking turns in one process keep re-fragmenting it, and it grew again every ten
+rounds or so. Such a round is timed
 again (at most ``repeats`` times in all), and the report says how many were."""
 
 
