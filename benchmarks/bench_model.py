@@ -107,8 +107,8 @@ HEAP_GROWTH_FAULTS = 2_000
 the kernel zero-fills them, up to 0.6 s at the paper preset. The paper preset's step
 repeated alone stopped growing its heap after 17 steps (then none in 43 more); five
 workloads taking turns in one process keep re-fragmenting it, and it grew again every ten
-rounds or so. Such a round is timed
-again (at most ``repeats`` times in all), and the report says how many were."""
+rounds or so. Such a round is timed again (at most ``repeats`` times in all), and the
+report says how many were."""
 
 
 def _minor_faults() -> int:
@@ -116,7 +116,7 @@ def _minor_faults() -> int:
 
 
 def _alternating(
-    fns: dict[str, Callable[[], None]], repeats: int, retime_heap_growth: bool = True
+    fns: dict[str, Callable[[], None]], repeats: int, retime_heap_growth: bool = False
 ) -> tuple[dict[str, list[float]], int]:
     """Seconds of each call, the calls taking turns: on a shared machine a burst of load
     then slows neighbouring calls alike, and per-round ratios stay true. Two warm-up calls
@@ -129,8 +129,8 @@ def _alternating(
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    retimed = 0
-    while len(times[next(iter(fns))]) < repeats:
+    timed = retimed = 0
+    while timed < repeats:
         round_times, grew = {}, False
         for name, fn in fns.items():
             faults = _minor_faults()
@@ -143,6 +143,7 @@ def _alternating(
             continue
         for name, seconds in round_times.items():
             times[name].append(seconds)
+        timed += 1
     return times, retimed
 
 
@@ -386,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allocator-child", choices=("keep", "glibc"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    unknown = sorted(set(args.presets.split(",")) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown presets {unknown}; known: {sorted(SHAPES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.allocator_child:
