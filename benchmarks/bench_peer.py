@@ -54,20 +54,10 @@ from megasemface.objectives.sequences import (
     prepend_tokens,
 )
 from megasemface.objectives.translation import TranslationModel
+from megasemface.training.throughput import datasheet_peak
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
 IGNORE = -100  # label id that cross-entropy skips (padding)
-
-# Dense bf16 tensor-core peaks (FLOP/s) by a substring of torch.cuda.get_device_name; the
-# first match wins, so the more specific names come first.
-GPU_BF16_PEAKS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM (HBM3)
-    ("H200", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +91,9 @@ SHAPES = {
 
 
 def gpu_bf16_peak(name: str) -> float | None:
-    """Dense bf16 FLOP/s of a GPU from its device name, or None when it is not in the table."""
-    for key, peak in GPU_BF16_PEAKS:
-        if key in name:
-            return peak
-    return None
+    """Dense bf16 FLOP/s of a GPU from its device name, or None when it is not in the table
+    (the datasheet table train.py's MFU reads, megasemface/training/throughput.py)."""
+    return datasheet_peak(name, torch.bfloat16)
 
 
 def bart_config(config: ModelConfig) -> Any:

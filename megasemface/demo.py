@@ -5,9 +5,8 @@ pre-training (``megasemface/train.py`` on 2 ranks) -> connect -> supervised
 fine-tuning on a low-resource slice of the parallel data -> translation of the held-out test
 set -> BLEU and chrF -> an MLflow comparison table and plot against the same pipeline with
 no pre-training. Meant to finish within 20 minutes on 2 idle CPU cores, the install
-included (measured: 7 minutes on the newest kind of machine, 25 on the slowest on a slow
-day; README); run again, it reuses what is built. Each step's wall time goes to
-``<workdir>/timings.json``.
+included (what it took, by machine: docs/results.md); run again, it reuses what is built.
+Each step's wall time goes to ``<workdir>/timings.json``.
 
 ``make demo`` runs it with defaults; ``python -m megasemface.demo --help`` lists the
 options (the same as ``tools/reproduce.py``, with the demo's systems and setting).

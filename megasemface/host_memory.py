@@ -4,12 +4,13 @@ glibc's ``malloc`` serves a block above its mmap threshold with a fresh ``mmap``
 it when it is freed. The threshold adapts to the blocks a program frees, but never beyond 32
 MiB on 64-bit machines, so a step whose largest tensors are bigger than that (the [tokens,
 vocab] logits: 1,056 tokens x 8,000 ids is 34 MB, a demo batch's 2,200 tokens 70 MB) maps
-them anew on every step and the kernel zero-fills each page on first touch: about 11,000
-page faults a step on the tiny joint SemFace step, an eighth of its CPU time
-(``benchmarks/bench_model.py``). And glibc returns the top of its heap to the system once
-more than 128 KiB there is free: at the paper's shapes, gigabytes of activations freed at the
-end of every step. PyTorch's CPU allocator is ``malloc``; on GPUs its caching
-allocator already keeps device memory this way, so only host-side work gains.
+them anew on every step and the kernel zero-fills each page on first touch: thousands of
+page faults a step even on the tiny joint SemFace step, time spent on memory the previous
+step had already filled (``benchmarks/bench_model.py``; figures in docs/results.md). And
+glibc returns the top of its heap to the system once more than 128 KiB there is free: at the
+paper's shapes, gigabytes of activations freed at the end of every step. PyTorch's CPU
+allocator is ``malloc``; on GPUs its caching allocator already keeps device memory this way,
+so only host-side work gains.
 
 :func:`keep_freed_memory` raises the mmap threshold to 1 GiB and stops returning the top of
 the heap to the system, so freed blocks are reused as they are. Results are bit for bit the
@@ -49,9 +50,9 @@ def keep_freed_memory() -> bool:
     # The trim threshold first: without it the top of the heap would be released, and
     # faulted in again, whenever a large block at the top is freed. -1 never trims (glibc's
     # mallopt(3)); its largest positive value, 2 GiB, still let the paper preset's joint
-    # step release its freed activations at the end of each step and fault them in again:
-    # 500,000 to 700,000 page faults and 4 to 9 s of system time a step beside 8 to 9 s of
-    # computing (one thread); never trimming, none after the first two steps.
+    # step release its freed activations at the end of each step and fault them in again,
+    # in system time comparable to the step's computing; never trimming, the faults stop
+    # after the first steps (docs/results.md).
     return bool(
         libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(-1))
         and libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(MMAP_THRESHOLD))

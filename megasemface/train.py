@@ -31,10 +31,11 @@ import textwrap
 def build_parser() -> argparse.ArgumentParser:
     import deepspeed
 
+    from megasemface.cli.parsing import CommandParser
     from megasemface.training.options import add_train_arguments
 
     examples = (__doc__ or "").split("::\n\n", 1)[1].split("\n\nStarted", 1)[0]
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description="megasemface pre-training (SemFace encoder/decoder stages and baselines)",
         # megasemface-train (python -m megasemface.train) is one process; the launcher starts
         # one per accelerator.
@@ -49,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args, unknown = build_parser().parse_known_args(argv)
+    from megasemface.cli.parsing import parse_or_status
+
+    # An unknown option stops here, before the process group and the cluster's time.
+    args = parse_or_status(build_parser(), argv)
+    if isinstance(args, int):
+        return args
     from megasemface.host_memory import keep_freed_memory
 
     keep_freed_memory()  # the logits buffers outgrow glibc's reuse (see host_memory.py)
@@ -68,8 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2
-    if unknown:
-        print(f"train: ignoring unknown arguments {unknown}", file=sys.stderr)
     from megasemface.checkpoints.manager import DiskFullError
 
     groups = init_distributed(config.mp_size)

@@ -25,12 +25,17 @@ def locale_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo_corpus(locale_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real en-de demo corpus, built once per test session from gettext catalogs."""
+def demo_corpus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real en-de demo corpus, built once per test session from gettext catalogs, or
+    the one ``MEGASEMFACE_DEMO_CORPUS`` names (``tools/make_demo_corpus.py``'s output, for
+    a machine without the catalogs: the GPU kit carries one)."""
     from megasemface.data.demo_corpus import build_demo_corpus
 
+    made = os.environ.get("MEGASEMFACE_DEMO_CORPUS")
+    if made:
+        return Path(made)
     out = tmp_path_factory.mktemp("corpus")
-    build_demo_corpus(locale_dir, ["de"], out)
+    build_demo_corpus(request.getfixturevalue("locale_dir"), ["de"], out)
     return out
 
 

@@ -42,6 +42,16 @@ SHIPPED_CONFIGS = {
 }
 
 
+def on_cuda(*values: Any) -> Any:
+    """A ``pytest.mark.parametrize`` case that needs a CUDA device: in the GPU tier (marked
+    ``gpu``), skipped without one."""
+    import pytest
+    import torch
+
+    needs = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.param(*values, marks=[pytest.mark.gpu, needs])
+
+
 def ds_config(zero: int, directory: Path) -> Path:
     """An fp32 CPU DeepSpeed config for ZeRO stage ``zero`` (exact arithmetic for tests):
     the shipped one for 2 and 3, the ZeRO-2 one with ``stage`` 1 for 1."""

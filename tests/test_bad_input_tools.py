@@ -6,6 +6,9 @@ entry point, imports and exit status), so the table is kept to a case or a few p
 The inputs are real files made bad the ways files go bad: truncated, empty, a directory
 where a file belongs, invalid UTF-8, the wrong kind of model directory, a text file where a
 database belongs. Tests beside each tool call its ``main`` in-process for more cases.
+
+A misspelt option of each command stops it before it starts, with the option and the
+closest valid one; DeepSpeed's launcher arguments are accepted by name.
 """
 
 from __future__ import annotations
@@ -143,6 +146,14 @@ CASES = [
     case("output-dir-is-a-file", "train",
          TRAIN.replace("{out}/run", "{bad}/two.txt") + " --stage encoder --data {mono}",
          "{bad}/two.txt"),
+    # The launchers' own arguments, as DeepSpeed's (--local_rank=R first) and torch's pass
+    # them, are accepted: the error is the next one the command line holds.
+    case("mp-size-3-from-a-launcher", "train",
+         "--local_rank=0 " + TRAIN + " --stage encoder --data {mono} --mp-size 3 --local-rank=0",
+         "--mp-size 3"),
+    case("misspelt-model-option", "train",
+         TRAIN + " --stage encoder --data {mono} --model vq.layot=product",
+         "unknown model option 'vq.layot' (did you mean vq.layout?)"),
 ]  # fmt: skip
 
 # What a tool needs besides the arguments of a case.
@@ -158,23 +169,113 @@ def _command(tool: str) -> list[str]:
     return [sys.executable, str(ROOT / "tools" / f"{tool}.py")]
 
 
+def _run(tool: str, arguments: str, paths: dict[str, str], cwd: Path) -> tuple[int, str]:
+    """The exit status and standard error of ``tool`` run on ``arguments``."""
+    result = subprocess.run(
+        [*_command(tool), *f"{COMMON.get(tool, '')} {arguments}".format(**paths).split()],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"},
+        timeout=300,
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.returncode, result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("tool", "arguments", "names"), CASES)
 def test_bad_input_is_one_line_and_status_2(
     bad: dict[str, str], tmp_path: Path, tool: str, arguments: str, names: str
 ) -> None:
     paths = {**bad, "out": str(tmp_path / "out")}
-    result = subprocess.run(
-        [*_command(tool), *f"{COMMON.get(tool, '')} {arguments}".format(**paths).split()],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"},
-        timeout=300,
-    )
-    err = result.stderr
-    assert "Traceback" not in err, err
-    assert result.returncode == 2, err
+    status, err = _run(tool, arguments, paths, tmp_path)
+    assert status == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "error" in lines[0], err
     assert names.format(**paths) in lines[0], err
+
+
+def misspelt(tool: str, arguments: str, wrong: str, right: str, command: str = "") -> object:
+    """A row: a command line that would run but for the option ``wrong``, which is
+    ``right`` misspelt; ``command`` is how the error line names the command (default the
+    tool's name)."""
+    return pytest.param(tool, arguments, wrong, right, command or tool, id=f"{tool}{wrong}")
+
+
+MISSPELT = [
+    misspelt("train", TRAIN + " --stage encoder --data {mono} --stpes 5", "--stpes", "--steps"),
+    # An abbreviation is no option either: --max-token must not run with the default batch.
+    misspelt("train", TRAIN + " --stage encoder --data {mono} --max-token=512",
+             "--max-token", "--max-tokens"),
+    misspelt("train", TRAIN + " --stage encoder --data {mono} --deepspeed-config {ds}",
+             "--deepspeed-config", "--deepspeed_config"),
+    misspelt("build_shards", "--out {out}/s --input de:{bad}/three.txt --samples-per-shrad 4",
+             "--samples-per-shrad", "--samples-per-shard"),
+    misspelt("train_spm", "--quiet --input en:{bad}/two.txt --output {out}/spm --vocab-sise 50",
+             "--vocab-sise", "--vocab-size"),
+    misspelt("build_cl_embeddings", "--shards {mono} --out {out}/cl --epoch 1",
+             "--epoch", "--epochs"),
+    misspelt("merge_checkpoints", "consolidate {init} --out {out}/m --mp-sise 2",
+             "--mp-sise", "--mp-size", "merge_checkpoints consolidate"),
+    misspelt("translate", "--model-dir {init} " + TRANSLATE + " --output {out}/hyp --beam-size 4",
+             "--beam-size", "--beam"),
+    misspelt("evaluate", "--hypotheses {bad}/two.txt --references {bad}/two.txt --lower-case",
+             "--lower-case", "--lowercase"),
+    misspelt("compare_runs", "--tracking-uri {out}/mlflow.db --experimnt demo",
+             "--experimnt", "--experiment"),
+    misspelt("export", "huggingface --model-dir {init} " + EXPORT + " --over-write",
+             "--over-write", "--overwrite", "export huggingface"),
+    misspelt("reproduce", "--corpus {bad}/dir --workdir {out}/w --pretrain-step 10",
+             "--pretrain-step", "--pretrain-steps"),
+    misspelt("diagnose_interface",
+             "--model-dir {init} --text en:{bad}/two.txt --output {out}/d.json --max-sentence 2",
+             "--max-sentence", "--max-sentences"),
+    misspelt("make_demo_corpus", "--locale-dir {bad}/locale --out {out}/c --lang de",
+             "--lang", "--langs"),
+    misspelt("learning_curves",
+             "--shards {mono} --spm-model {spm} --workdir {out}/curves --no-tracking --stpes 5",
+             "--stpes", "--steps"),
+]  # fmt: skip
+
+
+def test_every_command_has_a_misspelt_option_case() -> None:
+    commands = {path.stem for path in (ROOT / "tools").glob("*.py")} | {"train"}
+    assert {row.values[0] for row in MISSPELT} == commands  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tool", "arguments", "wrong", "right", "command"), MISSPELT)
+def test_misspelt_option_stops_before_anything_starts(
+    bad: dict[str, str], tmp_path: Path, tool: str, arguments: str, wrong: str, right: str,
+    command: str,
+) -> None:  # fmt: skip
+    paths = {**bad, "out": str(tmp_path / "out")}
+    status, err = _run(tool, arguments, paths, tmp_path)
+    assert status == 2, err
+    assert err == f"{command}: error: unknown option {wrong} (did you mean {right}?)\n", err
+    assert not (tmp_path / "out").exists()  # every output of the command lies under it
+
+
+@pytest.mark.slow
+def test_unexpected_argument_is_named(bad: dict[str, str], tmp_path: Path) -> None:
+    """A stray word is no option to suggest for: the line names it."""
+    paths = {**bad, "out": str(tmp_path / "out")}
+    status, err = _run("train", TRAIN + " --stage encoder --data {mono} 5", paths, tmp_path)
+    assert status == 2, err
+    assert err == "train: error: unexpected argument '5' (--help lists the arguments)\n", err
+
+
+def test_help_still_shows_required_options_as_required(tmp_path: Path) -> None:
+    """The pass that looks for unknown options treats none as required; --help is not it."""
+    result = subprocess.run(
+        [*_command("export"), "huggingface", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    usage = " ".join(result.stdout.split("\n\n")[0].split())
+    assert " --model-dir MODEL_DIR " in usage and "[--model-dir" not in usage, usage

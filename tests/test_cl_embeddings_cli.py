@@ -1,7 +1,7 @@
-"""The README's cross-lingual embedding command, run as a user runs it, on the real demo corpus.
+"""The documented cross-lingual embedding command, run as a user runs it, on the real demo corpus.
 
-The command is read from the README section itself, so the documented options are the ones
-tested; only the paths are replaced by this session's corpus, model and shards. One run
+The command is read from the section of docs/corpus.md itself, so the documented options
+are the ones tested; only the paths are replaced by this session's corpus, model and shards. One run
 gives the table, the report and the quality figures every test here checks.
 """
 
@@ -30,12 +30,12 @@ VOCAB = 8000
 
 
 def documented_command() -> list[str]:
-    """The command of the README's "Cross-lingual embeddings" section, as argv."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    heading = "### 4. Cross-lingual embeddings"
-    assert heading in readme, f"README.md has no section {heading!r}"
-    section = readme.split(heading, 1)[1].split("\n## ", 1)[0]
-    assert "```bash\n" in section, "the README's embeddings section has no bash block"
+    """The command of docs/corpus.md's "Cross-lingual embeddings" section, as argv."""
+    guide = (ROOT / "docs" / "corpus.md").read_text(encoding="utf-8")
+    heading = "## 4. Cross-lingual embeddings"
+    assert heading in guide, f"docs/corpus.md has no section {heading!r}"
+    section = guide.split(heading, 1)[1].split("\n## ", 1)[0]
+    assert "```bash\n" in section, "docs/corpus.md's embeddings section has no bash block"
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     return shlex.split(block.replace("\\\n", " "))
 
@@ -71,7 +71,7 @@ def cli_run(demo_shards: Path, demo_corpus: Path) -> tuple[Path, dict[str, Any],
     for i, arg in enumerate(args):
         if arg in paths:
             args[i + 1] = str(paths[arg])
-    assert set(paths) <= set(args), f"the README command lacks one of {sorted(paths)}"
+    assert set(paths) <= set(args), f"the documented command lacks one of {sorted(paths)}"
     result = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "build_cl_embeddings.py"), *args],
         capture_output=True,
@@ -97,7 +97,7 @@ def test_documented_command_writes_the_table_and_its_report(
     assert report["vocab_size"] == VOCAB and summary["table"] == report["table"]
     for lang in ("de", "en"):
         sizes = report["sizes"][lang]
-        assert sizes["tokens"] > 250_000 and 0 < sizes["ids_trained"] <= sizes["ids_seen"]
+        assert sizes["tokens"] > 200_000 and 0 < sizes["ids_trained"] <= sizes["ids_seen"]
         assert len(sizes["loss_per_epoch"]) == report["config"]["skipgram"]["epochs"]
     ids = report["ids"]
     assert sum(ids.values()) == VOCAB and ids["shared"] > 1000 and ids["unseen"] > 0
@@ -131,9 +131,10 @@ def test_mapping_retrieves_translations_far_better_than_unmapped(
     # Independently trained spaces are unrelated: retrieval is at chance (a handful of
     # candidates among ~5,800 German ids for each of ~250 English words).
     assert before["p@1"] <= 0.01 and before["p@5"] <= 0.02, report
-    # Measured with --seed 0-3 on this corpus: p@1 0.057-0.102, p@5 0.159-0.207 (unmapped:
-    # p@1 0, p@5 0-0.008). The bars leave a safety margin of about a third below the worst
-    # seed; p@5 >= 0.12 is still 6x the unmapped bound above.
+    # Measured with --seed 0-3 on the corpus with its catalogs of names: p@1 0.057-0.102,
+    # p@5 0.159-0.207 (unmapped: p@1 0, p@5 0-0.008); without them, seed 0: 0.066 and 0.156
+    # (docs/results.md). The bars leave a safety margin below the worst seed; p@5 >= 0.12 is
+    # still 6x the unmapped bound above.
     assert after["p@1"] >= 0.04, report
     assert after["p@5"] >= 0.12, report
 

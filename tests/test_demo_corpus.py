@@ -24,6 +24,8 @@ from megasemface.data.message_cleaning import (
     build_dictionary,
     clean_message,
     clean_message_with_reason,
+    copies_source,
+    is_name_catalog,
     lowercase_words,
     strip_accelerators,
 )
@@ -248,6 +250,111 @@ def test_build_dictionary_keeps_one_word_common_entries() -> None:
     assert build_dictionary([("add", "ઉમેરો")], {"add"}) == [("add", "ઉમેરો")]
 
 
+@pytest.mark.parametrize(
+    ("source", "target", "copied"),
+    [
+        ("Linux", "Linux", True),
+        ("socket", "Socket", True),
+        ("Password:", "Password", True),
+        ("E-mail", "Email", True),
+        ("Tab Width", "Tab width:", True),
+        ("RETURN", "Return", True),
+        ("%s: %s", "%s : %s", True),
+        ("Straße", "STRASSE", True),  # case folding: ß is ss
+        ("Password:", "Passwort:", False),
+        ("MTU:%d Metric:%d", "MTU:%d Metrik:%d", False),
+        ("Guarani", "Guaraní", False),  # an accent is a change of spelling
+        ("%d file", "%d Datei", False),
+        ("Page 1", "Page 2", False),
+    ],
+)
+def test_copies_source_is_equality_up_to_case_and_punctuation(
+    source: str, target: str, copied: bool
+) -> None:
+    assert copies_source(source, target) is copied
+
+
+@pytest.mark.parametrize(
+    ("domain", "names"),
+    [
+        ("iso_3166", True),
+        ("iso_3166-2", True),
+        ("iso_3166_2", True),
+        ("iso_639-3", True),
+        ("iso_4217", True),
+        ("iso_15924", True),
+        ("tzdata", True),
+        ("libgweather-locations", True),
+        ("xkeyboard-config", True),
+        ("coreutils", False),
+        ("gtk20", False),
+        ("shared-mime-info", False),
+        ("isoquery", False),
+    ],
+)
+def test_is_name_catalog(domain: str, names: bool) -> None:
+    assert is_name_catalog(domain) is names
+
+
+def test_names_and_copies_are_left_out_of_every_file(tmp_path: Path) -> None:
+    """Entries as the system's catalogs hold them: region and language names beside
+    programs whose translators left some strings as they are."""
+    locale_dir, out = tmp_path / "locale", tmp_path / "out"
+    for d in range(12):
+        entries = {
+            f"Cannot read message {i} of program {d}".encode(): (
+                f"Nachricht {i} von Programm {d} kann nicht gelesen werden".encode()
+            )
+            for i in range(8)
+        }
+        entries[b"Linux"] = b"Linux"
+        entries[f"socket{d}".encode()] = f"Socket{d}".encode()
+        entries[f"Options of program {d}:".encode()] = f"options of program {d}".encode()
+        write_mo(locale_dir, "de", f"prog{d:02d}", mo_bytes(entries))
+    write_mo(
+        locale_dir,
+        "de",
+        "iso_3166-2",
+        mo_bytes({b"Bavaria": b"Bayern", b"Berlin": b"Berlin", b"Hesse": b"Hessen"}),
+    )
+    write_mo(locale_dir, "de", "iso_639-3", mo_bytes({b"German": b"Deutsch"}))
+    (locale_dir / "de/LC_MESSAGES/iso_639.mo").symlink_to("iso_639-3.mo")
+    options = {"test_fraction": 0.2, "valid_fraction": 0.2, "min_test_pairs": 0}
+    report = build_demo_corpus(locale_dir, ["de"], out, **options)
+    de = report["languages"]["de"]
+    catalogs = locale_dir / "de/LC_MESSAGES"
+    assert de["name_catalogs"] == [
+        str(catalogs / f) for f in ("iso_3166-2.mo", "iso_639-3.mo", "iso_639.mo")
+    ]
+    assert de["catalogs_read"] == 12
+    assert de["pair_drops"] == {"identical": 36}
+    domains = report["pairs"]["en-de"]["split_domains"]
+    assert all(domains[split] for split in ("train", "valid", "test"))
+    assert not [d for split in domains.values() for d in split if d.startswith("iso")]
+    texts = [
+        line
+        for path in sorted(out.rglob("*"))
+        if path.is_file() and path.name != "report.json"
+        for line in lines(path)
+    ]
+    assert len(texts) > 12 * 8
+    for text in texts:
+        assert not any(word in text for word in ("Bavaria", "Bayern", "Hesse", "Berlin", "Deutsch"))
+    # A copy is no translation, but its English is still English text.
+    assert "Linux" in lines(out / "mono/en.txt")
+    for path in [
+        *sorted(out.glob("parallel/en-de/*")),
+        out / "mono/de.txt",
+        out / "dict/en-de.tsv",
+    ]:
+        for text in lines(path):
+            assert not any(word in text.lower() for word in ("linux", "socket", "options of")), path
+    # A language with catalogs of names only has nothing to translate.
+    write_mo(locale_dir, "fr", "iso_3166-2", mo_bytes({b"Bavaria": "Bavière".encode()}))
+    with pytest.raises(NoCatalogsError, match="0 could not be read and 1 list only names"):
+        build_demo_corpus(locale_dir, ["fr"], tmp_path / "fr")
+
+
 def _small_locale(locale_dir: Path) -> Path:
     write_mo(locale_dir, "fr", "demo", mo_bytes(LATIN1_ENTRIES, charset="ISO-8859-1"))
     write_mo(locale_dir, "fr", "other", mo_bytes(UTF8_ENTRIES, big_endian=True))
@@ -470,3 +577,12 @@ def test_real_system_catalogs_give_a_usable_corpus(tmp_path: Path) -> None:
     ):
         assert not set(lines(tmp_path / path)) & test, path
     assert len(lines(tmp_path / "dict/en-de.tsv")) > 100
+    domains = report["pairs"]["en-de"]["split_domains"]
+    assert not [d for split in domains.values() for d in split if is_name_catalog(d)]
+    for split in ("train", "valid", "test"):
+        pairs = zip(
+            lines(tmp_path / f"parallel/en-de/{split}.en"),
+            lines(tmp_path / f"parallel/en-de/{split}.de"),
+            strict=True,
+        )
+        assert not [p for p in pairs if copies_source(*p)], split

@@ -4,11 +4,12 @@ The shell commands of the ```bash blocks of README.md and docs/*.md are checked 
 running them: for ``python tools/X.py``, ``python -m megasemface...``, the ``megasemface-*``
 commands of setup.cfg and ``deepspeed ... megasemface/train.py`` the script exists and its
 own argument parser (and the option validation behind it) accepts the documented arguments;
-``make`` targets and variables exist in the Makefile; ``mlflow`` commands parse with MLflow's
-own command line; every ``ds_configs/*.json`` named exists. Programs this test cannot check
-are listed in UNCHECKED. Inline code that starts a command (``python tools/...``, ``make
-...``) must name an existing script or target, relative links must resolve, and the parameter
-counts and memory figures of docs/memory.md must follow from the model classes.
+``make`` targets and variables exist in the Makefile; ``mlflow`` and ``pip`` commands parse
+with their own command lines (and ``pip`` installs megasemface); every ``ds_configs/*.json``
+named exists. Programs this test cannot check are listed in UNCHECKED. Inline code that
+starts a command (``python tools/...``, ``make ...``) must name an existing script or target,
+relative links must resolve, and the parameter counts and memory figures of docs/memory.md
+must follow from the model classes.
 """
 
 from __future__ import annotations
@@ -142,8 +143,7 @@ def _check_pipeline(module_name: str, argv: list[str], command: Command) -> None
 
 
 def _check_train(argv: list[str], command: Command) -> None:
-    """megasemface/train.py's parser, strict (train.py itself only warns about unknown
-    arguments), then the training options' validation."""
+    """megasemface/train.py's parser, then the training options' validation."""
     from megasemface.train import build_parser
     from megasemface.training.options import train_config_from_args
 
@@ -248,6 +248,24 @@ def _check_mlflow(argv: list[str], command: Command) -> None:
         pytest.fail(f"{command}\nrejected by mlflow: {exc.format_message()}")
 
 
+def _check_pip(argv: list[str], command: Command) -> None:
+    """pip's own parser for the subcommand and its options; an install names megasemface (or
+    the checkout, ``.``)."""
+    from pip._internal.commands import commands_dict, create_command
+
+    _require(argv and argv[0] in commands_dict, command, f"pip has no command {argv[:1]}")
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            options, args = create_command(argv[0]).parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"{command}\nrejected by pip: {stderr.getvalue().strip()}")
+    if argv[0] in ("install", "download", "wheel"):
+        wanted = [*args, *getattr(options, "editables", [])]
+        names = {re.split(r"[\[<>=!~ ]", arg, maxsplit=1)[0] for arg in wanted}
+        _require(names & {"megasemface", "."}, command, "a pip command here installs megasemface")
+
+
 def check(command: Command) -> None:
     program, argv = command.argv[0], list(command.argv[1:])
     for token in command.argv:
@@ -265,6 +283,8 @@ def check(command: Command) -> None:
         _check_make(argv, command)
     elif program == "mlflow":
         _check_mlflow(argv, command)
+    elif program == "pip":
+        _check_pip(argv, command)
     elif program.startswith("megasemface-"):
         _check_console_script(program, argv, command)
     else:
@@ -312,6 +332,8 @@ def test_the_checks_refuse_what_they_should() -> None:
     refused("megasemface-no-such-command --help")
     refused("megasemface-export huggingface --model-dir m --out o")
     refused("mlflow ui --no-such-option")
+    refused("pip install --no-such-option megasemface")
+    refused("pip install --no-index --find-links wheelhouse torch")
     refused("rsync -a runs/ elsewhere/")
     refused("make demo NO_SUCH_VARIABLE=1")
     refused('make demo DEMO_ARGS="--pair de-en"')

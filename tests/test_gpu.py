@@ -1,6 +1,6 @@
 """What differs on a GPU: the fused Gumbel noise, the VQ layer's half-precision products and
 the output loss's chunks. Skipped without CUDA (CI has none); a GPU machine runs them with
-``pytest tests/test_gpu.py``."""
+the rest of the GPU tier (``pytest -m gpu``; tests/test_gpu_paths.py runs every command)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from megasemface.interfaces.vq_random import gumbel_noise
 from megasemface.models.config import VQConfig
 from megasemface.objectives.output_loss import output_cross_entropy
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def test_noise_kernel_matches_the_cpu_and_tiles() -> None:

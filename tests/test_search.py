@@ -489,13 +489,17 @@ class _ModelEngine:
     """The translation step's search through the training engine: each call's arguments pass
     through ``on_device`` as ``DeepSpeedEngine.forward`` passes them, onto the model."""
 
+    device = torch.device("cpu")
+    """Where the model runs, as ``DeepSpeedEngine.device`` says (the search makes its
+    tensors there)."""
+
     def __init__(self, model: Seq2SeqModel) -> None:
         self.model = model
         self.cached: list[int] = []
         """Positions already in the cache at each decoding step."""
 
     def forward(self, task: str, *args: object) -> object:
-        moved = [on_device(arg, torch.device("cpu")) for arg in args]
+        moved = [on_device(arg, self.device) for arg in args]
         if task == "encode":
             return self.model.encode(*moved)  # type: ignore[arg-type]
         self.cached.append(moved[3].length)  # type: ignore[attr-defined]

@@ -27,7 +27,12 @@ from megasemface.objectives.sequences import (
     append_token,
     lengths_to_mask,
 )
-from megasemface.objectives.stages import DenoisingSeq2Seq, ObjectiveConfig, SemFaceModel
+from megasemface.objectives.stages import (
+    DenoisingSeq2Seq,
+    ObjectiveConfig,
+    SemFaceModel,
+    default_mse_weight,
+)
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
 
@@ -53,6 +58,21 @@ def model_for(
     cl_table = table if kind == "cl" else None
     interface = build_interface(kind, config, cl_table=cl_table, cl_unit_logits=cl_unit_logits)
     return SemFaceModel(config, interface, SPECIAL, ObjectiveConfig(**objective))  # type: ignore[arg-type]
+
+
+def test_mse_weight_follows_the_width_unless_given() -> None:
+    """CL-SemFace's MSE, summed over the dimensions, keeps weight 1 up to d 128 and 0.01
+    wider by default; a weight given (0 for the ablation) is kept at any width."""
+    assert [default_mse_weight(d) for d in (64, 128, 256, 1024)] == [1.0, 1.0, 0.01, 0.01]
+    paper = build_model_config("paper", ["vocab_size=120", "encoder_layers=1"])
+    special = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
+    with torch.device("meta"):
+        table = torch.empty(paper.vocab_size, paper.d_model)
+        interface = build_interface("cl", paper, cl_table=table)
+        wide = SemFaceModel(paper, interface, special)
+        given = SemFaceModel(paper, interface, special, ObjectiveConfig(mse_weight=0.0))
+    assert wide.objective.weight_of("mse") == 0.01 and given.objective.weight_of("mse") == 0.0
+    assert model_for("cl", tiny()).objective.weight_of("mse") == 1.0
 
 
 @pytest.mark.parametrize("unit_logits", [False, True])

@@ -330,7 +330,7 @@ def test_a_bad_cpu_product_setting_stops_commands_before_they_start(
     from megasemface.cli import reproduce, translate
 
     monkeypatch.setenv("MEGASEMFACE_CPU_GEMM", "mkl")
-    args = ["--model", str(tmp_path), "--input", str(tmp_path / "in.txt")]
+    args = ["--model-dir", str(tmp_path), "--input", str(tmp_path / "in.txt")]
     assert translate.main([*args, "--src-lang", "en", "--tgt-lang", "de"]) == 2
     assert "MEGASEMFACE_CPU_GEMM must be auto, blas or onednn" in capsys.readouterr().err
     assert reproduce.main(["--budget", "smoke", "--workdir", str(tmp_path / "run")]) == 2

@@ -80,6 +80,8 @@ def dense_flat(vq: GumbelVectorQuantizer, h: torch.Tensor, key: int, sample: boo
     entropy = -(pbar * pbar.log()).sum()
     if vq.config.diversity_loss == "eq6":
         diversity = -entropy / vq.num_codes
+    elif vq.config.diversity_loss == "entropy":
+        diversity = torch.relu(math.log(min(vq.num_codes, h.shape[0])) - entropy)
     else:
         diversity = (vq.num_codes - entropy.exp()) / vq.num_codes
     log_r = torch.log_softmax(logits, -1)
@@ -107,10 +109,17 @@ def test_straight_through_forward_is_exactly_the_chosen_code(layout: str) -> Non
 @pytest.mark.parametrize("sample", [True, False])
 @pytest.mark.parametrize("entropy_weight", [0.0, 0.7])
 @pytest.mark.parametrize("keep_mib", [0, 1])  # recomputed in backward; kept from forward
+@pytest.mark.parametrize("form", ["perplexity", "entropy"])
 def test_flat_gradients_match_dense_reference(
-    logits: str, from_gumbel: bool, sample: bool, entropy_weight: float, keep_mib: int
+    logits: str, from_gumbel: bool, sample: bool, entropy_weight: float, keep_mib: int, form: str
 ) -> None:
-    vq = make_vq(diversity_from_gumbel=from_gumbel, logits=logits, keep_logits_mib=keep_mib)
+    vq = make_vq(
+        diversity_from_gumbel=from_gumbel,
+        logits=logits,
+        keep_logits_mib=keep_mib,
+        diversity_loss=form,
+        num_codes=10,  # fewer codes than the 13 tokens: the entropy form's ceiling is ln K
+    )
     vq.set_step(2)
     h = features(13)
     target = torch.randn(13, D, generator=torch.Generator().manual_seed(1))
@@ -148,7 +157,9 @@ def test_compiled_passes_match_dense_reference(
     with flop_counter():
         make_vq(logits=logits)(features(13), noise_key=7).quantized.sum().backward()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        test_flat_gradients_match_dense_reference(logits, bool(from_gumbel), True, 0.7, keep_mib)
+        test_flat_gradients_match_dense_reference(
+            logits, bool(from_gumbel), True, 0.7, keep_mib, "perplexity"
+        )
     regions = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
     # 13 tokens in chunks of 5: per chunk the noise and the exponentials in forward, the
     # two backward passes, and without kept buffers the forward's two again.
@@ -650,6 +661,78 @@ def test_diversity_gradient_does_not_vanish_with_the_codebook_size(codes: int) -
     perplexity, eq6 = grad_wrt_entropy("perplexity"), grad_wrt_entropy("eq6")
     assert eq6 == pytest.approx(-1 / codes, rel=1e-3)
     assert perplexity < -0.5  # exp(H) / K stays near 1 for a codebook in use
+
+
+@pytest.mark.parametrize("layout", ["flat", "product"])
+@pytest.mark.parametrize("tokens", [3, 12, 40])
+def test_entropy_diversity_is_the_shortfall_below_the_batch_ceiling(
+    layout: str, tokens: int
+) -> None:
+    """``max(0, ln min(K, N) - H(pbar))`` written out, per group for the product layout: a
+    batch of fewer tokens than codes is asked for ln N, which tokens committed to distinct
+    codes reach, not ln K."""
+    vq = make_vq(layout, num_codes=20, groups=2, entries=5, diversity_loss="entropy").eval()
+    h = features(tokens, seed=tokens)
+    out = vq(h)
+    with torch.no_grad():
+        logits = F.relu(vq.hidden(h)) @ vq.logits_weight.t() + vq.logits_bias
+    if layout == "flat":
+        pbar = torch.softmax(logits, -1).mean(0)
+        entropy = -(pbar * pbar.log()).sum()
+        ref = max(0.0, math.log(min(20, tokens)) - float(entropy))
+    else:
+        pbar = torch.softmax(logits.view(tokens, 2, 5), -1).mean(0)  # [G, V]
+        entropy_g = -(pbar * pbar.log()).sum(-1)
+        ref = float(torch.relu(math.log(min(5, tokens)) - entropy_g).mean())
+    assert float(out.diversity_loss) == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
+def test_entropy_diversity_pulls_a_nat_whatever_the_codebook_state() -> None:
+    """d L / d H(pbar) is -1 on a collapsed codebook and on a used one, and 0 above the
+    ceiling; the perplexity form pulls -exp(H)/K, which fades as the codebook collapses."""
+
+    def pull(form: str, spread: float, tokens: int) -> tuple[float, float]:
+        vq = make_vq(num_codes=64, hidden_dim=4, diversity_loss=form).eval()
+        with torch.no_grad():
+            vq.logits_weight.mul_(spread)
+        h = features(tokens)
+        out = vq(h)
+        (got,) = torch.autograd.grad(out.diversity_loss, vq.logits_bias)
+        logits = F.relu(vq.hidden(h)) @ vq.logits_weight.t() + vq.logits_bias
+        pbar = torch.softmax(logits, -1).mean(0)
+        (ref,) = torch.autograd.grad(-(pbar * pbar.log()).sum(), vq.logits_bias)
+        return float((got @ ref) / (ref @ ref)), float(out.prob_perplexity)
+
+    collapsed, in_use = 60.0, 0.01  # logits spread wide: a few codes take every token
+    assert pull("entropy", collapsed, 256)[0] == pytest.approx(-1.0, rel=1e-4)
+    faded, perplexity = pull("perplexity", collapsed, 256)
+    assert perplexity < 64 / 3 and faded == pytest.approx(-perplexity / 64, rel=1e-3)
+    assert pull("entropy", in_use, 256)[0] == pytest.approx(-1.0, rel=1e-4)
+    # 16 tokens over 64 near-uniform codes: H(pbar) ~ ln 64 is above the ceiling ln 16.
+    assert pull("entropy", in_use, 16)[0] == 0.0
+
+
+@pytest.mark.parametrize("layout", ["flat", "product"])
+@pytest.mark.parametrize("logits", ["mlp", "distance"])
+def test_copy_gradient_adds_the_code_gradient_to_h(layout: str, logits: str) -> None:
+    """``copy_gradient = g``: the output is still exactly the chosen code, and h's gradient
+    is the Gumbel path's plus g times the output's (VQ-VAE's straight-through); the
+    weights' gradients are unchanged."""
+    target = torch.randn(13, D, generator=torch.Generator().manual_seed(1))
+
+    def run(gain: float) -> tuple[torch.Tensor, ...]:
+        vq = make_vq(layout, logits=logits, copy_gradient=gain)
+        vq.set_step(2)
+        h = features(13)
+        out = vq(h, noise_key=7)
+        ((out.quantized * target).sum() + out.diversity_loss).backward()
+        return out.quantized, out.codes, h.grad, *grads_of(vq).values()
+
+    plain, copied = run(0.0), run(0.5)
+    assert torch.equal(plain[0], copied[0]) and torch.equal(plain[1], copied[1])
+    torch.testing.assert_close(copied[2], plain[2] + 0.5 * target, rtol=1e-6, atol=1e-6)
+    for got, ref in zip(copied[3:], plain[3:], strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
 
 
 def test_empty_batch_and_input_checks() -> None:

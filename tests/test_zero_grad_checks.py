@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from launch import on_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,16 +66,7 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", ["cpu", on_cuda("cuda")])
 def test_multi_tensor_checks_equal_deepspeeds_own(tmp_path: Path, device: str) -> None:
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}

@@ -86,6 +86,7 @@ __all__ = [
     "load_checkpoint",
     "load_codebook",
     "load_stage",
+    "param_dtype",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,7 +110,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _param_dtype(ds_config: dict[str, Any] | None) -> torch.dtype | None:
+def param_dtype(ds_config: dict[str, Any] | None) -> torch.dtype | None:
+    """The dtype a DeepSpeed config holds the model's parameters in (bf16, fp16 or fp32),
+    None for a config that cannot be read."""
     if not isinstance(ds_config, dict):
         return None
     for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)):
@@ -214,7 +217,7 @@ def consolidate_checkpoint(info: CheckpointInfo) -> Consolidated:
                 f"{info.path}: the gathered codebook has {state[gathered[-1]].shape[0]} codes, "
                 f"meta.json's model {num_codes}"
             )
-    return Consolidated(state, _param_dtype(ds_config), zero_stage, gathered, sorted(filled))
+    return Consolidated(state, param_dtype(ds_config), zero_stage, gathered, sorted(filled))
 
 
 def _checked_fingerprint(

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from megasemface.cli.parsing import CommandParser
 from megasemface.evaluation.diagnostics import (
     MEASURES,
     DiagnosticsConfig,
@@ -48,7 +49,7 @@ PROG = "diagnose_interface"
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; defaults come from :class:`DiagnosticsConfig`."""
     defaults = {f.name: f.default for f in dataclasses.fields(DiagnosticsConfig)}
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog=PROG,
         description=(__doc__ or "").split("\n\n")[0],
         epilog="Examples:\n\n" + (__doc__ or "").split("::\n\n")[1].split("\n\n")[0],

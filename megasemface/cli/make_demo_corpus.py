@@ -6,6 +6,7 @@ Example::
 
 writes mono/<lang>.txt, parallel/en-<xx>/{train,valid,test}.{en,<xx>}, dict/en-<xx>.tsv
 and, last, report.json under the output directory (see megasemface.data.demo_corpus).
+Catalogs of names and translations that copy their source are left out.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def _print_summary(report: dict[str, Any], out: Path, seconds: float) -> None:
         )
         if broken := report["languages"][lang]["catalogs_broken"]:
             print(f"{'':<8}{broken} broken catalog(s) skipped; see report.json")
+        if names := len(report["languages"][lang]["name_catalogs"]):
+            print(f"{'':<8}{names} catalog(s) of names left out (ISO codes, time zones, ...)")
     mono = ", ".join(f"{lang} {info['lines']:,}" for lang, info in report["mono"].items())
     print(f"mono lines: {mono}")
     print(f"wrote {out}/{{mono,parallel,dict}} and {out / 'report.json'} in {seconds:.1f} s")

@@ -30,13 +30,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megasemface.cli.parsing import CommandParser
+
 __all__ = ["build_parser", "main"]
 
 _MIB = 1024.0 * 1024.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),

@@ -12,7 +12,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from megasemface.cli.parsing import parse_or_status
+from megasemface.cli.parsing import CommandParser, parse_or_status
 from megasemface.training.options import TrainConfig, field_docs
 
 __all__ = ["COMMAND", "DOC", "build_parser", "main", "render"]
@@ -101,7 +101,7 @@ def render() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("::")[0])
+    parser = CommandParser(description=(__doc__ or "").split("::")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
     parser.add_argument("--output", type=Path, default=DOC, help="default: docs/options.md")
     return parser

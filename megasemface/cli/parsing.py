@@ -9,12 +9,16 @@ import sys
 import textwrap
 from typing import Any
 
+from megasemface.command_line import CommandParser, unknown_arguments_message
+
 __all__ = [
+    "CommandParser",
     "add_score_logging_arguments",
     "check_score_logging_run",
     "command_parser",
     "parse_or_status",
     "score_logging_error",
+    "unknown_arguments_message",
 ]
 
 _EXAMPLES = re.compile(r"^Examples?::\n\n((?:[ \t]+.*\n?|\n)+)", re.M)
@@ -31,7 +35,7 @@ def command_parser(doc: str | None, **kwargs: Any) -> argparse.ArgumentParser:
             "examples:\n" + textwrap.indent(textwrap.dedent(match.group(1)).strip("\n"), "  "),
         )
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-    return argparse.ArgumentParser(description=text.split("\n\n")[0], **kwargs)
+    return CommandParser(description=text.split("\n\n")[0], **kwargs)
 
 
 def parse_or_status(parser: argparse.ArgumentParser, argv: list[str] | None) -> Any:
@@ -66,11 +70,10 @@ def add_score_logging_arguments(parser: argparse.ArgumentParser) -> None:
 def score_logging_error(
     parser: argparse.ArgumentParser, args: argparse.Namespace, command: str
 ) -> bool:
-    """Prints the usage and an error when only one of ``--tracking-uri`` and ``--run-id``
-    is given; returns whether it did."""
+    """Prints an error line when only one of ``--tracking-uri`` and ``--run-id`` is given;
+    returns whether it did."""
     if (args.tracking_uri is None) == (args.run_id is None):
         return False
-    parser.print_usage(sys.stderr)
     print(f"{command}: error: --tracking-uri and --run-id go together", file=sys.stderr)
     return True
 

@@ -24,6 +24,7 @@ import sys
 import typing
 from pathlib import Path
 
+from megasemface.cli.parsing import CommandParser
 from megasemface.host_memory import keep_freed_memory
 from megasemface.pipeline.config import BUDGETS, PipelineConfig, parse_languages, parse_seeds
 from megasemface.pipeline.systems import ABLATIONS, RELATED, SETTINGS, SYSTEMS
@@ -34,7 +35,7 @@ __all__ = ["build_parser", "config_from_args", "main", "run"]
 def build_parser(
     description: str, systems: str = "paper", settings: str = "supervised,unsupervised"
 ) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument

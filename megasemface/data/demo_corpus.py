@@ -10,7 +10,10 @@ project's demo needs no download. Layout written under the output directory::
     dict/en-<xx>.tsv                                one-word gold dictionary, ``en<TAB>xx``
     report.json                                     what was read, dropped and kept (last)
 
-The split is by catalog (domain), so test text comes from programs never seen in training.
+Catalogs of names (ISO languages, countries, currencies; time zones; keyboard layouts) and
+translations that copy their source up to case or punctuation are left out of every file
+(message_cleaning.is_name_catalog, copies_source). The split is by catalog (domain), so test
+text comes from programs never seen in training.
 Short strings shared between programs ("Cancel") are then removed from train and valid
 whenever either side occurs in a held-out split of any pair, and every held-out string is
 left out of the monolingual files, so pre-training never sees test text.
@@ -33,9 +36,12 @@ from megasemface.data.gettext_catalogs import MoFormatError, find_catalogs, pars
 from megasemface.data.message_cleaning import (
     DEFAULT_MAX_CHARS,
     DROP_IDENTICAL,
+    NAME_CATALOGS,
     CleanResult,
     build_dictionary,
     clean_message_with_reason,
+    copies_source,
+    is_name_catalog,
     lowercase_words,
 )
 from megasemface.files import atomic_write_text
@@ -186,10 +192,14 @@ def _harvest_language(
     unknown_charset: list[str] = []
     duplicates: list[dict[str, str]] = []
     first_by_digest: dict[str, Path] = {}
+    name_catalogs: list[str] = []
     harvest = _Harvest(report={})
     # Real files before symlinks, so that an alias (iso_639.mo -> iso_639-2.mo) is the
     # copy skipped below and the domain keeps its canonical name.
     for path in sorted(paths, key=lambda p: (p.is_symlink(), p.name)):
+        if is_name_catalog(path.stem):
+            name_catalogs.append(str(path))
+            continue
         try:
             data = path.read_bytes()
             catalog = parse_mo(data, path=path)
@@ -217,7 +227,7 @@ def _harvest_language(
             if not message.msgstr:
                 continue  # untranslated: its English still feeds mono/en.txt
             target = clean(message.msgstr)
-            copied = message.msgstr == message.msgid or target.text == source.text
+            copied = copies_source(source.text or message.msgid, target.text or message.msgstr)
             if target.text is None:
                 side_drops["target"][str(target.reason)] += 1
             elif copied:
@@ -233,17 +243,20 @@ def _harvest_language(
                 pair_drops[DROP_IDENTICAL] += 1
             else:
                 pairs.append((source.text, target.text))
-    if len(broken) == len(paths):
+    if len(broken) + len(name_catalogs) == len(paths):
+        first = f" (first error: {broken[0]['error']})" if broken else ""
         raise NoCatalogsError(
-            f"none of the {len(paths)} catalogs for {lang!r} in {catalog_dir} could be "
-            f"read (first error: {broken[0]['error']}); reinstall them or choose another language"
+            f"none of the {len(paths)} catalogs for {lang!r} in {catalog_dir} gives sentences: "
+            f"{len(broken)} could not be read{first} and {len(name_catalogs)} list only names; "
+            "install translations of programs for it or choose another language"
         )
     harvest.report = {
         "catalog_dir": str(catalog_dir),
         "catalogs_found": len(paths),
-        "catalogs_read": len(paths) - len(broken) - len(duplicates),
+        "catalogs_read": len(paths) - len(broken) - len(duplicates) - len(name_catalogs),
         "catalogs_broken": len(broken),
         "broken_catalogs": broken,
+        "name_catalogs": sorted(name_catalogs),
         "duplicate_catalogs": duplicates,
         "unknown_charset_catalogs": unknown_charset,
         **{name: counts[name] for name in ("entries", "contexts", "plurals")},
@@ -421,6 +434,7 @@ def build_demo_corpus(
             "test_fraction": test_fraction,
             "valid_fraction": valid_fraction,
             "min_test_pairs": min_test_pairs,
+            "name_catalogs_left_out": list(NAME_CATALOGS),
         },
         "languages": {lang: harvest.report for lang, harvest in harvests.items()},
         "pairs": pair_report,

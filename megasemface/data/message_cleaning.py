@@ -2,7 +2,9 @@
 
 Messages are UI strings: accelerator markers are removed, spaces collapsed, and strings that are
 not sentences (multi-line help texts, placeholders only, control characters, URLs, paths and
-addresses, over-long texts) are dropped with a reason, one of the ``DROP_*`` names.
+addresses, over-long texts) are dropped with a reason, one of the ``DROP_*`` names. Catalogs of
+names (is_name_catalog) and translations that copy their source (copies_source) are left out
+too: neither teaches translation, and in a test set both reward copying the input.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import unicodedata
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 __all__ = [
     "DEFAULT_MAX_CHARS",
@@ -21,11 +24,14 @@ __all__ = [
     "DROP_NO_LETTERS",
     "DROP_TOO_LONG",
     "DROP_URL_PATH_EMAIL",
+    "NAME_CATALOGS",
     "CleanResult",
     "build_dictionary",
     "clean_message",
     "clean_message_with_reason",
+    "copies_source",
     "is_dictionary_entry",
+    "is_name_catalog",
     "lowercase_words",
     "strip_accelerators",
 ]
@@ -37,7 +43,22 @@ DROP_NO_LETTERS = "no_letters"
 DROP_CONTROL_CHARS = "control_chars"
 DROP_TOO_LONG = "too_long"
 DROP_URL_PATH_EMAIL = "url_path_email"
-DROP_IDENTICAL = "identical"  # a translation that merely copies its English source
+DROP_IDENTICAL = "identical"  # a translation that copies its source (see copies_source)
+
+NAME_CATALOGS = (
+    # iso-codes: languages (639), countries and regions (3166), currencies (4217), scripts (15924)
+    "iso_*",
+    "tzdata",
+    "*timezone*",
+    "*locations",  # cities and time zones (libgweather-locations)
+    "xkeyboard-config",  # keyboard layouts, named after their languages and countries
+)
+"""Domains (fnmatch patterns) whose catalogs list names rather than sentences or UI text.
+
+Names make a lexicon, not sentences, and many stay as they are or change by a letter or two
+(Luxembourg, Luxemburg): they teach a sentence model little, and a test set full of them is one
+that copying the source scores well on.
+"""
 
 _LINE_BREAKS = ("\n", "\r", "\x85", "\u2028", "\u2029")
 # Non-breaking spaces are typography (French puts one before ':'), not layout: keep them.
@@ -125,6 +146,29 @@ def clean_message_with_reason(text: str, *, max_chars: int = DEFAULT_MAX_CHARS) 
 def clean_message(text: str, *, max_chars: int = DEFAULT_MAX_CHARS) -> str | None:
     """The cleaned text, or None when it is dropped (see clean_message_with_reason)."""
     return clean_message_with_reason(text, max_chars=max_chars).text
+
+
+def is_name_catalog(domain: str) -> bool:
+    """Whether the catalog ``domain`` is one of NAME_CATALOGS."""
+    return any(fnmatchcase(domain, pattern) for pattern in NAME_CATALOGS)
+
+
+def _letters_and_digits(text: str) -> str:
+    return "".join(
+        ch
+        for ch in unicodedata.normalize("NFKC", text).casefold()
+        if unicodedata.category(ch)[0] in "LMN"
+    )
+
+
+def copies_source(source: str, target: str) -> bool:
+    """Whether ``target`` is ``source`` with at most a change of case, spacing or punctuation.
+
+    Such an entry ("Linux", "socket" -> "Socket", "E-mail" -> "Email") is a string the
+    translators left as it is, not a translation: in training it teaches copying, in a test
+    set it scores the copy of the source as a perfect translation.
+    """
+    return _letters_and_digits(source) == _letters_and_digits(target)
 
 
 def _is_single_word(text: str) -> bool:

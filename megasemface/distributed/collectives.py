@@ -15,7 +15,16 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_objects", "any_rank", "barrier", "rank", "sum_or_max", "world_size"]
+__all__ = [
+    "all_gather_objects",
+    "all_reduce_",
+    "any_rank",
+    "barrier",
+    "collective_device",
+    "rank",
+    "sum_or_max",
+    "world_size",
+]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -34,12 +43,29 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def collective_device() -> torch.device:
+    """Where the run's collectives take their tensors: the current CUDA device when the
+    process group is NCCL alone (it reduces device tensors only), else the host (gloo)."""
+    if _multi_process() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def sum_or_max(values: list[float], op: Literal["sum", "max"] = "sum") -> list[float]:
-    """``values`` reduced element-wise over every rank, in float64 (exact for counters)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
+    """``values`` reduced element-wise over every rank, in float64 (exact for counters).
+    Read back on the host: a synchronisation wherever the collective runs on a device."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
     if _multi_process():
         dist.all_reduce(tensor, op=_OPS[op])
     return tensor.tolist()
+
+
+def all_reduce_(tensor: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
+    """``tensor`` reduced element-wise over every rank in place, where it lives (nothing is
+    read back: on a GPU the reduction is queued behind the work that makes the tensor)."""
+    if _multi_process():
+        dist.all_reduce(tensor, op=_OPS[op])
+    return tensor
 
 
 def any_rank(flag: bool) -> bool:

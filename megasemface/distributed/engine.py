@@ -72,9 +72,9 @@ def _without_shm_all_reduce() -> None:
 
     DeepSpeed builds that extension when its communication backend starts on the CPU
     accelerator, but only its inference all-reduce (tensor-parallel inference) calls it:
-    training's collectives go through torch.distributed, gloo on CPU. Building it took
-    40-80 s of the first launch in every new environment on a 2-core machine (the first
-    training run of ``make demo``, the first launched test of a fresh clone), needs a C++
+    training's collectives go through torch.distributed, gloo on CPU. Building it delays
+    the first launch in every new environment (the first training run of ``make demo``,
+    the first launched test of a fresh clone) by longer than a short run, needs a C++
     compiler on the host, and the extension leaves a buffer per rank in /dev/shm that
     nothing removes. An op that is not available is what DeepSpeed does off Linux.
     """
@@ -102,9 +102,9 @@ def end_process(code: int) -> NoReturn:
     """Ends a rank whose run is over with status ``code``, without the interpreter's
     teardown.
 
-    Freeing torch's, DeepSpeed's and MLflow's modules object by object takes 3-4 s per rank
-    on a 2-core machine after the run has done everything it had to, about as long as the
-    run's start-up, and a pipeline pays it at every launch. What a normal exit does before
+    Freeing torch's, DeepSpeed's and MLflow's modules object by object takes seconds per rank
+    after the run has done everything it had to, about as long as the run's start-up, and a
+    pipeline pays it at every launch. What a normal exit does before
     that still happens here, in its order: threading's own exit hooks run and non-daemon
     threads are joined, then the exit handlers run (the tracker's, the logging module's).
     """
@@ -169,8 +169,8 @@ def _torch_fused_adam(config: dict[str, Any]) -> None:
     pow, so every update after a resume would differ from the uninterrupted run's in its last
     bits. torch's Adam derives the bias correction from the step count each step, so a
     resumed run repeats the uninterrupted one bitwise. Its fused kernel makes one pass over
-    parameters, gradients and moments: on CPU 0.3 s where the per-operation default takes
-    1.05 s for 330M parameters (the paper preset's size; one thread); on a GPU it is one
+    parameters, gradients and moments, where the per-operation default makes one per
+    operation over each tensor (on CPU about 3x the time: docs/results.md); on a GPU it is one
     multi-tensor kernel like DeepSpeed's, without the nvcc build of DeepSpeed's ``fused_adam``
     extension that a run would otherwise start with on a fresh machine. A config that names
     ``torch_adam`` or ``fused`` itself keeps its choice. ZeRO-Offload's CPU Adam has the same
@@ -244,6 +244,22 @@ class DeepSpeedEngine:
     def skipped_steps(self) -> int:
         """Steps DeepSpeed itself skipped (fp16/bf16 overflow), which it may not log."""
         return int(self.engine.skipped_steps)
+
+    @property
+    def skips_non_finite_gradients(self) -> bool:
+        """Whether the optimizer's step itself skips a step whose gradients hold an inf or NaN
+        on any rank (its overflow check, reduced over the ranks): ZeRO-3 always, ZeRO-1/2
+        where it checks the gradient norm (``zero_grad_checks.norm_checked``)."""
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        if isinstance(self.optimizer, DeepSpeedZeroOptimizer_Stage3):
+            return True
+        if isinstance(self.optimizer, DeepSpeedZeroOptimizer):
+            return zero_grad_checks.norm_checked(self.optimizer) or bool(
+                self.optimizer.check_grad_overflow
+            )
+        return False
 
     @property
     def lr(self) -> float:

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from megasemface.command_line import CommandParser
+
 __all__ = ["free_port", "launch", "rank_environment"]
 
 GRACE_SECONDS = 30.0
@@ -157,7 +159,7 @@ def launch(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m megasemface.distributed.launch",
         description="Starts NPROC ranks of a DeepSpeed script on this machine.",
     )

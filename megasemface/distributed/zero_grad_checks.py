@@ -15,8 +15,16 @@ GPU the multi-tensor kernel accumulates a bf16 gradient's squares in float32 rat
 float64, as ``torch.nn.utils.clip_grad_norm_`` does: the norm agrees to float32's precision,
 which is all that clipping needs.
 
-:func:`install` replaces the two methods on one optimizer instance, and only on the
-optimizer class and methods it knows; any other optimizer (ZeRO-3, offload) is left alone.
+Host reads. DeepSpeed's step reads the device three times in bf16 and fp16 (the overflow
+flag, whether the gradient norm is finite, and that again before clipping) and twice in fp32;
+each makes the host wait for everything queued. One is enough: the norm of gradients holding
+an inf or NaN is itself non-finite (masked to -1 above), so the norm's check skips exactly the
+steps the flag would, and clipping runs only after it passed. :func:`install` therefore also
+answers the separate flag without reading it (when the step computes the norm) and clips
+without reading the norm again; the step then reads the device once, in the norm's check.
+
+:func:`install` replaces these methods on one optimizer instance, and only on the optimizer
+class and methods it knows; any other optimizer (ZeRO-3, offload) is left alone.
 """
 
 from __future__ import annotations
@@ -82,6 +90,28 @@ def grad_norm_direct(
     return total
 
 
+def no_separate_overflow_check(optimizer: Any, partition_gradients: bool = True) -> bool:
+    """DeepSpeed's ``has_overflow`` for a step that checks its gradient norm: no overflow
+    here, without a read of the device; the norm's check that follows skips the step when a
+    gradient holds an inf or NaN (module docstring)."""
+    return False
+
+
+def unscale_and_clip_grads(optimizer: Any, grad_groups_flat: list[Any], total_norm: Any) -> None:
+    """DeepSpeed's ``unscale_and_clip_grads`` without reading the norm on the host: the step
+    calls it only once the norm passed its check, which is the read DeepSpeed's method makes
+    again. The same operations, so the same values bit for bit."""
+    if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
+        return
+    combined_scale = optimizer.loss_scale
+    if optimizer.clip_grad > 0.0:
+        clip = ((total_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad
+        combined_scale = torch.clamp(clip, min=1.0) * optimizer.loss_scale
+    for grad in grad_groups_flat:
+        for part in grad if isinstance(grad, list) else [grad]:
+            part.data.mul_(1.0 / combined_scale)
+
+
 def install(optimizer: Any) -> bool:
     """Puts the multi-tensor checks on a ZeRO-1/2 optimizer; False (and nothing changed)
     for any other optimizer, or one without the methods and fields they replace."""
@@ -96,6 +126,13 @@ def install(optimizer: Any) -> bool:
         "_model_parallel_all_reduce",
         "has_overflow_partitioned_grads_serial",
         "get_grad_norm_direct",
+        "has_overflow",
+        "unscale_and_clip_grads",
+        "clip_grad",
+        "loss_scale",
+        "compute_grad_norm",
+        "check_grad_overflow",
+        "dtype",
     )
     if type(optimizer) is not DeepSpeedZeroOptimizer or getattr(optimizer, "cpu_offload", True):
         return False
@@ -105,10 +142,29 @@ def install(optimizer: Any) -> bool:
         has_overflow_partitioned_grads, optimizer
     )
     optimizer.get_grad_norm_direct = types.MethodType(grad_norm_direct, optimizer)
+    if norm_checked(optimizer):
+        optimizer.unscale_and_clip_grads = types.MethodType(unscale_and_clip_grads, optimizer)
+        optimizer.has_overflow = types.MethodType(no_separate_overflow_check, optimizer)
     return True
+
+
+def norm_checked(optimizer: Any) -> bool:
+    """Whether a ZeRO-1/2 step checks its gradient norm and skips itself on an inf or NaN
+    (DeepSpeed's ``step``: always but in bf16 with ``check_grad_overflow`` off)."""
+    return bool(optimizer.compute_grad_norm) and (
+        optimizer.dtype != torch.bfloat16 or bool(optimizer.check_grad_overflow)
+    )
+
+
+REPLACED = (
+    "has_overflow_partitioned_grads_serial",
+    "get_grad_norm_direct",
+    "unscale_and_clip_grads",
+    "has_overflow",
+)
 
 
 def uninstall(optimizer: Any) -> None:
     """Back to DeepSpeed's own per-tensor checks (benchmarks compare the two)."""
-    for name in ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct"):
+    for name in REPLACED:
         vars(optimizer).pop(name, None)

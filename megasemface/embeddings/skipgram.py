@@ -68,9 +68,9 @@ class SkipGramConfig:
     """Tokens per chunk (cut at sentence ends): the unit pairs are made and shuffled in."""
     threads: int = 1
     """torch threads while training. A step's operations are gathers and scatters of a few
-    thousand rows, too small to split well: two threads were 8% faster than one on an idle
-    2-core machine at dim 64, and 5-13x slower (1.2x at dim 1,024) while other processes
-    kept the cores busy, as waiting OpenMP threads then spin on shared cores."""
+    thousand rows, too small to split well: two threads gain little on an idle machine and
+    run several times slower while other processes keep the cores busy, as waiting OpenMP
+    threads then spin on shared cores (docs/results.md)."""
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -20,6 +20,11 @@ and keeps calling ``decode_step`` on a one-row dummy once its own rows are done;
 local batch encodes a one-row dummy. Callers must also make every rank call the search the
 same number of times (an empty batch is allowed for that).
 
+**Device.** The search runs where the model is: the scorer's ``device`` attribute (an adapter
+around an engine has one), else the device of its first parameter (a ``Seq2SeqModel``). Source
+tensors on another device (a batch the loader or a caller built on the host) are moved there
+first, and every tensor the search makes is made there.
+
 Shapes: B sentences, K beam size, R decoder rows (B or B*K), S source length, T prefix length,
 V vocabulary.
 """
@@ -43,6 +48,7 @@ __all__ = [
     "beam_search",
     "greedy_search",
     "max_lengths",
+    "scorer_device",
     "search",
 ]
 
@@ -215,14 +221,14 @@ def greedy_search(
         One hypothesis per sentence, in input order.
     """
     state = _start(scorer, src_BS, src_mask_BS, src_langs_B, tgt_tags, tgt_langs, keep_going)
-    limit_R = max_lengths(src_mask_BS.sum(1), config, max_positions)
-    least_R = min_lengths(src_mask_BS.sum(1), config)
-    sentence_R = torch.arange(state.batch, device=src_BS.device)
+    limit_R = max_lengths(state.src_lengths_B, config, max_positions)
+    least_R = min_lengths(state.src_lengths_B, config)
+    sentence_R = torch.arange(state.batch, device=state.device)
     prefix_RT = state.tags_B[:, None]
     langs_R = state.langs_B
     memory = state.memory
     cache = DecoderCache() if config.incremental else None
-    sums_R = torch.zeros(state.batch, device=src_BS.device)
+    sums_R = torch.zeros(state.batch, device=state.device)
     results: list[Hypothesis | None] = [None] * state.batch
     step = 0
     while _continue(sentence_R.numel() > 0, keep_going):
@@ -287,9 +293,9 @@ def beam_search(
     """
     beam = config.beam
     state = _start(scorer, src_BS, src_mask_BS, src_langs_B, tgt_tags, tgt_langs, keep_going)
-    device = src_BS.device
-    limit_B = max_lengths(src_mask_BS.sum(1), config, max_positions)
-    least_B = min_lengths(src_mask_BS.sum(1), config)
+    device = state.device
+    limit_B = max_lengths(state.src_lengths_B, config, max_positions)
+    least_B = min_lengths(state.src_lengths_B, config)
     sentence_B = torch.arange(state.batch, device=device)
     expand_R = sentence_B.repeat_interleave(beam)
     prefix_RT = state.tags_B[expand_R][:, None]
@@ -374,6 +380,10 @@ def beam_search(
 @dataclasses.dataclass
 class _Start:
     batch: int
+    device: torch.device
+    """The model's: where every tensor of the search lives."""
+    src_lengths_B: torch.Tensor
+    """Real source tokens of each sentence (its ``</s>`` included)."""
     memory: EncoderOutput
     tags_B: torch.Tensor
     langs_B: torch.Tensor
@@ -396,13 +406,17 @@ def _start(
     tgt_langs: int | torch.Tensor,
     keep_going: KeepGoing | None,
 ) -> _Start:
-    """Checks the inputs and encodes the batch (a dummy row when it is empty in lockstep)."""
+    """Checks the inputs, moves them to the model's device and encodes the batch (a dummy row
+    when it is empty in lockstep)."""
     if src_BS.dim() != 2 or src_mask_BS.shape != src_BS.shape:
         raise ValueError(
             f"src_BS and src_mask_BS must be [B, S] alike, got {tuple(src_BS.shape)} and "
             f"{tuple(src_mask_BS.shape)}"
         )
-    batch, device = src_BS.shape[0], src_BS.device
+    batch, device = src_BS.shape[0], scorer_device(scorer, src_BS.device)
+    src_BS, src_mask_BS, src_langs_B = (
+        t.to(device, non_blocking=True) for t in (src_BS, src_mask_BS, src_langs_B)
+    )
     if src_langs_B.shape != (batch,):
         raise ValueError(f"src_langs_B must be [{batch}], got {tuple(src_langs_B.shape)}")
     if batch and not bool(src_mask_BS.any(dim=1).all()):
@@ -421,7 +435,23 @@ def _start(
         empty = torch.zeros(0, 0, 0, device=device)
         memory = EncoderOutput(empty, empty, torch.zeros(0, 0, dtype=torch.bool, device=device))
         dummy_memory = None
-    return _Start(batch, memory, tags_B, langs_B, dummy_memory, dummy_src, dummy_lang)
+    lengths_B = src_mask_BS.sum(1)
+    return _Start(
+        batch, device, lengths_B, memory, tags_B, langs_B, dummy_memory, dummy_src, dummy_lang
+    )
+
+
+def scorer_device(scorer: Seq2SeqScorer, default: torch.device) -> torch.device:
+    """Where ``scorer`` computes: its ``device`` attribute, else its first parameter's device
+    (an ``nn.Module``), else ``default`` (a scorer with neither, e.g. a test double)."""
+    device = getattr(scorer, "device", None)
+    if device is not None:
+        return torch.device(device)
+    parameters = getattr(scorer, "parameters", None)
+    if callable(parameters):
+        for parameter in parameters():
+            return parameter.device
+    return torch.device(default)
 
 
 def _per_sentence(

@@ -81,7 +81,6 @@ G ``groups``, V ``entries``, dg = d/G.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -96,7 +95,7 @@ from megasemface.distributed.groups import (
     mark_model_parallel_parameter,
     reduce_from_model_parallel,
 )
-from megasemface.interfaces.code_usage import CodeUsage, count_codes
+from megasemface.interfaces.code_usage import CodeUsage, count_codes, entropy_shortfall
 from megasemface.interfaces.vq_flat import FlatQuantize, FlatSpec, matmul_dtype, owned_codes
 from megasemface.interfaces.vq_random import (
     TAG_CODEBOOK,
@@ -108,6 +107,13 @@ from megasemface.interfaces.vq_random import (
     gumbel_noise,
     init_rows,
     mix_key,
+)
+from megasemface.interfaces.vq_shards import (
+    SPLIT_PARAMETERS,
+    gather_codebook,
+    gather_state_dicts,
+    shard_state_dict,
+    split_codebook,
 )
 from megasemface.models.code_distance import distance_logit_weights, distance_scale
 from megasemface.models.config import VQConfig
@@ -121,9 +127,6 @@ __all__ = [
     "shard_state_dict",
     "split_codebook",
 ]
-
-SPLIT_PARAMETERS: tuple[str, ...] = ("logits_weight", "logits_bias", "codebook")
-"""State-dict keys of a flat layer that are split along dim 0 across model-parallel ranks."""
 
 
 class VQOutput(NamedTuple):
@@ -335,9 +338,19 @@ class GumbelVectorQuantizer(nn.Module):
         key = self._noise_key(noise_key) if sample else 0
         codebook = self.codebook.detach() if detach_weights else self.codebook
         if self.layout == "flat":
-            return self._forward_flat(h, sample, key, codebook, detach_weights)
-        act, logits_weight, logits_bias = self._logit_inputs(h, detach_weights)
-        return self._forward_product(h, act, sample, key, (logits_weight, logits_bias, codebook))
+            out = self._forward_flat(h, sample, key, codebook, detach_weights)
+        else:
+            act, logits_weight, logits_bias = self._logit_inputs(h, detach_weights)
+            weights = (logits_weight, logits_bias, codebook)
+            out = self._forward_product(h, act, sample, key, weights)
+        gain = self.config.copy_gradient
+        if gain and h.requires_grad and torch.is_grad_enabled():
+            # VQ-VAE's straight-through beside the Gumbel one: h - h is exactly 0, so the
+            # output is still exactly the chosen code, and the gradient of the code reaches
+            # h as it is, times the gain (see VQConfig.copy_gradient).
+            copy = h - h.detach()
+            out = out._replace(quantized=out.quantized + (copy * gain).to(out.quantized.dtype))
+        return out
 
     def _input(self, h: Tensor) -> Tensor:
         """``h`` in the weights' dtype (bf16 features, fp32 layer) unless autocast decides."""
@@ -485,7 +498,7 @@ class GumbelVectorQuantizer(nn.Module):
             # The shards' entropy terms add up to the global entropy; the diversity gradient
             # of each shard flows back through its own terms only (backward identity).
             pieces = reduce_from_model_parallel(pieces, groups)
-            diversity = self._diversity(pieces[0], self.num_codes)
+            diversity = self._diversity(pieces[0], self.num_codes, total)
             stats = pieces.detach()
             prob_ppl, code_ppl = stats[0].exp(), stats[1].exp()
             used_frac = stats[2] / self.num_codes
@@ -495,6 +508,8 @@ class GumbelVectorQuantizer(nn.Module):
             ent_h = ent_h.view(vq.groups, vq.entries).sum(dim=1)
             if vq.diversity_loss == "eq6":
                 diversity = -(ent_p / vq.entries).mean()
+            elif vq.diversity_loss == "entropy":
+                diversity = entropy_shortfall(ent_p, vq.entries, total).mean()
             else:  # wav2vec 2.0: the groups' perplexities add up, at most G * V
                 size = vq.groups * vq.entries
                 diversity = (size - ent_p.exp().sum()) / size
@@ -515,11 +530,14 @@ class GumbelVectorQuantizer(nn.Module):
             greedy_codes=greedy,
         )
 
-    def _diversity(self, entropy: Tensor, size: int) -> Tensor:
+    def _diversity(self, entropy: Tensor, size: int, tokens: Tensor) -> Tensor:
         """The flat layout's ``VQConfig.diversity_loss`` of the entropy of pbar over ``size``
-        codes: ``(size - exp(H)) / size``, or Eq. 6's ``-H / size``."""
+        codes and ``tokens`` tokens: ``(size - exp(H)) / size``, Eq. 6's ``-H / size``, or
+        :func:`entropy_shortfall`."""
         if self.config.diversity_loss == "eq6":
             return -entropy / size
+        if self.config.diversity_loss == "entropy":
+            return entropy_shortfall(entropy, size, tokens)
         return (size - entropy.exp()) / size
 
     # -- codebook access ----------------------------------------------------------------------
@@ -558,43 +576,3 @@ class GumbelVectorQuantizer(nn.Module):
         else:
             shape = f"groups={vq.groups}, entries={vq.entries}"
         return f"layout={self.layout}, {shape}, d={self.d_model}, hidden={vq.hidden_dim}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Shard helpers for checkpoint tools (pure tensor functions)
-# ---------------------------------------------------------------------------------------------
-
-
-def split_codebook(full: Tensor, rank: int, size: int) -> Tensor:
-    """Rank ``rank``'s contiguous shard (dim 0) of a flat-layer tensor split ``size`` ways."""
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"invalid rank {rank} of size {size}")
-    if full.shape[0] % size:
-        raise ValueError(f"{full.shape[0]} rows are not divisible by {size} shards")
-    rows = full.shape[0] // size
-    return full[rank * rows : (rank + 1) * rows].clone()
-
-
-def gather_codebook(shards: Sequence[Tensor]) -> Tensor:
-    """The full tensor from shards listed in model-parallel rank order."""
-    if not shards:
-        raise ValueError("no shards")
-    return torch.cat(list(shards), dim=0)
-
-
-def shard_state_dict(full: Mapping[str, Tensor], rank: int, size: int) -> dict[str, Tensor]:
-    """A flat layer's full state dict cut to rank ``rank``'s shard (other keys copied)."""
-    return {
-        key: split_codebook(value, rank, size) if key in SPLIT_PARAMETERS else value
-        for key, value in full.items()
-    }
-
-
-def gather_state_dicts(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """The full state dict from the ranks' state dicts (replicated keys from rank 0)."""
-    if not shards:
-        raise ValueError("no shards")
-    return {
-        key: gather_codebook([s[key] for s in shards]) if key in SPLIT_PARAMETERS else value
-        for key, value in shards[0].items()
-    }

@@ -401,7 +401,7 @@ def _flat_logit_backward(
     product_dtype = dtype if grad_a is not None or need_w else torch.float32
     # The compiled passes also write the gradient transposed for the weight's product:
     # oneDNN would otherwise copy the [n, Kl] gradient transposed itself, a strided read
-    # that took 2x as long again where the buffer started on a page boundary.
+    # that is slowest where the buffer starts on a page boundary (cache-set conflicts).
     transposed = spec.compiled and need_w and dtype == torch.float32 and cpu_gemm.enabled(a)
     for chunk, t0 in enumerate(starts):
         t1 = min(n_tok, t0 + spec.chunk_tokens)

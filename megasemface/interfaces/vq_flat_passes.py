@@ -8,14 +8,14 @@ dot products per token and the logits' gradient in backward. Inductor's C++ back
 each function here into one or two loops over the chunk (the noise hashed and added in one
 pass, forward's exponentials and sums in one, backward's dot products in one and the
 gradient, with its transpose for the weight's product, in one). At the paper's 102,400 codes
-on the 2-core CPU machine, the two VQ calls of a joint step (132 and 115 tokens) spent 263
-ms outside their matrix products (about 500 ms) eagerly and 161 ms compiled. The functions
+those passes, not the products, were most of the layer's time beyond its products' share,
+and fusing them cuts the memory traffic they are bound by (docs/results.md). The functions
 are the eager passes themselves: compiled and eager runs compute the same operations, up to
 the order of the sums and the logarithms' last bit.
 
 Compiled where a chunk holds at least :data:`MIN_COMPILED_ELEMENTS` logits on a CPU and
 ``VQConfig.fused_kernels`` is on (on a GPU the Triton kernels of
-:mod:`~megasemface.interfaces.vq_flat_fused` serve). Compiling takes 10-20 s once per
+:mod:`~megasemface.interfaces.vq_flat_fused` serve). Compiling takes seconds once per
 process (less from inductor's on-disk cache), which such chunks pay back within a few
 hundred steps; the tiny and small presets' 512 codes stay eager. Where compiling fails (no
 C++ compiler), a warning says so once and the eager passes serve.
@@ -127,8 +127,8 @@ def gradient_dots(
     ``grad_soft`` (zeros where None) plus, when the diversity averages Eq. 5's
     probabilities, ``grad_div``. In place, as the buffers are not read again: ``soft`` (q)
     and ``plain`` (r) are normalised by the partition sums in ``stats`` [n, 5], and ``gq``
-    is ``grad_soft`` itself. (Eagerly that is one pass fewer each, at the tiny preset an
-    eighth of a call; compiled, the writes cost 3 ms of a call at the paper's.)"""
+    is ``grad_soft`` itself. (Eagerly that is one pass fewer each, a visible share of a
+    call at the tiny preset; compiled, the in-place writes cost little either way.)"""
     dots = torch.zeros(stats.shape[0], 2, dtype=torch.float32, device=stats.device)
     if soft is not None:
         soft.div_(stats[:, 2:3])

@@ -8,6 +8,7 @@ and ``--model-config file.json`` style files are dicts of the same keys.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import typing
 from collections.abc import Callable, Iterable
@@ -79,11 +80,24 @@ class VQConfig:
     run as fused kernels (interfaces/vq_flat_fused.py); on a CPU, from 4M logits a chunk
     (the paper's codebook), compiled by torch.compile (interfaces/vq_flat_passes.py). The
     same values up to float rounding; False runs them as eager PyTorch operations."""
-    diversity_loss: Literal["perplexity", "eq6"] = "perplexity"
-    """perplexity: wav2vec 2.0's ``(K - exp(H(pbar))) / K``, whose pull does not fade with K;
+    diversity_loss: Literal["perplexity", "eq6", "entropy"] = "perplexity"
+    """perplexity: wav2vec 2.0's ``(K - exp(H(pbar))) / K``, whose pull does not fade with K
+    but fades as the codebook collapses (-exp(H)/K a nat);
     eq6: the paper's Eq. 6 as printed, ``(1/K) sum pbar log pbar``, which moves by at most
-    ln(K)/K and lets the codebook collapse (kept for the ablation). See
+    ln(K)/K and lets the codebook collapse (kept for the ablation);
+    entropy (not in the paper; the paper preset's): ``max(0, ln min(K, N) - H(pbar))`` for
+    a batch of N tokens (per group for the product layout), a pull of one nat a nat
+    whatever the codebook's state, towards what the batch's tokens can reach. See
     interfaces/gumbel_quantizer.py."""
+    copy_gradient: float = 0.0
+    """Not in the paper: the gradient of the chosen code also reaches the layer's input h
+    unchanged, times this gain, as in VQ-VAE's straight-through estimator, beside the
+    Gumbel-softmax's. The Gumbel path alone passes it through the logits: with distance
+    logits its Jacobian is about ``(2 s / tau) I`` while every token spreads over many
+    codes (s the distance scale), 0.011 at d 1,024 and 102,400 codes, so the encoder
+    trains on the L2 penalty and the diversity terms, whose gradients are not scaled down,
+    and hardly on the MLM (docs/reproduce.md, the encoder at the paper's scale). The
+    forward output is exactly the chosen code either way. 0: the Gumbel path alone."""
     diversity_from_gumbel: bool = False
     """Average Eq. 5's Gumbel probabilities for the diversity loss (the paper's text) instead
     of the noise-free softmax (wav2vec 2.0's code); see interfaces/gumbel_quantizer.py."""
@@ -93,14 +107,17 @@ class VQConfig:
             raise ValueError(f"vq.layout must be 'flat' or 'product', got {self.layout!r}")
         if self.logits not in ("mlp", "distance"):
             raise ValueError(f"vq.logits must be 'mlp' or 'distance', got {self.logits!r}")
-        if self.diversity_loss not in ("perplexity", "eq6"):
+        if self.diversity_loss not in ("perplexity", "eq6", "entropy"):
             raise ValueError(
-                f"vq.diversity_loss must be 'perplexity' or 'eq6', got {self.diversity_loss!r}"
+                "vq.diversity_loss must be 'perplexity', 'eq6' or 'entropy', "
+                f"got {self.diversity_loss!r}"
             )
         counts = ("num_codes", "groups", "entries", "distance_width", "hidden_dim", "chunk_tokens")
         for name in counts:
             if getattr(self, name) < 1:
                 raise ValueError(f"vq.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.copy_gradient >= 0:
+            raise ValueError(f"vq.copy_gradient must be >= 0, got {self.copy_gradient}")
         if self.keep_logits_mib < 0:
             raise ValueError(f"vq.keep_logits_mib must be >= 0, got {self.keep_logits_mib}")
         if not 0 < self.temperature_end <= self.temperature_start:
@@ -165,8 +182,21 @@ class ModelConfig:
 
 
 def _paper() -> ModelConfig:
-    """The paper's shapes: 6+6 layers, hidden 1024, 8 heads, codebook 102,400 x 1024."""
-    return ModelConfig()
+    """The paper's shapes: 6+6 layers, hidden 1024, 8 heads, 102,400 codes of size 1024.
+
+    The 102,400 codes are wav2vec 2.0's, which the paper follows: 2 groups of 320 entries
+    (``product``), not one flat table. At d 1,024 the flat table's encoder never commits to
+    a code: with 102,400 codes a token's distance logits must open a gap of about ln K =
+    11.5 nats before its Gumbel sample stops being noise, and the MLM stays above the
+    uniform guess. The product layout needs ln 320 = 5.8 nats a group, and its MLM learns.
+    Two fixes beyond the paper keep it from collapsing and feed its encoder the MLM's
+    gradient: the ``entropy`` diversity loss, whose pull does not fade as the codebook
+    collapses (the ``perplexity`` form left 15-24 codewords), and ``copy_gradient``, which
+    passes the code's gradient to the encoder at full strength beside the Gumbel path's
+    (about 0.02 of it). docs/reproduce.md, "The VQ encoder at the paper's scale", has the
+    measurements.
+    """
+    return ModelConfig(vq=VQConfig(layout="product", diversity_loss="entropy", copy_gradient=1.0))
 
 
 def _tiny() -> ModelConfig:
@@ -200,14 +230,11 @@ def _small() -> ModelConfig:
     translation model, 5.5M as a VQ-SemFace model; tiny: 1.3M and 1.9M).
 
     Chosen by its cost on the 2-core CPU machine, one thread per process as the pipeline's two
-    processes get. On the same batch (128 sentences of 12 tokens, forward, backward and Adam)
-    a translation step counts 3.9x tiny's FLOPs and a SemFace joint step 3.7x (torch's
-    FlopCounterMode), but they take only 2.0x and 2.3x tiny's time (median of alternating
-    steps): tiny's matrices are too small to keep a core busy (10-13 GFLOP/s, this one 20-21).
-    Wider costs more than it buys at three hours: d 192 with 4+4 layers takes 3.4x / 3.6x
-    tiny's time, d 256 with 4+4 layers 4.0x / 4.7x (12.7x the FLOPs), which would leave the
-    study fewer steps than the demo's. The ``study`` budget (megasemface/pipeline/config.py)
-    turns these ratios into hours.
+    processes get: it does about four times tiny's FLOPs a step in about twice tiny's time,
+    because tiny's matrices are too small to keep a core busy; wider models cost more time
+    than they add capacity, and would leave the three-hour study fewer steps than the demo's
+    (the ratios measured: docs/results.md). The ``study`` budget
+    (megasemface/pipeline/config.py) turns them into hours.
     """
     tiny = _tiny()
     return dataclasses.replace(
@@ -246,24 +273,32 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     raise ValueError(f"{key} cannot be set from {value!r}")
 
 
-def _set(config: Any, dotted: str, value: Any) -> None:
+def _unknown(key: str, part: str, known: Iterable[str], prefix: str = "") -> ValueError:
+    """The error for the model option ``key`` whose part ``part`` (after ``prefix``) is none
+    of ``known``, the option names there, with the closest of them."""
+    close = difflib.get_close_matches(part, list(known), n=1)
+    hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(sorted(known))}"
+    return ValueError(f"unknown model option {key!r} ({hint})")
+
+
+def _set(config: Any, dotted: str, value: Any, prefix: str = "") -> None:
     head, _, rest = dotted.partition(".")
     fields = {f.name: f for f in dataclasses.fields(config)}
     if head not in fields:
-        raise ValueError(f"unknown model option {dotted!r}; known: {sorted(fields)}")
+        raise _unknown(prefix + dotted, head, fields, prefix)
     hints = typing.get_type_hints(type(config))
     current = getattr(config, head)
     if rest:
         if not dataclasses.is_dataclass(current):
-            raise ValueError(f"{head} has no sub-options (in {dotted!r})")
-        _set(current, rest, value)
+            raise ValueError(f"{prefix}{head} has no sub-options (in {prefix + dotted!r})")
+        _set(current, rest, value, f"{prefix}{head}.")
     elif dataclasses.is_dataclass(current):
         if not isinstance(value, dict):
-            raise ValueError(f"{head} takes a dict of sub-options, got {value!r}")
+            raise ValueError(f"{prefix}{head} takes a dict of sub-options, got {value!r}")
         for key, sub in value.items():
-            _set(current, key, sub)
+            _set(current, key, sub, f"{prefix}{head}.")
     else:
-        setattr(config, head, _coerce(value, hints[head], dotted))
+        setattr(config, head, _coerce(value, hints[head], prefix + dotted))
 
 
 def apply_overrides(config: ModelConfig, overrides: Iterable[str | tuple[str, Any]]) -> ModelConfig:
@@ -292,14 +327,17 @@ def model_option(key: str, value: bool | int | float | str) -> str:
     """
     config: Any = ModelConfig
     *heads, name = key.split(".")
-    for head in heads:
+    for depth, head in enumerate(heads):
         hints = typing.get_type_hints(config)
         if not (head in hints and dataclasses.is_dataclass(hints[head])):
-            raise ValueError(f"unknown model option {key!r}")
+            nested = [field for field, hint in hints.items() if dataclasses.is_dataclass(hint)]
+            raise _unknown(key, head, nested, "".join(f"{h}." for h in heads[:depth]))
         config = hints[head]
-    hint = typing.get_type_hints(config).get(name)
+    hints = typing.get_type_hints(config)
+    hint = hints.get(name)
     if hint is None or dataclasses.is_dataclass(hint):
-        raise ValueError(f"unknown model option {key!r}")
+        values = [field for field, hint in hints.items() if not dataclasses.is_dataclass(hint)]
+        raise _unknown(key, name, values, "".join(f"{h}." for h in heads))
     if typing.get_origin(hint) is Literal:
         _coerce(value, hint, key)  # one of its choices
     elif not (type(value) is hint or (hint is float and type(value) is int)):

@@ -2,9 +2,9 @@
 
 torch multiplies fp32 matrices on a CPU with MKL, which on AMD processors runs its AVX2
 kernels even where the cores have AVX-512. oneDNN, which torch bundles and which picks its
-kernels by instruction set, multiplies the same matrices 2.1-2.5x faster on a 2-core AMD EPYC
-with fifth-generation Zen cores (the square 2,048 product: 457 against 211 GFLOP/s; the
-transformer's and the output layer's products alike; ``benchmarks/bench_peer.py``). The
+kernels by instruction set, runs AVX-512 there and multiplies the same matrices about twice
+as fast on AMD EPYC cores with AVX-512 (the transformer's and the output layer's products
+alike; ``benchmarks/bench_peer.py``, figures in docs/results.md). The
 results are fp32 products with fp32 accumulation, equal to MKL's up to rounding (about 1e-6
 of their scale).
 
@@ -123,10 +123,10 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.stride(-2) == 1 and a.stride(-1) != 1 and cols < min(rows, inner):
         # A transposed left operand (a weight's gradient, grads.T @ states): oneDNN takes it
         # strided as it is, or the transposed product (b.T @ a.T).T is copied back. The
-        # latter was faster where the result has more rows than columns and the product
-        # runs over more tokens than columns (up to 2.6x: 1,056 tokens, 8,000 x 64); the
-        # former elsewhere (up to 2x: 132 tokens, the paper preset's 102,400 x 1,024 or
-        # 4,096 x 1,024; 1.6x: 1,056 tokens, 64 x 256).
+        # latter is faster where the result has more rows than columns and the product
+        # runs over more tokens than columns (the tiny output layer's 8,000 x 64 over a
+        # batch); the former elsewhere (the paper preset's codebook and FFN weights over
+        # a few hundred tokens), by up to 2x either way (docs/results.md).
         return _onednn_linear(b.t(), a).t().contiguous()
     return _onednn_linear(a, b.t())
 
@@ -210,8 +210,8 @@ class Linear(nn.Linear):
 
 # Under torch.compile, a CPU's fp32 product and its gradients are operators of their own,
 # which choose between oneDNN and torch's BLAS when they run: inductor would otherwise
-# compile F.linear into torch's BLAS products, which are half as fast where oneDNN is used
-# (the compiled step ran at 0.69-0.79x the eager one there).
+# compile F.linear into torch's BLAS products, which are half as fast where oneDNN is used,
+# and the compiled step would run slower than the eager one.
 @torch.library.custom_op("megasemface::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if _through_onednn(x, weight):

@@ -1,8 +1,8 @@
 """Dropout with a cheaper mask on CPU.
 
 ``F.dropout`` on CPU draws its mask with ``bernoulli_``: one Mersenne-Twister number per
-element. At d 512 with 6+6 layers that is about an eighth of a training step on 2 cores
-(``benchmarks/bench_peer.py``), as much as everything but the matrix multiplies. Here each
+element. At d 512 with 6+6 layers that costs as much as everything in a training step but
+the matrix multiplies (``benchmarks/bench_peer.py``; docs/results.md). Here each
 64-bit draw gives four 16-bit numbers, and an element is dropped when its number falls
 below ``round(p * 2**16)``: the same generator (``torch.manual_seed``, checkpointed with the
 run), a quarter of the draws. The drop rate is ``p`` rounded to a multiple of 2**-16 (0.1
@@ -41,7 +41,7 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     keep = (numbers >= threshold - 2 ** (_BITS - 1)).view(x.shape)
     # The mask in x's dtype with the scale folded in, which backward reuses: with a boolean
     # mask, a CPU converts it to x's dtype in the forward's product and again in backward's,
-    # and scales in a pass of its own (together 1.7x the time at [64, 33, 2048]).
+    # and scales in a pass of its own: three passes over the activations instead of one.
     return x * keep.to(x.dtype).mul_(2**_BITS / (2**_BITS - threshold))
 
 

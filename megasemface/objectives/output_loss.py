@@ -122,8 +122,8 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 z_CV = F.linear(h_CD, weight_VD, bias_V).float()
             elif cpu_gemm.enabled(h_CD):  # oneDNN adds the bias in the product's own pass
                 z_CV = cpu_gemm.linear(h_CD, weight_VD, bias_V).float()
-            else:  # addmm's broadcast copy of the bias into its [C, V] output is slower on a
-                # CPU than the product itself (8 ms for 1,056 x 8,000); an add is one pass.
+            else:  # addmm's broadcast copy of the bias into its [C, V] output can take as
+                # long as the product itself on a CPU; an add afterwards is one pass.
                 z_CV = cpu_gemm.mm(h_CD, weight_VD.t()).float()
                 if bias_V is not None:
                     z_CV.add_(bias_V)

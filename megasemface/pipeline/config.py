@@ -13,6 +13,8 @@ from megasemface.pipeline.systems import ABLATIONS, RELATED, SETTINGS, SYSTEMS, 
 
 __all__ = [
     "BUDGETS",
+    "H200_FIXED_SECONDS",
+    "H200_STEP_SECONDS",
     "PipelineConfig",
     "parse_languages",
     "parse_seeds",
@@ -52,6 +54,9 @@ class PipelineConfig:
     steps at 4e-3 score above 400 and 800 at 2e-3, the budget before, in two thirds of the
     time."""
     valid_interval: int = 200
+    checkpoints_per_run: int = 4
+    """Checkpoints each training run saves, evenly spaced, the last at its end: where an
+    interrupted run resumes from (each save stalls training while every rank writes)."""
     max_tokens: int = 2048
     """Tokens per batch and rank."""
     compile: bool = False
@@ -117,6 +122,7 @@ class PipelineConfig:
             if setting not in SETTINGS:
                 raise ValueError(f"unknown setting {setting!r}; known: {', '.join(SETTINGS)}")
         names = ("pretrain_steps", "finetune_steps", "valid_interval", "procs", "train_pairs")
+        names += ("checkpoints_per_run",)
         for name in (*names, "ras_words"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -299,6 +305,25 @@ BUDGETS: dict[str, dict[str, object]] = {
         "lr": 2e-3,
         "denoise_schedule": "0:1,500:0.1,1000:0",
     },
+    "gpu": {
+        "workdir": Path("runs/gpu"),
+        "systems": tuple(SYSTEMS),
+        "settings": ("supervised",),
+        "model_preset": "paper",
+        "vocab_size": 60_000,
+        "test_sentences": 100,
+        "valid_sentences": 100,
+        "pretrain_steps": 40,
+        "finetune_steps": 40,
+        "valid_interval": 40,
+        "checkpoints_per_run": 1,
+        "warmup_steps": 10,
+        "lr": 3e-4,
+        "pretrain_lr": 1e-4,
+        "max_tokens": 16_384,
+        "cl_epochs": 1,
+        "procs": 1,
+    },
     "paper": {
         "workdir": Path("runs/paper"),
         "model_preset": "paper",
@@ -320,26 +345,70 @@ BUDGETS: dict[str, dict[str, object]] = {
         "shard_jobs": 16,
     },
 }
-"""Named budgets: demo (the README's main command, 2 CPU cores: 25 minutes on the slower
-machine on a slow day, less elsewhere; README), smoke (the test suite's reduced end-to-end
-run), study (below) and paper (the paper's scale, on GPUs). A budget may name its systems
-and settings; ``--systems`` and ``--settings`` override them.
+"""Named budgets: demo (the README's main command, made to finish within 20 minutes on 2 CPU
+cores, the install included; what it took: docs/results.md), smoke (the test suite's reduced
+end-to-end run), study (below), gpu (below) and paper (the paper's scale, on GPUs). A budget
+may name its systems and settings; ``--systems`` and ``--settings`` override them.
 
 study: the five systems of Table 3, supervised, in about three hours on the 2-core CPU
 machine with 2 processes: the ``small`` model (d 128, 4+4 layers; see its docstring for why
 not wider), 800 pre-training steps and 1,000 fine-tuning steps at a peak learning rate of
 2e-3 (the demo's budget when the study's runs were measured: 400, 800 and 2e-3), the
-demo's data, batches and pre-training learning rate otherwise. The arithmetic, from the
-demo's measured rates on that machine (a slow day: 3,700 tokens/s for joint pre-training, 9,000 for
-fine-tuning, about 4,400 tokens a step: 1.2 s and 0.49 s a step; XLM's encoder stage 0.23 of
-a joint step, 0.27 s; mBART's denoising a fine-tuning-shaped step, 0.49 s) times the small
-model's measured cost per step (2.3x tiny's for the joint stage, 2.0x for the others):
+demo's data, batches and pre-training learning rate otherwise. The step counts come from
+the demo's measured step times on that machine times the small model's measured cost per
+step, so that every system fits the three hours; the arithmetic is in docs/results.md.
+The joint SemFace stages take most of it: their steps run both the encoder and the decoder
+stage. ``--seeds 0,1,2`` takes three times as long.
 
-- a step: joint 2.7 s, fine-tuning 0.98 s, encoder stage 0.55 s, mBART 0.98 s;
-- fine-tuning, every system: 1,000 x 0.98 s = 16 min;
-- pre-training: XLM 800 x 0.55 s = 7 min, mBART 13 min, CL-SemFace and VQ-SemFace 36 min
-  each;
-- per system: Transformer 16 min, XLM 23, mBART 29, CL-SemFace 53, VQ-SemFace 53; together
-  2 h 55 min, and about 10 minutes more for the data, the CL table, nine launches and
-  the test translations: about 3 h 5 min. The machine kind runs up to 2x faster on a good
-  day; ``--seeds 0,1,2`` takes three times as long."""
+gpu: the five systems of Table 3, supervised, at the paper preset (d 1,024, 6+6 layers,
+VQ-SemFace's 102,400-code codebook, a 60,000-piece vocabulary) on one H200 in at most 8
+minutes end to end, with 16,384-token batches. Not measured yet: the arithmetic below is
+built from :data:`H200_STEP_SECONDS` (measured) and :data:`H200_FIXED_SECONDS` (estimated),
+and most of the 8 minutes goes to what does not depend on the steps:
+
+- fixed, about 387 s: the data 30 s (the corpus, the 60,000-piece model and the shards took
+  33 s on the busy 2-core CPU machine), CL-SemFace's table at d 1,024 45 s, nine training
+  runs' start-up and final checkpoint (4 x 25 s pre-training, 5 x 20 s fine-tuning: 200 s),
+  4 connected models 32 s, 2 interface diagnostics 20 s, 5 validations 25 s and 5 test
+  translations (100 sentences each way) 30 s, the report 5 s;
+- pre-training, 40 steps each: XLM 40 x 0.164 s = 6.6 s, mBART 40 x 0.16 s = 6.4 s,
+  CL-SemFace and VQ-SemFace 40 x 0.34 s = 13.6 s each: 40 s;
+- fine-tuning, 40 steps each: 5 x 40 x 0.16 s = 32 s;
+- about 459 s (7 min 39 s) in all; ``checkpoints_per_run`` 1 saves each run once (a
+  paper-preset checkpoint takes about 10 s).
+
+So 40 steps is a check that every system runs end to end at the paper's size, not a
+comparison of their results: the pre-training curves at that size are
+tools/learning_curves.py's (three runs, no fine-tuning). The learning rates are the
+paper's for pre-training (1e-4, as the measured runs) and, for so short a fine-tuning,
+3e-4 after 10 warm-up steps; neither is tuned."""
+
+H200_STEP_SECONDS: dict[str, float] = {
+    "joint": 0.34,
+    "encoder": 16_384 / 100_000,
+    "mbart": 0.16,
+    "finetune": 0.16,
+}
+"""Seconds a step of each stage takes on one H200 at the paper preset with 16,384-token
+batches: the joint stage as measured (the main command, VQ-SemFace: 340 ms; CL-SemFace's
+has no 102,400-code layer and takes less); XLM's encoder stage at the lower end of the
+measured 100,000-125,000 tokens/s; a translation-shaped step (mBART's denoising and
+fine-tuning) from bench_gpu.py's 110 ms at 14,534 tokens, scaled to 16,384 tokens and by
+the main command's 1.19-1.26x over the benchmark's joint step (340 against 270-285
+ms): 124 ms x 1.26 = 0.156 s."""
+
+H200_FIXED_SECONDS: dict[str, float] = {
+    "data": 30,
+    "cl_table": 45,
+    "pretraining_run": 25,
+    "finetuning_run": 20,
+    "connect": 8,
+    "diagnostics": 10,
+    "validation": 5,
+    "test_translation": 6,
+    "report": 5,
+}
+"""Estimated seconds of the ``gpu`` budget's work besides the steps: the data steps, the CL
+table, each training run's start-up and final checkpoint, each connected model, each
+interface diagnostics, each fine-tuning's validation, each system's test translation and
+the report."""

@@ -64,7 +64,8 @@ def launch_command(
 
     One machine goes through ``megasemface.distributed.launch``, which gives the ranks the
     environment DeepSpeed's launcher gives them without importing DeepSpeed twice more
-    before they start (about 10 s a run on a 2-core machine, a minute of ``make demo``).
+    before they start: on a small machine those imports take longer than a short run's
+    training, and a pipeline launches many runs.
     """
     script = [str(TRAIN_SCRIPT), "--deepspeed_config", str(ds_config), *train_argv(config)]
     port = ["--master_port", str(free_port())]

@@ -252,7 +252,7 @@ class Pipeline:
             compile=cfg.compile,
             seed=seed,
             log_interval=max(1, steps // 10),
-            save_interval=max(1, steps // 4),
+            save_interval=max(1, steps // cfg.checkpoints_per_run),
             keep_last=1,
             tracking_uri=self.tracking_uri,
             experiment=cfg.experiment_name,

@@ -91,8 +91,10 @@ class TrainConfig:
     decoder_objective: str = "clm"
     """Decoder stage loss: clm (causal LM, Eq. 3) or mlm (masked LM over a bidirectional
     decoder, Eq. 2)."""
-    mse_weight: float = 1.0
-    """CL-SemFace: weight of the MSE term of Eq. 1; 0: off (the 'w/o MSE' ablation)."""
+    mse_weight: float | None = None
+    """CL-SemFace: weight of the MSE term of Eq. 1; 0: off (the 'w/o MSE' ablation).
+    Default: 1 up to d_model 128, 0.01 wider, where the term, summed over the dimensions,
+    outweighs the MLM (objectives/stages.py, default_mse_weight)."""
     diversity_weight: float = 2.0
     """VQ: weight of the diversity loss (the paper's losses: 1)."""
     l2_weight: float = 1.0
@@ -115,8 +117,9 @@ class TrainConfig:
     """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
     on by default, measured better on validation); 0: off."""
     codebook_warn_fraction: float = 0.25
-    """VQ-SemFace: warn when the argmax picks fewer codes over a logging window than this
-    share of what the window's tokens could use (min of K and the tokens)."""
+    """VQ-SemFace: warn that the codebook collapses when the argmax picks fewer codes over a
+    logging window than this share of what a uniform choice would pick for its n tokens,
+    K(1-(1-1/K)^n), and the code histogram's perplexity is under a tenth of min(K, n)."""
     mp_size: int = 1
     """Model-parallel size: ranks the VQ codebook is split over."""
     steps: int = 1000
@@ -304,7 +307,7 @@ class TrainConfig:
             "token_entropy_weight",
         ):
             # A negative weight would maximise the term it names.
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0.0) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         self.tag_dict()  # validates KEY=VALUE
         for text in self.directions:
@@ -430,8 +433,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     actions: list[argparse.Action] = []
     docs = field_docs()
     add = _adder(parser, actions, docs)
+    # DeepSpeed's launcher appends --local_rank=R to the script's arguments, and torch's
+    # launchers --local-rank=R: accepted by name. DeepSpeed reads the rank from LOCAL_RANK.
     add(
         "--local_rank",
+        "--local-rank",
         type=int,
         default=int(os.environ.get("LOCAL_RANK", -1)),
         help="set by the deepspeed launcher",

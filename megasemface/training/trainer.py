@@ -1,11 +1,17 @@
 """The one training loop, for every stage.
 
 Per step: one token-budget batch per rank (micro-batch), the stage's loss from its train
-unit, a check that the loss is finite on every rank (if not, the step is skipped everywhere
-and nothing changes), backward and optimizer step through the DeepSpeed facade, metrics, the
-unit's work between steps (validation), a stop-signal check agreed by all ranks, and
-checkpoints every ``save_interval`` steps and at the end. What differs per stage lives in
-its unit (:mod:`megasemface.training.units`).
+unit, backward and optimizer step through the DeepSpeed facade, skipped on every rank when
+the loss is non-finite on any (nothing changes; ``Trainer._step``), the unit's work between
+steps (validation), a stop-signal check agreed by all ranks, and checkpoints every
+``save_interval`` steps and at the end. What differs per stage lives in its unit
+(:mod:`megasemface.training.units`).
+
+The host does not wait for the device within a step but in the optimizer's own overflow
+check: the loss, its finiteness and the counters stay on the device
+(:mod:`megasemface.training.step_ledger`) until a logging or checkpoint step reads them
+(``tests/test_step_syncs.py`` counts the reads). Logging steps also report tokens/s per GPU,
+model FLOPs utilisation and the memory peak (:mod:`megasemface.training.throughput`).
 
 Exact resume: every random draw of a step is seeded from (seed, step, rank) and the loader
 position is restored from the checkpoint, so a run resumed from checkpoint k repeats the
@@ -16,9 +22,9 @@ ranks, it goes on from the checkpoint's weights, optimizer state and place in th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import math
 import random
 import sys
 import time
@@ -28,10 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from megasemface.checkpoints.consolidate import param_dtype
 from megasemface.checkpoints.manager import CheckpointManager
 from megasemface.checkpoints.universal import ResumePoint, resume_point
 from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.distributed import collectives
+from megasemface.distributed.collectives import any_rank
 from megasemface.distributed.engine import DeepSpeedEngine, loading_universal
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.models.compile import compile_layers
@@ -42,6 +50,8 @@ from megasemface.training.preflight import lr_schedule_of
 from megasemface.training.run_data import RunData
 from megasemface.training.schedules import inverse_sqrt_lr
 from megasemface.training.signals import StopRequest
+from megasemface.training.step_ledger import StepLedger, StepRecord
+from megasemface.training.throughput import Throughput
 from megasemface.training.units import build_unit
 from megasemface.training.units.base import TrainUnit
 
@@ -51,6 +61,15 @@ logger = logging.getLogger(__name__)
 
 FLUSH_BEFORE_SAVE_S = 5.0
 """At most this long a checkpoint waits for the tracked metrics to reach the store."""
+
+LEDGER_STEPS = 1000
+"""Steps the ledger keeps on the device at most before it is read (a logging interval
+longer than this reads it in between, so that it stays small)."""
+
+STOP_CHECK_STEPS = 10
+"""Ranks agree on a stop signal at least this often (and at every logging and checkpoint
+step): the agreement is a collective read on the host, which on GPUs waits for the step's
+work, so it is not made every step. One process decides alone, every step."""
 
 
 class NonFiniteError(RuntimeError):
@@ -116,12 +135,17 @@ class Trainer:
         self.ds_config = ds_config
         self.lr_schedule = lr_schedule_of(config, ds_config)
         self.base_lr = config.lr if config.lr is not None else self.engine.lr
+        self.optimizer_skips = self.engine.skips_non_finite_gradients
+        """Whether the optimizer skips a step with non-finite gradients itself (``_step``)."""
         self.loader = build_loader(config, self.data, self.unit, groups)
         self.step = 0
         self.skips_in_row = 0
         self.skipped = 0
         self.samples_seen = 0
         self.run_id: str | None = None
+        self._metrics_log: _JsonLines | None = None
+        self._samples_log: _JsonLines | None = None
+        self._loop_started = time.perf_counter()
 
     # Checkpoints --------------------------------------------------------------------------
 
@@ -305,14 +329,18 @@ class Trainer:
         cfg = self.config
         self.engine.train()
         stream = iter(self.loader)
-        samples_log = metrics_log = None
+        self._samples_log = self._metrics_log = None
         if cfg.log_sample_ids:
-            samples_log = _JsonLines(cfg.output_dir / f"samples-rank{self.rank:03d}.jsonl")
+            self._samples_log = _JsonLines(cfg.output_dir / f"samples-rank{self.rank:03d}.jsonl")
         if self.is_main:
-            metrics_log = _JsonLines(cfg.output_dir / "metrics.jsonl")
+            self._metrics_log = _JsonLines(cfg.output_dir / "metrics.jsonl")
         progress = _Progress(self.is_main, cfg.steps, self.step)
-        window_tokens, window_started = 0, time.perf_counter()
-        loop_started = window_started
+        ledger = StepLedger(self.engine.device, self.groups.mp_size)
+        dtype = param_dtype(self.ds_config) or torch.float32
+        speed = Throughput(self.engine.device, self.world, dtype)
+        window = _Window()
+        self._loop_started = window.started
+        last: StepRecord | None = None
         status = "FINISHED"
         while self.step < cfg.steps:
             step = self.step + 1
@@ -320,83 +348,52 @@ class Trainer:
             generator = _seed_everything(_step_seed(cfg.seed, step, self.groups.dp_rank))
             out = self.unit.loss(self.engine, batch, generator, step)
             loss = out.loss * float("nan") if step in cfg.inject_nan_at else out.loss
-            bad, loss_sum, tokens, sentences = collectives.sum_or_max(
-                [
-                    0.0 if math.isfinite(loss.item()) else 1.0,
-                    loss.item(),
-                    batch.num_tokens,
-                    len(batch.lengths),
-                ]
-            )
-            if bad:
-                # Skipped on every rank: no backward, no optimizer step, nothing changes.
-                self.skipped += 1
-                self.skips_in_row += 1
-                logger.warning(
-                    "step %d: non-finite loss, step skipped (%d in a row)", step, self.skips_in_row
-                )
-                if self.skips_in_row >= cfg.max_consecutive_skips:
-                    if metrics_log is not None:
-                        metrics_log.write({"step": step, "loss": loss_sum, "skipped": True})
-                    raise NonFiniteError(
-                        f"step {step}: the loss was non-finite {self.skips_in_row} steps in a "
-                        "row; lower the learning rate, check the data, or resume from an "
-                        "earlier checkpoint"
-                    )
-            else:
-                self.skips_in_row = 0
-                self.engine.backward(loss)
-                if self.lr_schedule != "deepspeed":
-                    self.engine.set_lr(self._lr_at(step))
-                self.engine.step()
+            self._step(loss, step)
             self.step = step
-            # Model-parallel peers read the same batch: count it once.
-            sentences, tokens = sentences / self.groups.mp_size, tokens / self.groups.mp_size
-            self.samples_seen += int(sentences)
-            window_tokens += int(tokens)
-            if samples_log is not None:
-                # With this rank's own loss: the samples are this rank's, the logged loss
-                # is the mean over ranks.
-                samples_log.write(
-                    {"step": step, "ids": batch.sentence_ids.tolist(), "loss": loss.item()}
-                )
-            mean_loss = loss_sum / self.world
-            if metrics_log is not None:
-                metrics_log.write(
-                    {
-                        "step": step,
-                        "loss": mean_loss,
-                        "skipped": bool(bad),
-                        "tokens": int(tokens),
-                        "time": time.perf_counter() - loop_started,
-                    }
-                )
-            if step % cfg.log_interval == 0 or step == cfg.steps:
-                elapsed = time.perf_counter() - window_started
+            ledger.add(
+                step,
+                loss,
+                tokens=batch.num_tokens,
+                sentences=len(batch.lengths),
+                flops=self.unit.flops(out),
+                time=time.perf_counter() - self._loop_started,
+                sentence_ids=batch.sentence_ids.tolist() if cfg.log_sample_ids else None,
+            )
+            logging_step = step % cfg.log_interval == 0 or step == cfg.steps
+            if logging_step or len(ledger) >= LEDGER_STEPS:
+                last = self._settle(ledger, window)
+            if logging_step:
+                assert last is not None and last.step == step  # read just above
+                elapsed = time.perf_counter() - window.started
                 metrics = {name: float(v) for name, v in out.components.items()}
                 metrics.update({name: float(v) for name, v in out.metrics.items()})
                 metrics.update(self.unit.health(self.engine, step))
                 metrics.update(
-                    loss=mean_loss,
+                    loss=last.loss_sum / self.world,
                     lr=self.engine.lr,
                     grad_norm=self.engine.grad_norm() or 0.0,
-                    skipped_steps=self.skipped + self.engine.skipped_steps,
-                    tokens_per_s=window_tokens / max(elapsed, 1e-9),
+                    skipped_steps=self._skipped_steps(),
+                    tokens_per_s=window.tokens / max(elapsed, 1e-9),
                     samples_seen=self.samples_seen,
                 )
+                metrics.update(speed.figures(window.tokens, window.flops, elapsed))
                 tracker.log_metrics(metrics, step)
                 progress.update(step, metrics)
-                window_tokens, window_started = 0, time.perf_counter()
+                window = _Window()
             self.unit.after_step(self.engine, step, tracker)
-            stopping = stop.agreed()
-            if stopping or step % cfg.save_interval == 0 or step == cfg.steps:
+            saving = step % cfg.save_interval == 0 or step == cfg.steps
+            stopping = (
+                self.world == 1 or logging_step or saving or step % STOP_CHECK_STEPS == 0
+            ) and stop.agreed()
+            if stopping or saving:
+                self._settle(ledger, window)  # the counters a checkpoint keeps
                 blocked = self._flush_tracker(tracker)
                 # A store slow to start (a fresh SQLite database on a busy machine) creates
                 # the run after training began: checkpoints name it once it exists.
                 self.run_id = self.run_id or tracker.run_id
                 blocked += self.save()
-                if metrics_log is not None:
-                    metrics_log.write({"step": step, "checkpoint_seconds": blocked})
+                if self._metrics_log is not None:
+                    self._metrics_log.write({"step": step, "checkpoint_seconds": blocked})
             if stopping:
                 if self.is_main:
                     print(
@@ -407,6 +404,97 @@ class Trainer:
                 status = "KILLED"
                 break
         return status
+
+    def _step(self, loss: torch.Tensor, step: int) -> None:
+        """Backward and optimizer step, or nothing on every rank when the loss is non-finite
+        on any rank.
+
+        Where the optimizer's step skips itself on non-finite gradients on any rank (its
+        overflow check, reduced over the ranks: ``engine.skips_non_finite_gradients``), the
+        loop leaves the decision to it rather than reading the loss on the host: the loss is
+        back-propagated times 1 where it is finite and times NaN where it is not, which makes
+        every gradient it reaches NaN, so the step is skipped everywhere (no update; Adam's
+        moments and step count and the learning-rate schedule untouched) with no host read
+        but the check the optimizer makes anyway. Times 1 leaves the gradients bit for bit
+        those of the loss. The ledger counts the skip when it is read. (Under fp16 the check
+        also counts the skip as an overflow of the dynamic loss scale; with gradient
+        accumulation the optimizer step the micro-batch belongs to is skipped.) Any other
+        optimizer: the ranks agree on the host, every step, and skip the backward."""
+        finite = torch.isfinite(loss.detach())
+        if self.optimizer_skips:
+            scale = torch.where(finite, 1.0, float("nan")).to(loss.dtype)
+            self.engine.backward(loss * scale)
+        elif any_rank(not bool(finite)):
+            return
+        else:
+            self.engine.backward(loss)
+        if self.lr_schedule != "deepspeed":
+            self.engine.set_lr(self._lr_at(step))
+        self.engine.step()
+
+    def _skipped_steps(self) -> int:
+        """Steps that changed nothing: a non-finite loss, or the optimizer's own overflow
+        skips (fp16), which include the former where the optimizer made them."""
+        if self.optimizer_skips:
+            return self.engine.skipped_steps
+        return self.skipped + self.engine.skipped_steps
+
+    def _settle(self, ledger: StepLedger, window: _Window) -> StepRecord | None:
+        """Reads the ledger's steps (a collective) into the counters, the window and the
+        step logs; raises :class:`NonFiniteError` at the step that made too many non-finite
+        losses in a row. Returns the last step's record (None: nothing since the last
+        read)."""
+        records = ledger.flush()
+        for record in records:
+            if record.skipped:
+                self.skipped += 1
+                self.skips_in_row += 1
+                logger.warning(
+                    "step %d: non-finite loss, step skipped (%d in a row)",
+                    record.step,
+                    self.skips_in_row,
+                )
+                if self.skips_in_row >= self.config.max_consecutive_skips:
+                    if self._metrics_log is not None:
+                        self._metrics_log.write(
+                            {"step": record.step, "loss": record.loss_sum, "skipped": True}
+                        )
+                    raise NonFiniteError(
+                        f"step {record.step}: the loss was non-finite {self.skips_in_row} "
+                        "steps in a row; lower the learning rate, check the data, or resume "
+                        "from an earlier checkpoint"
+                    )
+            else:
+                self.skips_in_row = 0
+            self.samples_seen += int(record.sentences)
+            window.tokens += int(record.tokens)
+            window.flops += record.flops
+            if self._samples_log is not None:
+                # With this rank's own loss: the samples are this rank's, the logged loss
+                # is the mean over ranks.
+                self._samples_log.write(
+                    {"step": record.step, "ids": record.sentence_ids, "loss": record.own_loss}
+                )
+            if self._metrics_log is not None:
+                self._metrics_log.write(
+                    {
+                        "step": record.step,
+                        "loss": record.loss_sum / self.world,
+                        "skipped": record.skipped,
+                        "tokens": int(record.tokens),
+                        "time": record.time,
+                    }
+                )
+        return records[-1] if records else None
+
+
+@dataclasses.dataclass
+class _Window:
+    """What the steps read since the last logging step did, summed over the ranks."""
+
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    tokens: int = 0
+    flops: float = 0.0
 
 
 class _JsonLines:
@@ -421,7 +509,8 @@ class _JsonLines:
 
 
 class _Progress:
-    """One line on rank 0: step, tokens/s, losses, learning rate, ETA."""
+    """One line on rank 0: step, tokens/s (all ranks, and per GPU with the model FLOPs
+    utilisation and the memory peak), losses, learning rate, ETA."""
 
     def __init__(self, enabled: bool, total: int, start: int) -> None:
         self.enabled = enabled
@@ -449,8 +538,20 @@ class _Progress:
             for prefix, part in (("vq_", "enc"), ("dec_vq_", "dec"))
             if f"{prefix}codes_used" in metrics
         )
+        speed = ""
+        if "tokens_per_s_per_gpu" in metrics:
+            memory = (
+                f"GPU mem {metrics['gpu_memory_peak_gib']:.1f} GiB"
+                if "gpu_memory_peak_gib" in metrics
+                else f"RSS {metrics['rss_peak_gib']:.1f} GiB"
+            )
+            # A field of its own after the tokens/s: tools read "step S/N | T tok/s | ...".
+            speed = (
+                f" | {metrics['tokens_per_s_per_gpu']:,.0f} tok/s/GPU MFU {metrics['mfu']:.1%} "
+                f"{memory}"
+            )
         print(
-            f"step {step}/{self.total} | {metrics['tokens_per_s']:,.0f} tok/s | "
+            f"step {step}/{self.total} | {metrics['tokens_per_s']:,.0f} tok/s{speed} | "
             f"loss {metrics['loss']:.3f} {losses}{codebook} | lr {metrics['lr']:.2e} | "
             f"ETA {eta:,.0f}s",
             file=sys.stdout,

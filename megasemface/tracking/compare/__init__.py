@@ -34,8 +34,18 @@ The submodules, whose public names are all re-exported here:
   :class:`Column`, :func:`parse_column`) and :func:`format_table`.
 - :mod:`~megasemface.tracking.compare.plots`: :func:`plot_curves`, :func:`plot_bars` and
   :data:`SYSTEM_ORDER`.
+- :mod:`~megasemface.tracking.compare.curves`: pre-training learning curves side by side
+  (:class:`Curve`, :func:`curve_from_mlflow`, :func:`curve_from_log`, :func:`curves_table`,
+  :func:`plot_learning_curves`).
 """
 
+from megasemface.tracking.compare.curves import (
+    Curve,
+    curve_from_log,
+    curve_from_mlflow,
+    curves_table,
+    plot_learning_curves,
+)
 from megasemface.tracking.compare.plots import SYSTEM_ORDER, plot_bars, plot_curves
 from megasemface.tracking.compare.registered import registered_run_ids, registered_versions
 from megasemface.tracking.compare.runs import (
@@ -64,11 +74,15 @@ __all__ = [
     "SYSTEM_ORDER",
     "Column",
     "CompareError",
+    "Curve",
     "MetricAgg",
     "ParentLink",
     "RunRecord",
     "TableFormat",
     "build_filter",
+    "curve_from_log",
+    "curve_from_mlflow",
+    "curves_table",
     "format_lineage",
     "format_table",
     "metric_history",
@@ -76,6 +90,7 @@ __all__ = [
     "parse_column",
     "plot_bars",
     "plot_curves",
+    "plot_learning_curves",
     "registered_run_ids",
     "registered_versions",
     "resolve_param_key",

@@ -24,6 +24,7 @@ from megasemface.models.config import ModelConfig, apply_overrides
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.objectives.stages import ObjectiveConfig, StageOutput
 from megasemface.tracking.tracker import Tracker
+from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig, user_model_config, user_model_keys
 from megasemface.training.run_data import RunData
 
@@ -115,6 +116,9 @@ class TrainUnit(abc.ABC):
     model: nn.Module
     """The module the engine wraps; its ``forward`` is what :meth:`loss` calls."""
     model_config: ModelConfig
+    body_flops: float = 0.0
+    """Model FLOPs of the last :meth:`loss`'s step but its output layers, from the shapes it
+    ran at (:mod:`megasemface.training.model_flops`); each unit's :meth:`loss` sets it."""
 
     def __init__(self, config: TrainConfig, data: RunData, groups: ParallelGroups) -> None:
         self.config = config
@@ -141,6 +145,11 @@ class TrainUnit(abc.ABC):
         self, engine: DeepSpeedEngine, batch: TokenBatch, generator: torch.Generator, step: int
     ) -> StageOutput:
         """The loss of ``batch`` at ``step``; ``generator`` draws the step's masks and noise."""
+
+    def flops(self, out: StageOutput) -> float:
+        """Model FLOPs of the step :meth:`loss` returned ``out`` for, forward and backward:
+        its body and the output layers over its predicted tokens (host values only)."""
+        return self.body_flops + model_flops.output_layer(self.model_config, out.num_targets)
 
     def health(self, engine: DeepSpeedEngine, step: int) -> dict[str, float]:
         """Figures over the logging window, logged with the losses (a collective)."""

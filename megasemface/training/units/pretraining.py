@@ -13,10 +13,12 @@ from megasemface.data.loader import TokenBatch
 from megasemface.distributed.collectives import rank
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces.code_usage import collapse_warning
 from megasemface.interfaces.factory import build_interface
 from megasemface.objectives.noising import sentence_boundary_ids
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.objectives.stages import DenoisingSeq2Seq, SemFaceModel, StageOutput
+from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.units.base import (
@@ -107,6 +109,15 @@ class SemFaceUnit(_MonolingualUnit):
         if hasattr(interface, "set_step"):
             interface.set_step(step)  # the Gumbel temperature schedule
         sentences = self.sequence_batch(batch)
+        self.body_flops = model_flops.semface_step(
+            self.model_config,
+            interface=self.config.interface,
+            stage=self.config.stage,
+            decoder_codes=self.config.decoder_codes,
+            batch=batch.tokens.shape[0],
+            length=batch.tokens.shape[1],
+            tokens=batch.num_tokens,
+        )
         if self.ras is None:
             return engine.forward(sentences, generator)
         # The decoder stage's copy C(x) is noised from the substituted sentences; the
@@ -120,21 +131,20 @@ class SemFaceUnit(_MonolingualUnit):
 
     def health(self, engine: DeepSpeedEngine, step: int) -> dict[str, float]:
         """The interface's health over the logging window, with a warning on rank 0 when a
-        VQ codebook's argmax falls into a few codes."""
+        VQ codebook's argmax falls into a few codes (``collapse_warning``)."""
         figures = engine.module.interface.health()
         for prefix, part in (("vq_", "encoder"), ("dec_vq_", "decoder-stage extractor")):
             if f"{prefix}codes_used" not in figures or rank() != 0:
                 continue
-            used, tokens = figures[f"{prefix}codes_used"], figures[f"{prefix}tokens"]
-            codes = used + figures[f"{prefix}dead_codes"]
-            if used < self.config.codebook_warn_fraction * min(codes, tokens):
-                print(
-                    f"warning: step {step}: the {part} picked {used:.0f} of {codes:.0f} VQ codes "
-                    f"for {tokens:.0f} tokens since the last log (histogram perplexity "
-                    f"{figures[f'{prefix}code_perplexity']:.1f}): the codebook is collapsing; "
-                    "raise --diversity-weight or check --model vq.diversity_loss",
-                    flush=True,
-                )
+            keys = ("tokens", "codes_used", "dead_codes", "code_perplexity")
+            warning = collapse_warning(
+                {key: figures[f"{prefix}{key}"] for key in keys},
+                codes_share=self.config.codebook_warn_fraction,
+                part=part,
+                step=step,
+            )
+            if warning is not None:
+                print(warning, flush=True)
         return figures
 
     def meta(self, engine: DeepSpeedEngine) -> dict[str, Any]:
@@ -163,4 +173,9 @@ class DenoisingUnit(_MonolingualUnit):
     def loss(
         self, engine: DeepSpeedEngine, batch: TokenBatch, generator: torch.Generator, step: int
     ) -> StageOutput:
+        # The noised copy at the sentence's width (span infilling only shortens it).
+        width = batch.tokens.shape[1]
+        self.body_flops = model_flops.seq2seq_body(
+            self.model_config, batch.tokens.shape[0], width, width
+        )
         return engine.forward(self.sequence_batch(batch), generator)

@@ -21,7 +21,7 @@ from torch import nn
 from megasemface.data.loader import TokenBatch
 from megasemface.data.pairs import split_pairs
 from megasemface.distributed.collectives import any_rank
-from megasemface.distributed.engine import DeepSpeedEngine
+from megasemface.distributed.engine import DeepSpeedEngine, on_device
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.inference.search import SearchConfig, search
 from megasemface.models.config import ModelConfig, apply_overrides
@@ -31,6 +31,7 @@ from megasemface.objectives.sequences import SequenceBatch, append_token, length
 from megasemface.objectives.stages import StageOutput
 from megasemface.objectives.translation import TranslationModel
 from megasemface.tracking.tracker import Tracker
+from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.schedules import parse_schedule, schedule_value
@@ -41,10 +42,12 @@ __all__ = ["SupervisedUnit", "TranslationUnit", "UnsupervisedUnit"]
 
 
 class _EngineScorer:
-    """The search protocol (encode, decode_step) through the DeepSpeed engine."""
+    """The search protocol (encode, decode_step) through the DeepSpeed engine, on the
+    engine's device (the search makes its tensors there)."""
 
     def __init__(self, engine: DeepSpeedEngine) -> None:
         self.engine = engine
+        self.device = engine.device
 
     def encode(self, *args: Any) -> Any:
         return self.engine.forward("encode", *args)
@@ -159,6 +162,9 @@ class TranslationUnit(TrainUnit):
         """Translations of ``src`` (token ids, no specials), in lockstep with every rank;
         none ends before ``min_len_a`` x its source's length."""
         sp, tokenizer, languages = self.data.special, self.data.tokenizer, self.data.languages
+        # Batches are built on the host (the loader's, validation's, back-translation's):
+        # moved to the model's device before the search makes anything from them.
+        src = on_device(src, engine.device)
         source, lengths = append_token(src.tokens_BT, src.lengths_B, sp.eos, sp.pad)
         cfg = self.config
         config = SearchConfig(
@@ -259,6 +265,8 @@ class SupervisedUnit(TranslationUnit):
             # The source side alone, split from its target: nothing crosses the separator.
             limit = self.model_config.max_len - 1
             src, figures = substitute(self.ras, src, direction[0], generator, limit)
+        (rows, source), target = src.tokens_BT.shape, tgt.tokens_BT.shape[1]
+        self.body_flops = model_flops.seq2seq_body(self.model_config, rows, source, target)
         out = engine.forward("supervised", src, tgt)
         out.metrics.update(figures)
         return out
@@ -309,4 +317,11 @@ class UnsupervisedUnit(TranslationUnit):
             back = self.batch_of(generated, other)
         engine.train()
         weight = schedule_value(self.denoise_points, step)
+        rows, width = tokens.shape
+        self.body_flops = 0.0  # the losses' passes; generating the back-translations is not
+        if weight > 0:  # denoising, the noised copy at the sentence's width
+            self.body_flops += model_flops.seq2seq_body(self.model_config, rows, width, width)
+        if back is not None:
+            source = back.tokens_BT.shape[1]
+            self.body_flops += model_flops.seq2seq_body(self.model_config, rows, source, width)
         return engine.forward("unsupervised", mono, generator, back, weight)

@@ -26,6 +26,7 @@ from megasemface.distributed.groups import ParallelGroups
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.objectives.stages import StageOutput
 from megasemface.objectives.veco import VecoSeq2Seq, split_segments
+from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.units.base import TrainUnit, model_config_from, objective_config_from
@@ -79,6 +80,8 @@ class VecoUnit(TrainUnit):
         self, engine: DeepSpeedEngine, batch: TokenBatch, generator: torch.Generator, step: int
     ) -> StageOutput:
         x, y = self.pairs(batch)
+        width = max(x.tokens_BT.shape[1], y.tokens_BT.shape[1])
+        self.body_flops = model_flops.veco_body(self.model_config, x.tokens_BT.shape[0], width)
         out = engine.forward(x, y, generator)
         # Which kind of batch this rank drew (the logged value is rank 0's).
         out.metrics["veco_parallel_batch"] = float(batch.lang in self.data.pairs)

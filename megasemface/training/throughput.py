@@ -1,0 +1,128 @@
+"""Training speed as users read it: tokens/s per GPU, model FLOPs utilisation, memory peak.
+
+Model FLOPs utilisation (MFU) is the model's FLOPs per second (its matrix products and
+attention at the batch's shape, forward and backward: :mod:`megasemface.training.model_flops`) over
+the device's dense peak in the training dtype. The peak is the datasheet's for the GPUs in
+:data:`DATASHEET_PEAKS` (found by a part of the name torch reports) and otherwise measured
+once per process: the best of a few large matrix products in that dtype (on a CPU through
+oneDNN where the models' products go, :mod:`megasemface.models.cpu_gemm`), so a CPU run
+shows its share of what this machine's products reach.
+
+The memory peak is the device's: ``torch.cuda.max_memory_allocated`` on a GPU (tensors
+only, not the caching allocator's reserve), and on a CPU the process's peak resident set
+(``ru_maxrss``: tensors, the interpreter and libraries alike), under its own metric name.
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import time
+
+import torch
+
+__all__ = [
+    "DATASHEET_PEAKS",
+    "Throughput",
+    "datasheet_peak",
+    "device_peak",
+    "measured_matmul_peak",
+    "memory_peak",
+]
+
+# Dense tensor-core peaks in FLOP/s (no sparsity) by a part of torch.cuda.get_device_name;
+# the first match wins, so the more specific names come first ("H100 PCIe" before "H100",
+# "H200" before "H20"). fp32 is the CUDA cores' (torch multiplies fp32 without TF32 unless
+# told to).
+DATASHEET_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bfloat16": 756e12, "float16": 756e12, "float32": 51.2e12}),
+    ("H100 NVL", {"bfloat16": 835e12, "float16": 835e12, "float32": 60e12}),
+    ("H100", {"bfloat16": 989e12, "float16": 989e12, "float32": 66.9e12}),  # SXM (HBM3)
+    ("H200", {"bfloat16": 989e12, "float16": 989e12, "float32": 66.9e12}),
+    ("H20", {"bfloat16": 148e12, "float16": 148e12, "float32": 44e12}),
+    ("A100", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}),
+    ("L40S", {"bfloat16": 362e12, "float16": 362e12, "float32": 91.6e12}),
+)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def datasheet_peak(name: str, dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """The dense peak FLOP/s of the GPU called ``name`` in ``dtype``, or None when the table
+    does not know it."""
+    for key, peaks in DATASHEET_PEAKS:
+        if key in name:
+            return peaks.get(_dtype_name(dtype))
+    return None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.cache
+def measured_matmul_peak(
+    device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 3
+) -> float:
+    """FLOP/s of the fastest of ``repeats`` square products of ``size`` (after one to warm
+    up) in ``dtype`` on ``device``; once per process and arguments. On a CPU the product is
+    the models' own (oneDNN where they use it)."""
+    from megasemface.models.cpu_gemm import mm
+
+    size = size or (8192 if device.type == "cuda" else 1024)
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, generator=generator, device=device).to(dtype)
+    b = torch.randn(size, size, generator=generator, device=device).to(dtype)
+    product = mm if device.type == "cpu" and dtype == torch.float32 else torch.mm
+    product(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        _synchronize(device)
+        started = time.perf_counter()
+        product(a, b)
+        _synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return 2.0 * size**3 / best
+
+
+def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(dense peak FLOP/s, where it comes from: ``datasheet`` or ``measured``)."""
+    if device.type == "cuda":
+        peak = datasheet_peak(torch.cuda.get_device_name(device), dtype)
+        if peak is not None:
+            return peak, "datasheet"
+    return measured_matmul_peak(device, dtype), "measured"
+
+
+def memory_peak(device: torch.device) -> dict[str, float]:
+    """The memory high-water mark so far in GiB: ``gpu_memory_peak_gib`` (tensors on the
+    GPU) or, on a CPU, ``rss_peak_gib`` (the process's peak resident set)."""
+    if device.type == "cuda":
+        return {"gpu_memory_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    # ru_maxrss is in KiB on Linux.
+    return {"rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+class Throughput:
+    """The speed figures of a logging window for ``world`` ranks, one device each."""
+
+    def __init__(self, device: torch.device, world: int, dtype: torch.dtype) -> None:
+        self.device = device
+        self.world = world
+        self.peak, self.peak_source = device_peak(device, dtype)
+
+    def figures(self, tokens: float, flops: float, seconds: float) -> dict[str, float]:
+        """``tokens`` and model ``flops`` of every rank over ``seconds``: tokens/s and model
+        FLOP/s per device, MFU against :attr:`peak`, and the memory peak."""
+        seconds = max(seconds, 1e-9)
+        per_device = flops / seconds / self.world
+        return {
+            "tokens_per_s_per_gpu": tokens / seconds / self.world,
+            "model_tflops_per_gpu": per_device / 1e12,
+            "peak_tflops_per_gpu": self.peak / 1e12,
+            "mfu": per_device / self.peak,
+            **memory_peak(self.device),
+        }
