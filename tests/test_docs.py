@@ -23,6 +23,8 @@ import io
 import json
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
@@ -248,21 +250,39 @@ def _check_mlflow(argv: list[str], command: Command) -> None:
         pytest.fail(f"{command}\nrejected by mlflow: {exc.format_message()}")
 
 
+_PIP_PARSE = """
+import contextlib, io, json, sys
+from pip._internal.commands import commands_dict, create_command
+argv = json.loads(sys.argv[1])
+if not argv or argv[0] not in commands_dict:
+    print(json.dumps({"error": f"pip has no command {argv[:1]}"}))
+    sys.exit()
+stderr = io.StringIO()
+try:
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        options, args = create_command(argv[0]).parse_args(argv[1:])
+except SystemExit:
+    print(json.dumps({"error": "rejected by pip: " + stderr.getvalue().strip()}))
+    sys.exit()
+print(json.dumps({"args": [*args, *getattr(options, "editables", [])]}))
+"""
+
+
 def _check_pip(argv: list[str], command: Command) -> None:
     """pip's own parser for the subcommand and its options; an install names megasemface (or
-    the checkout, ``.``)."""
-    from pip._internal.commands import commands_dict, create_command
-
-    _require(argv and argv[0] in commands_dict, command, f"pip has no command {argv[:1]}")
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            options, args = create_command(argv[0]).parse_args(argv[1:])
-    except SystemExit:
-        pytest.fail(f"{command}\nrejected by pip: {stderr.getvalue().strip()}")
+    the checkout, ``.``). In a child process: importing pip installs setuptools' distutils
+    shim, which breaks torch.compile in any later test of the same process."""
+    child = subprocess.run(
+        [sys.executable, "-c", _PIP_PARSE, json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    if "error" in result:
+        pytest.fail(f"{command}\n{result['error']}")
     if argv[0] in ("install", "download", "wheel"):
-        wanted = [*args, *getattr(options, "editables", [])]
-        names = {re.split(r"[\[<>=!~ ]", arg, maxsplit=1)[0] for arg in wanted}
+        names = {re.split(r"[\[<>=!~ ]", arg, maxsplit=1)[0] for arg in result["args"]}
         _require(names & {"megasemface", "."}, command, "a pip command here installs megasemface")
 
 
