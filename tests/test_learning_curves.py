@@ -76,8 +76,44 @@ def test_the_table_shows_each_step_and_when_the_mlm_falls_below_uniform() -> Non
     )
     text = curves_table([xlm, vq], 1000)
     assert f"ln 1,000 = {uniform:.2f} nats" in text
-    assert "| XLM | 20 | 6.50 | 20 | - | 1,000 |" in text
-    assert "| VQ-SemFace | 30 | 6.80 | 30 | dec_clm 6.10 | - |" in text
+    assert "| XLM | 20 | - | 20 | 6.50 | - | - | 1,000 |" in text
+    assert "| VQ-SemFace | 30 | - | 30 | 6.80 | dec_clm 6.10 | - | - |" in text
     assert "| step | XLM: MLM | VQ-SemFace: MLM | VQ-SemFace: dec_clm |" in text
     assert "| 20 | 6.50 | 7.10 | - |" in text
     assert "| 30 | - | 6.80 | 6.10 |" in text
+
+
+def test_the_table_compares_validation_and_flags_collapsed_codewords() -> None:
+    uniform = math.log(1000)
+    vq = Curve(
+        "VQ-SemFace",
+        {
+            "enc_mlm": {10: 7.4, 20: 7.1},
+            "valid_enc_mlm": {10: uniform + 0.1, 20: uniform - 0.2},
+            "dec_clm": {10: 7.0, 20: 6.1},
+            "valid_dec_clm": {10: 6.9, 20: 6.0},
+            "valid_enc_code_perplexity": {10: 120.0, 20: 480.0},
+            "valid_enc_code_tokens": {10: 4_000.0, 20: 4_000.0},
+            "valid_enc_codewords": {10: 102_400.0, 20: 102_400.0},
+        },
+    )
+    text = curves_table([vq], 1000)
+    # Below uniform from the first validation under it; the codewords' perplexity beside the
+    # tenth of min(tokens, codewords) under which it reads as collapse.
+    assert (
+        f"| VQ-SemFace | 20 | {uniform - 0.2:.2f} | 20 | 7.10 | dec_clm 6.00 | 480 (400) |" in text
+    )
+    assert "| step | VQ-SemFace: valid MLM | VQ-SemFace: MLM | VQ-SemFace: valid dec_clm |" in text
+
+
+def test_a_missing_validation_text_names_the_option(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    shards, spm = tmp_path / "shards", tmp_path / "joint.model"
+    shards.mkdir()
+    (shards / "manifest.json").write_text("{}")
+    spm.write_text("")
+    data = ["--procs", "2", "--shards", str(shards), "--spm-model", str(spm)]
+    line = _error(capsys, *data, "--valid-prefix", str(tmp_path / "valid"))
+    assert f"--valid-prefix {tmp_path / 'valid'}: no valid.<lang> files" in line
+    assert "--no-validation" in line

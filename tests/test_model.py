@@ -117,6 +117,7 @@ def test_presets_and_overrides() -> None:
     assert (paper.vq.layout, paper.vq.groups, paper.vq.entries) == ("product", 2, 320)
     assert paper.vq.combinations == 102_400
     assert (paper.vq.diversity_loss, paper.vq.copy_gradient) == ("entropy", 1.0)
+    assert paper.vq.distance_width == paper.d_model // paper.vq.groups  # logits over sqrt(w)
     assert VQConfig(layout="product", groups=2, entries=320).combinations == 102_400
     tiny = build_model_config("tiny", ["d_model=32", "vq.layout=product", "dropout=0"])
     assert tiny.d_model == 32 and tiny.vq.layout == "product" and tiny.dropout == 0.0

@@ -16,7 +16,14 @@ from megasemface.pipeline import pipeline as pipeline_module
 from megasemface.pipeline.config import BUDGETS, PipelineConfig, seeded
 from megasemface.pipeline.launcher import TRAIN_SCRIPT, LaunchError
 from megasemface.pipeline.pipeline import PairData, Pipeline
-from megasemface.pipeline.systems import ABLATIONS, RELATED, SETTINGS, SYSTEMS, System
+from megasemface.pipeline.systems import (
+    ABLATIONS,
+    PAPER_SCALE,
+    RELATED,
+    SETTINGS,
+    SYSTEMS,
+    System,
+)
 from megasemface.training.options import TrainConfig, train_argv
 
 
@@ -173,7 +180,8 @@ def test_every_run_of_the_pipeline_survives_its_command_line(
     pipeline = _pipeline(tmp_path, (0, 2))
     pipeline.config.model_options = ("dropout=0.2",)
     configs = []
-    for system in [*SYSTEMS.values(), *ABLATIONS.values(), *RELATED.values()]:
+    groups = (SYSTEMS, ABLATIONS, PAPER_SCALE, RELATED)
+    for system in [system for group in groups for system in group.values()]:
         if system.stage is not None:
             configs.append(pipeline.pretrain_config(system, 2))
         init = None if system.stage is None else tmp_path / "models" / system.key

@@ -90,7 +90,7 @@ def test_a_cpu_run_shows_and_tracks_mfu(launch_data: dict, tmp_path: Path) -> No
     for step in steps:
         assert per_gpu[step] == pytest.approx(total[step] / 2)  # two ranks
         assert mfu[step] == pytest.approx(achieved[step] / peak[step])
-        assert 0 < mfu[step] < 1.5 and 0 < rss[step] < 64
+        assert 0 < mfu[step] < 1 and 0 < rss[step] < 64  # no product beats the peak
         # An XLM encoder step's model FLOPs per real token: at least its encoder layers'
         # products, 6 FLOPs per weight (forward and backward), at most a few times that
         # with padding, attention and the output layer (a sixth of the tokens predicted).

@@ -64,6 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
     add("--shards", type=Path, default=d.shards, help=f"monolingual shards ({d.shards})")
     add("--spm-model", type=Path, default=d.spm_model, help=f"SentencePiece model ({d.spm_model})")
     add("--cl-table", type=Path, help="CL-SemFace's table (default: built from the shards)")
+    add(
+        "--valid-prefix",
+        type=Path,
+        default=d.valid_prefix,
+        help=f"validation text PREFIX.<lang> of every language ({d.valid_prefix})",
+    )
+    add("--no-validation", action="store_true", help="no validation curve")
+    add(
+        "--valid-every",
+        type=int,
+        default=d.valid_every,
+        help=f"steps between validations ({d.valid_every})",
+    )
+    add(
+        "--valid-sentences",
+        type=int,
+        default=d.valid_sentences,
+        help=f"validation sentences of each language ({d.valid_sentences})",
+    )
     add("--workdir", type=Path, default=d.workdir, help=f"runs and report ({d.workdir})")
     add("--procs", type=int, help="training processes (default: the GPUs, else 2 on a CPU)")
     add("--deepspeed-config", type=Path, help="default: ds_configs/zero2_bf16.json on GPU")
@@ -86,6 +105,8 @@ def config_from_args(args: argparse.Namespace) -> CurvesConfig:
     values["model_options"] = tuple(args.model_options)
     values["procs"] = args.procs if args.procs is not None else _default_procs()
     values["tracking"] = not args.no_tracking
+    if args.no_validation:
+        values["valid_prefix"] = None
     return CurvesConfig(**values)
 
 

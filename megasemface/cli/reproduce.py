@@ -27,7 +27,7 @@ from pathlib import Path
 from megasemface.cli.parsing import CommandParser
 from megasemface.host_memory import keep_freed_memory
 from megasemface.pipeline.config import BUDGETS, PipelineConfig, parse_languages, parse_seeds
-from megasemface.pipeline.systems import ABLATIONS, RELATED, SETTINGS, SYSTEMS
+from megasemface.pipeline.systems import ABLATIONS, PAPER_SCALE, RELATED, SETTINGS, SYSTEMS
 
 __all__ = ["build_parser", "config_from_args", "main", "run"]
 
@@ -59,7 +59,8 @@ def build_parser(
     add(
         "--systems",
         help=f"comma-separated, or 'paper' ({','.join(SYSTEMS)}), 'ablations' "
-        f"({','.join(ABLATIONS)}) or 'related' ({','.join(RELATED)}); default: the "
+        f"({','.join(ABLATIONS)}), 'paper-scale' ({','.join(PAPER_SCALE)}) or 'related' "
+        f"({','.join(RELATED)}); default: the "
         f"budget's, else {systems}",
     )
     add(
@@ -119,7 +120,12 @@ def _systems(text: str) -> tuple[str, ...]:
     keys: list[str] = []
     for item in text.split(","):
         item = item.strip()
-        groups = {"paper": SYSTEMS, "ablations": ABLATIONS, "related": RELATED}
+        groups = {
+            "paper": SYSTEMS,
+            "ablations": ABLATIONS,
+            "paper-scale": PAPER_SCALE,
+            "related": RELATED,
+        }
         keys += list(groups.get(item, [item]))
     return tuple(dict.fromkeys(k for k in keys if k))
 

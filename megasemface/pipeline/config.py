@@ -9,7 +9,14 @@ from pathlib import Path
 
 from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, SOURCE_LANG
 from megasemface.data.gettext_catalogs import find_catalogs
-from megasemface.pipeline.systems import ABLATIONS, RELATED, SETTINGS, SYSTEMS, System
+from megasemface.pipeline.systems import (
+    ABLATIONS,
+    PAPER_SCALE,
+    RELATED,
+    SETTINGS,
+    SYSTEMS,
+    System,
+)
 
 __all__ = [
     "BUDGETS",
@@ -115,8 +122,8 @@ class PipelineConfig:
                 f"--pair must be en-xx (the demo catalogs translate English): {self.pair}"
             )
         for key in self.systems:
-            if key not in SYSTEMS and key not in ABLATIONS and key not in RELATED:
-                known = ", ".join([*SYSTEMS, *ABLATIONS, *RELATED])
+            if not any(key in group for group in (SYSTEMS, ABLATIONS, PAPER_SCALE, RELATED)):
+                known = ", ".join([*SYSTEMS, *ABLATIONS, *PAPER_SCALE, *RELATED])
                 raise ValueError(f"unknown system {key!r}; known: {known}")
         for setting in self.settings:
             if setting not in SETTINGS:
@@ -240,7 +247,7 @@ class PipelineConfig:
         return "-".join(self.languages) if self.languages else self.pair
 
     def system(self, key: str) -> System:
-        return SYSTEMS.get(key) or ABLATIONS.get(key) or RELATED[key]
+        return SYSTEMS.get(key) or ABLATIONS.get(key) or PAPER_SCALE.get(key) or RELATED[key]
 
 
 LANG_CODE = re.compile(r"[A-Za-z]{2,3}(?:_[A-Za-z0-9]+)?(?:@[A-Za-z0-9]+)?")

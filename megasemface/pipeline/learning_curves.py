@@ -10,6 +10,12 @@ longer ``steps`` continues them), as the pipeline reuses its steps. The encoder 
 decoder stage's loss of every logged step are then read back (from MLflow, else the runs'
 logs) into ``<workdir>/curves.md`` and ``<workdir>/curves.png``; with tracking, the report is
 also an MLflow run of the experiment (tag ``stage=report``) beside the training runs.
+
+Every ``valid_every`` steps each run also scores held-out sentences of every language
+(``valid_prefix``; the demo's validation split by default) in eval mode, with noise-free codes
+and the same masks each time (training/units/pretraining_validation.py): the validation MLM is
+the curve to compare. A training step's MLM is one batch's, and VQ-SemFace's reads
+Gumbel-sampled codes, so it lags its validation while the codebook's choices are spread.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ __all__ = ["DEMO_DATA", "CurvesConfig", "CurvesReport", "curve_systems", "run_cu
 
 DEMO_DATA = Path("runs/demo")
 """Where the demo (``make demo``, ``tools/reproduce.py``) builds its data: the default
-shards (``shards/mono``) and SentencePiece model (``spm/joint.model``)."""
+shards (``shards/mono``), SentencePiece model (``spm/joint.model``) and validation text
+(``corpus/parallel/en-de/valid.{en,de}``)."""
 
 CURVE_STAGES = ("encoder", "joint")
 """Pre-training stages whose runs have an encoder MLM to compare."""
@@ -65,6 +72,12 @@ class CurvesConfig:
     cl_table: Path | None = None
     """CL-SemFace's table; None: built from ``shards`` at the model's width, as the
     pipeline builds it (``<workdir>/cl/table.safetensors``)."""
+    valid_prefix: Path | None = DEMO_DATA / "corpus" / "parallel" / "en-de" / "valid"
+    """Validation text, ``PREFIX.<lang>`` for every language of the shards; None: none."""
+    valid_every: int = 20
+    """Steps between validations (and the last step)."""
+    valid_sentences: int = 200
+    """Validation sentences of each language."""
     procs: int = 2
     """Training processes (GPUs, or CPU processes)."""
     deepspeed_config: Path | None = None
@@ -74,7 +87,7 @@ class CurvesConfig:
     experiment: str = "megasemface-curves"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "log_every", "max_tokens", "procs"):
+        for name in ("steps", "log_every", "max_tokens", "procs", "valid_every", "valid_sentences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.lr is not None and not self.lr > 0:
@@ -172,10 +185,14 @@ class _CurvesPipeline(Pipeline):
         )
 
     def train_curve(self, system: System) -> Path:
+        curves = self.curves
         config = dataclasses.replace(
             self.pretrain_config(system, self.config.seed),
-            log_interval=self.curves.log_every,
-            no_tracking=not self.curves.tracking,
+            log_interval=curves.log_every,
+            no_tracking=not curves.tracking,
+            valid_prefix=curves.valid_prefix.resolve() if curves.valid_prefix else None,
+            valid_interval=curves.valid_every,
+            valid_max_sentences=curves.valid_sentences,
         )
         self._train(config)
         return config.output_dir
@@ -205,6 +222,13 @@ def _check_data(config: CurvesConfig) -> None:
             )
     if config.cl_table is not None and not config.cl_table.is_file():
         raise FileNotFoundError(f"--cl-table {config.cl_table}: no such file")
+    prefix = config.valid_prefix
+    if prefix is not None and not any(prefix.parent.glob(f"{prefix.name}.*")):
+        hint = "make demo builds the demo's there; " if prefix == CurvesConfig.valid_prefix else ""
+        raise FileNotFoundError(
+            f"--valid-prefix {prefix}: no {prefix.name}.<lang> files; {hint}give "
+            "--valid-prefix, or --no-validation"
+        )
 
 
 def run_curves(config: CurvesConfig) -> CurvesReport:

@@ -22,6 +22,7 @@ __all__ = [
     "ABLATIONS",
     "FINETUNE_FIELDS",
     "PAIR_STAGES",
+    "PAPER_SCALE",
     "RELATED",
     "RUN_FIELDS",
     "SETTINGS",
@@ -320,6 +321,39 @@ reads a copy with some words in the other language) or on the source side of sup
 fine-tuning (VQ-SemFace's pre-training run, fine-tuned with RAS; it has no unsupervised
 setting), and unsupervised back-translations that may not end before half their source's
 length (VQ-SemFace's pre-training run; ``--bt-min-len-a``)."""
+
+PAPER_SCALE: dict[str, System] = {
+    s.key: s
+    for s in (
+        System("vq-flat", "VQ-SemFace, one flat table", "joint", "vq", model={"vq.layout": "flat"}),
+        System(
+            "vq-w2v-diversity",
+            "VQ-SemFace, wav2vec 2.0's perplexity diversity",
+            "joint",
+            "vq",
+            model={"vq.diversity_loss": "perplexity"},
+        ),
+        System(
+            "vq-no-copy",
+            "VQ-SemFace, Gumbel straight-through alone",
+            "joint",
+            "vq",
+            model={"vq.copy_gradient": 0.0},
+        ),
+        System(
+            "vq-distance-128",
+            "VQ-SemFace, distance logits of the default scale",
+            "joint",
+            "vq",
+            model={"vq.distance_width": 128},
+        ),
+    )
+}
+"""Each of the paper preset's VQ choices undone: its product layout, ``entropy`` diversity,
+copied gradient and distance logits over sqrt(512) (docs/reproduce.md, "The encoders at the
+paper's scale"). For ``--preset paper`` runs (``tools/learning_curves.py``, the ``gpu``
+budget): the tiny and small presets keep the flat table and wav2vec 2.0's settings, where
+these equal ``vq``."""
 
 RELATED: dict[str, System] = {
     s.key: s

@@ -178,11 +178,15 @@ class TrainConfig:
     """Unsupervised: the denoising loss weight, piecewise linear over STEP:WEIGHT points
     (the default is the paper's)."""
     valid_prefix: Path | None = None
-    """Validation text: PREFIX.SRC and PREFIX.TGT files, e.g. corpus/en-de/valid."""
+    """Validation text: PREFIX.SRC and PREFIX.TGT files, e.g. corpus/en-de/valid. Fine-tuning
+    translates them; SemFace's and XLM's pre-training stages score their MLM and decoder
+    losses on PREFIX.<lang> of every language of the shards (noise-free codes)."""
     valid_interval: int = 1000
-    """Steps between validations (BLEU on the validation text; the best model is kept)."""
+    """Steps between validations (fine-tuning: BLEU on the validation text, and the best
+    model is kept; pre-training: the stage's losses on it)."""
     valid_max_sentences: int = 500
-    """Validation sentences per direction (the first ones of the files)."""
+    """Validation sentences per direction (pre-training: per language), the first ones of
+    the files."""
     valid_beam: int = 1
     """Beam size of validation (1: greedy)."""
     max_len_a: float = 1.2
@@ -250,7 +254,7 @@ class TrainConfig:
         if self.stage in ("mrasp", "veco", "finetune") and self.mp_size != 1:
             raise ValueError(f"--stage {self.stage} has no codebook to split: use --mp-size 1")
         self._check_ras()
-        if self.stage in ("mrasp", "veco") and self.valid_prefix is not None:
+        if self.stage in ("mrasp", "veco", "mbart") and self.valid_prefix is not None:
             raise ValueError(
                 f"--stage {self.stage} pre-trains; validation belongs to its fine-tuning: connect "
                 "the run (tools/merge_checkpoints.py connect --mbart RUN) and fine-tune with "

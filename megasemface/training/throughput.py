@@ -1,12 +1,13 @@
 """Training speed as users read it: tokens/s per GPU, model FLOPs utilisation, memory peak.
 
 Model FLOPs utilisation (MFU) is the model's FLOPs per second (its matrix products and
-attention at the batch's shape, forward and backward: :mod:`megasemface.training.model_flops`) over
-the device's dense peak in the training dtype. The peak is the datasheet's for the GPUs in
-:data:`DATASHEET_PEAKS` (found by a part of the name torch reports) and otherwise measured
-once per process: the best of a few large matrix products in that dtype (on a CPU through
-oneDNN where the models' products go, :mod:`megasemface.models.cpu_gemm`), so a CPU run
-shows its share of what this machine's products reach.
+attention at the batch's shape, forward and backward: :mod:`megasemface.training.model_flops`)
+over the device's dense peak in the training dtype. The peak is the datasheet's for the GPUs
+in :data:`DATASHEET_PEAKS` (found by a part of the name torch reports) and otherwise
+measured once per process: the fastest of a quarter second of large matrix products in that
+dtype (on a CPU through oneDNN where the models' products go,
+:mod:`megasemface.models.cpu_gemm`), so a CPU run shows its share of what this machine's
+products reach.
 
 The memory peak is the device's: ``torch.cuda.max_memory_allocated`` on a GPU (tensors
 only, not the caching allocator's reserve), and on a CPU the process's peak resident set
@@ -65,11 +66,13 @@ def _synchronize(device: torch.device) -> None:
 
 @functools.cache
 def measured_matmul_peak(
-    device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 3
+    device: torch.device, dtype: torch.dtype, size: int | None = None, seconds: float = 0.25
 ) -> float:
-    """FLOP/s of the fastest of ``repeats`` square products of ``size`` (after one to warm
-    up) in ``dtype`` on ``device``; once per process and arguments. On a CPU the product is
-    the models' own (oneDNN where they use it)."""
+    """FLOP/s of the fastest square product of ``size`` in ``dtype`` on ``device``, timed
+    again and again for ``seconds`` (at least three times, after one to warm up); once per
+    process and arguments. On a CPU the product is the models' own (oneDNN where they use
+    it). The fastest of many, not of a few: on a shared machine a few products can all meet
+    another process's burst, and a peak measured low reads the run's MFU above 100%."""
     from megasemface.models.cpu_gemm import mm
 
     size = size or (8192 if device.type == "cuda" else 1024)
@@ -79,12 +82,15 @@ def measured_matmul_peak(
     product = mm if device.type == "cpu" and dtype == torch.float32 else torch.mm
     product(a, b)
     best = float("inf")
-    for _ in range(repeats):
+    timed = 0
+    deadline = time.perf_counter() + seconds
+    while timed < 3 or time.perf_counter() < deadline:
         _synchronize(device)
         started = time.perf_counter()
         product(a, b)
         _synchronize(device)
         best = min(best, time.perf_counter() - started)
+        timed += 1
     return 2.0 * size**3 / best
 
 

@@ -18,6 +18,7 @@ from megasemface.interfaces.factory import build_interface
 from megasemface.objectives.noising import sentence_boundary_ids
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.objectives.stages import DenoisingSeq2Seq, SemFaceModel, StageOutput
+from megasemface.tracking.tracker import Tracker
 from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
@@ -28,6 +29,7 @@ from megasemface.training.units.base import (
     ras_from,
     substitute,
 )
+from megasemface.training.units.pretraining_validation import PretrainingValidation
 
 __all__ = ["DenoisingUnit", "SemFaceUnit"]
 
@@ -86,6 +88,7 @@ class SemFaceUnit(_MonolingualUnit):
         self.ras = None
         if config.decoder_noise_ras:
             self.ras = ras_from(config, data, set(data.manifest.languages))
+        self.validation = PretrainingValidation(config, data, self.loader_max_len())
 
     def _load_codebook(self, model: SemFaceModel) -> None:
         """The frozen VQ layer of an encoder-stage run, cut for this model-parallel rank."""
@@ -146,6 +149,10 @@ class SemFaceUnit(_MonolingualUnit):
             if warning is not None:
                 print(warning, flush=True)
         return figures
+
+    def after_step(self, engine: DeepSpeedEngine, step: int, tracker: Tracker) -> None:
+        if self.validation.due(step):
+            self.validation.run(engine, step, tracker)
 
     def meta(self, engine: DeepSpeedEngine) -> dict[str, Any]:
         interface = engine.module.interface
