@@ -50,6 +50,16 @@ def test_figures_are_their_definitions() -> None:
     assert "gpu_memory_peak_gib" not in figures
 
 
+def test_a_peak_measured_low_is_raised_by_the_next_figures() -> None:
+    """A peak measured while the machine was busy does not stay below what the products reach
+    later: every logging window times one more product and keeps the fastest."""
+    speed = Throughput(torch.device("cpu"), world=1, dtype=torch.float32)
+    speed.peak = 1.0  # as if every product of the first quarter second had waited
+    figures = speed.figures(tokens=1_000, flops=1e9, seconds=1.0)
+    assert speed.peak > 1e8 and figures["peak_tflops_per_gpu"] == speed.peak / 1e12
+    assert figures["mfu"] == pytest.approx(1e9 / speed.peak)
+
+
 def test_the_peak_is_taken_in_the_configs_training_dtype() -> None:
     import json
 

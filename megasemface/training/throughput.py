@@ -4,10 +4,10 @@ Model FLOPs utilisation (MFU) is the model's FLOPs per second (its matrix produc
 attention at the batch's shape, forward and backward: :mod:`megasemface.training.model_flops`)
 over the device's dense peak in the training dtype. The peak is the datasheet's for the GPUs
 in :data:`DATASHEET_PEAKS` (found by a part of the name torch reports) and otherwise
-measured once per process: the fastest of a quarter second of large matrix products in that
-dtype (on a CPU through oneDNN where the models' products go,
-:mod:`megasemface.models.cpu_gemm`), so a CPU run shows its share of what this machine's
-products reach.
+measured: the fastest of a quarter second of large matrix products in that dtype when the
+loop starts and of one more at every logging step (on a CPU through oneDNN where the models'
+products go, :mod:`megasemface.models.cpu_gemm`), so a CPU run shows its share of what this
+machine's products reach.
 
 The memory peak is the device's: ``torch.cuda.max_memory_allocated`` on a GPU (tensors
 only, not the caching allocator's reserve), and on a CPU the process's peak resident set
@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "DATASHEET_PEAKS",
+    "MatmulProbe",
     "Throughput",
     "datasheet_peak",
     "device_peak",
@@ -64,34 +65,54 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class MatmulProbe:
+    """A square product of ``size`` in ``dtype`` on ``device``, timed on request. On a CPU the
+    product is the models' own (oneDNN where they use it)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, size: int | None = None) -> None:
+        from megasemface.models.cpu_gemm import mm
+
+        self.device = device
+        self.size = size or (8192 if device.type == "cuda" else 1024)
+        generator = torch.Generator(device=device).manual_seed(0)
+        shape = (self.size, self.size)
+        self.a = torch.randn(shape, generator=generator, device=device).to(dtype)
+        self.b = torch.randn(shape, generator=generator, device=device).to(dtype)
+        self.product = mm if device.type == "cpu" and dtype == torch.float32 else torch.mm
+        self.product(self.a, self.b)  # warm up
+
+    def flops_once(self) -> float:
+        """FLOP/s of one product."""
+        _synchronize(self.device)
+        started = time.perf_counter()
+        self.product(self.a, self.b)
+        _synchronize(self.device)
+        return 2.0 * self.size**3 / max(time.perf_counter() - started, 1e-12)
+
+    def fastest(self, seconds: float) -> float:
+        """FLOP/s of the fastest of the products timed for ``seconds`` (at least three)."""
+        best, timed = 0.0, 0
+        deadline = time.perf_counter() + seconds
+        while timed < 3 or time.perf_counter() < deadline:
+            best = max(best, self.flops_once())
+            timed += 1
+        return best
+
+
+@functools.cache
+def _probe(device: torch.device, dtype: torch.dtype, size: int | None) -> MatmulProbe:
+    return MatmulProbe(device, dtype, size)
+
+
 @functools.cache
 def measured_matmul_peak(
     device: torch.device, dtype: torch.dtype, size: int | None = None, seconds: float = 0.25
 ) -> float:
     """FLOP/s of the fastest square product of ``size`` in ``dtype`` on ``device``, timed
-    again and again for ``seconds`` (at least three times, after one to warm up); once per
-    process and arguments. On a CPU the product is the models' own (oneDNN where they use
-    it). The fastest of many, not of a few: on a shared machine a few products can all meet
-    another process's burst, and a peak measured low reads the run's MFU above 100%."""
-    from megasemface.models.cpu_gemm import mm
-
-    size = size or (8192 if device.type == "cuda" else 1024)
-    generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, generator=generator, device=device).to(dtype)
-    b = torch.randn(size, size, generator=generator, device=device).to(dtype)
-    product = mm if device.type == "cpu" and dtype == torch.float32 else torch.mm
-    product(a, b)
-    best = float("inf")
-    timed = 0
-    deadline = time.perf_counter() + seconds
-    while timed < 3 or time.perf_counter() < deadline:
-        _synchronize(device)
-        started = time.perf_counter()
-        product(a, b)
-        _synchronize(device)
-        best = min(best, time.perf_counter() - started)
-        timed += 1
-    return 2.0 * size**3 / best
+    again and again for ``seconds``; once per process and arguments. The fastest of many,
+    not of a few: on a shared machine a few products can all meet another process's burst,
+    and a peak measured low reads the run's MFU above 100%."""
+    return _probe(device, dtype, size).fastest(seconds)
 
 
 def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
@@ -113,17 +134,25 @@ def memory_peak(device: torch.device) -> dict[str, float]:
 
 
 class Throughput:
-    """The speed figures of a logging window for ``world`` ranks, one device each."""
+    """The speed figures of a logging window for ``world`` ranks, one device each.
+
+    A measured peak is measured again, one product, at every :meth:`figures`, and the
+    fastest so far is the peak: a machine busy with other work through the first quarter
+    second would otherwise leave a peak below what the run's own products reach later, and
+    an MFU above 100%."""
 
     def __init__(self, device: torch.device, world: int, dtype: torch.dtype) -> None:
         self.device = device
         self.world = world
         self.peak, self.peak_source = device_peak(device, dtype)
+        self._probe = _probe(device, dtype, None) if self.peak_source == "measured" else None
 
     def figures(self, tokens: float, flops: float, seconds: float) -> dict[str, float]:
         """``tokens`` and model ``flops`` of every rank over ``seconds``: tokens/s and model
         FLOP/s per device, MFU against :attr:`peak`, and the memory peak."""
         seconds = max(seconds, 1e-9)
+        if self._probe is not None:
+            self.peak = max(self.peak, self._probe.flops_once())
         per_device = flops / seconds / self.world
         return {
             "tokens_per_s_per_gpu": tokens / seconds / self.world,
