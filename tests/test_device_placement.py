@@ -12,6 +12,7 @@ from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces import code_usage
 from megasemface.interfaces.code_usage import CodeUsage
 from megasemface.models.config import build_model_config
+from megasemface.objectives import noising
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 from megasemface.objectives.stages import ObjectiveConfig
 from megasemface.objectives.veco import VecoSeq2Seq
@@ -67,3 +68,39 @@ def test_veco_step_figures_stay_on_the_models_device(device: str) -> None:
         value = out.metrics[name]
         assert isinstance(value, torch.Tensor) and value.device.type == device, name
         assert 0 <= float(value) <= 1
+
+
+NOISES = {
+    "mask_for_mlm": lambda t, n, g: noising.mask_for_mlm(
+        t, n, mask_id=4, vocab_size=60, special_ids=(0, 1, 2, 3), generator=g, prob=0.3
+    ),
+    "drop_and_shuffle": lambda t, n, g: noising.drop_and_shuffle(t, n, pad_id=3, generator=g),
+    "infill_spans": lambda t, n, g: noising.infill_spans(t, n, mask_id=4, pad_id=3, generator=g),
+    "permute_sentences": lambda t, n, g: noising.permute_sentences(
+        t, n, boundary_ids=(9, 10), pad_id=3, generator=g
+    ),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("noise", sorted(NOISES))
+def test_a_host_generator_noises_a_device_batch_as_it_noises_a_host_one(
+    device: str, noise: str
+) -> None:
+    """The training loop's generator is on the host and its batches on the model's device:
+    each noise draws on the generator's device and returns the batch's, with the values the
+    same batch gets on the host (a draw made on the batch's device with a host generator
+    fails on CUDA)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([12, 7, 1, 10])
+    tokens = torch.randint(11, 60, (4, 12), generator=g)
+    tokens[:, 4] = 9  # a sentence's end, for permute_sentences
+    tokens[torch.arange(12)[None] >= lengths[:, None]] = 3  # pad
+    on_host = NOISES[noise](tokens, lengths, torch.Generator().manual_seed(1))
+    assert not torch.equal(on_host[0], tokens)  # noised
+    on_device = NOISES[noise](
+        tokens.to(device), lengths.to(device), torch.Generator().manual_seed(1)
+    )
+    for host, moved in zip(on_host, on_device, strict=True):
+        assert moved.device.type == device
+        assert torch.equal(moved.cpu(), host), noise
