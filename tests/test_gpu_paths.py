@@ -1,9 +1,11 @@
 """Every command on a CUDA device, with the tiny models: the pre-training stages (VQ and CL
-SemFace, mBART, VECO, mRASP's random aligned substitution) under ZeRO-2 and ZeRO-3 in bf16
-and under fp16; consolidating, averaging, connecting and exporting the checkpoints they
-write; supervised fine-tuning with validation and best-model selection; unsupervised
-fine-tuning (denoising and online back-translation, in lockstep under ZeRO-3); the
-translate, evaluate and diagnose_interface tools; and the pipeline at its smallest budget.
+SemFace, mBART, VECO, mRASP) under ZeRO-2 and ZeRO-3 in bf16 and under fp16, with random
+aligned substitution (mRASP's, in CL-SemFace's decoder noise, on fine-tuning's sources);
+consolidating, averaging, connecting and exporting the checkpoints they write; supervised
+fine-tuning with validation and best-model selection; unsupervised fine-tuning (denoising
+and online back-translation, in lockstep under ZeRO-3); the translate, evaluate and
+diagnose_interface tools; and the pipeline at its smallest budget, its test sets decoded on
+the device and its runs and scores in its MLflow store.
 
 The GPU tier: skipped without CUDA, selected with ``pytest -m gpu`` (the GPU kit runs it).
 ``MEGASEMFACE_GPU_TIER_DEVICE=cpu`` runs the same tests on DeepSpeed's CPU accelerator
@@ -116,9 +118,10 @@ def pretrained(
     """The pre-training runs, in one launch (:func:`_chain`)."""
     root = tmp_path_factory.mktemp("gpu-runs")
     shards = {**launch_data, "veco": veco_shards}
+    ras = ("--ras-dictionary", str(demo_corpus / "dict" / "en-de.tsv"))
     extra = {
-        "cl-zero3": ("--cl-table", str(launch_data["cl"])),
-        "mrasp": ("--ras-dictionary", str(demo_corpus / "dict" / "en-de.tsv")),
+        "cl-zero3": ("--cl-table", str(launch_data["cl"]), "--decoder-noise-ras", *ras),
+        "mrasp": ras,
         "vq-bf16": ("--save-interval", "1", "--keep-last", "3"),
     }
     names = [n for n in PRETRAINING if ON_GPU or PRETRAINING[n][0] != "fp16"]
@@ -141,6 +144,8 @@ def test_pretraining_stages_train_and_report_their_speed(pretrained: dict[str, P
         memory = "gpu_memory_peak_gib" if ON_GPU else "rss_peak_gib"
         assert metrics[memory] > 0 and 0 < metrics["mfu"] < 1, (name, metrics)
         assert metrics["tokens_per_s_per_gpu"] == pytest.approx(metrics["tokens_per_s"])
+        if name in ("cl-zero3", "mrasp"):  # random aligned substitution replaced words
+            assert metrics["ras_replaced"] > 0, (name, metrics)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -161,6 +166,11 @@ def test_checkpoints_written_on_the_device_consolidate_to_their_weights(
     out = tmp_path / "consolidated"
     _ok(_tool("merge_checkpoints", "consolidate", str(run), "--out", str(out)))
     assert (out / "model.safetensors").is_file()
+    connected = tmp_path / "connected"
+    _ok(_tool("merge_checkpoints", "connect", "--encoder", str(run), "--decoder", str(run),
+              "--out", str(connected)))  # fmt: skip
+    weights = load_file(str(connected / "model.safetensors"))
+    assert all(v.dtype == torch.float32 and bool(v.isfinite().all()) for v in weights.values())
 
 
 def test_average_connect_and_export_of_device_checkpoints(
@@ -192,10 +202,14 @@ def test_average_connect_and_export_of_device_checkpoints(
 
 @pytest.fixture(scope="module")
 def finetuned(
-    launch_data: dict, pretrained: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    launch_data: dict,
+    demo_corpus: Path,
+    pretrained: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Path]:
-    """Supervised fine-tuning of the connected VQ-SemFace model with validation at steps 2
-    and 4 (the best model kept), then unsupervised fine-tuning under ZeRO-3, in one launch."""
+    """Supervised fine-tuning of the connected VQ-SemFace model (random aligned substitution
+    on its sources) with validation at steps 2 and 4 (the best model kept), then unsupervised
+    fine-tuning under ZeRO-3, in one launch."""
     root = tmp_path_factory.mktemp("gpu-finetune")
     connected = root / "vq-model"
     run = pretrained["vq-bf16"]
@@ -208,7 +222,8 @@ def finetuned(
     runs = {
         "supervised": (
             launch_data["parallel"], "bf16", connected,
-            ("--steps", "4", "--valid-interval", "2"),
+            ("--steps", "4", "--valid-interval", "2", "--finetune-ras", "--ras-dictionary",
+             str(demo_corpus / "dict" / "en-de.tsv")),
         ),
         "unsupervised": (
             launch_data["mono"], "zero3", launch_data["init"],
@@ -233,6 +248,7 @@ def test_finetuning_validates_and_keeps_the_best_model(finetuned: dict[str, Path
     assert sorted(m.step for m in bleu) == [2, 4]
     best = json.loads((finetuned["supervised"] / "best" / "config.json").read_text())
     assert best["meta"]["valid_bleu"] == pytest.approx(run.data.metrics["best_valid_bleu"])
+    assert run.data.metrics["ras_replaced"] > 0
     client, run = mlflow_run(finetuned["unsupervised"])
     assert client.get_metric_history(run.info.run_id, "bt")  # back-translation trained
     assert client.get_metric_history(run.info.run_id, "valid_bleu")
@@ -285,3 +301,12 @@ def test_pipeline_at_its_smallest_budget(demo_corpus: Path, tmp_path: Path) -> N
     assert "| system | en-de | de-en | avg | gain |" in shown
     assert (workdir / "results.md").stat().st_size > 0
     assert (workdir / "runs" / "supervised-vq" / "best" / "model.safetensors").is_file()
+    # The test sets are decoded where the runs trained (the GPU where there is one).
+    decoded = "cuda" if torch.cuda.is_available() else "cpu"
+    assert shown.count(f"s on {decoded})") == 4, shown[-3000:]  # 2 systems x 2 directions
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    scored = [r for r in runs if "test_bleu" in r.data.metrics]
+    assert len(scored) == 2 and all("valid_bleu" in r.data.metrics for r in scored), runs

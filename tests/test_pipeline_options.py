@@ -562,3 +562,19 @@ def test_a_single_pair_keeps_its_shard_and_data_paths(
     valid = data_steps.slice_parallel(several, corpus, "valid", 2, "en-fr")
     assert valid == tmp_path / "data" / "en-fr" / "valid-2"
     assert (tmp_path / "data" / "en-fr" / "valid-2.fr").read_text() == "a\nb\n"
+
+
+def test_each_training_rank_has_a_gpu_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks by default (the demo's), one per GPU on a machine with fewer GPUs; more
+    ranks than GPUs are refused before any step runs, unless a hostfile spreads them."""
+    from megasemface.pipeline import config as config_module
+
+    for gpus, default in ((0, 2), (1, 1), (8, 2)):
+        monkeypatch.setattr(config_module, "cuda_devices", lambda gpus=gpus: gpus)
+        assert PipelineConfig().procs == default
+    monkeypatch.setattr(config_module, "cuda_devices", lambda: 1)
+    with pytest.raises(ValueError, match="--procs 2: each rank takes a GPU, this machine has 1"):
+        PipelineConfig(procs=2)
+    assert PipelineConfig(procs=2, hostfile=Path("hosts")).procs == 2
+    monkeypatch.setattr(config_module, "cuda_devices", lambda: 0)
+    assert PipelineConfig(procs=4).procs == 4  # CPU processes

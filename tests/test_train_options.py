@@ -224,6 +224,11 @@ def test_options_the_units_read_are_checked_up_front() -> None:
     base = {"stage": "finetune", "interface": "none", **PATHS}
     with pytest.raises(ValueError, match="--direction takes SRC-TGT, got 'en'"):
         TrainConfig(directions=["en"], **base)
+    unsupervised = {**base, "finetune_mode": "unsupervised"}
+    with pytest.raises(ValueError, match="back-translates the batches of both languages"):
+        TrainConfig(directions=["en-de"], **unsupervised)
+    TrainConfig(directions=["en-de", "de-en"], **unsupervised)
+    TrainConfig(directions=["en-de"], **base)  # supervised: one direction is enough
     with pytest.raises(ValueError, match="--denoise-schedule: schedule steps must increase"):
         TrainConfig(denoise_schedule="5:1,0:0", **base)
     with pytest.raises(ValueError, match="--num-workers must be >= 0"):

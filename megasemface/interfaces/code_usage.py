@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from megasemface.distributed.collectives import collective_device
 from megasemface.distributed.groups import ParallelGroups, all_reduce_data_parallel
 
 __all__ = [
@@ -69,10 +70,14 @@ class CodeUsage:
         """Over the window: tokens, codes used (count and fraction of K), perplexity of the
         code histogram (``exp`` of its entropy, at most min(K, tokens)) and dead codes (never
         picked in the window); then resets. Empty dict when no token was seen."""
-        if self.counts is None:  # no batch on this rank yet; the others may have some
-            self.counts = torch.zeros(self.num_codes, dtype=torch.int64)
-        counts = all_reduce_data_parallel(self.counts.clone(), self.groups)
-        self.counts.zero_()
+        if self.counts is None:  # no batch here yet (or in this stage); others may have some
+            # Zeros where the collective takes its tensors (NCCL: the GPU alone), not kept:
+            # the first batch allocates the counts on its own device.
+            counts = torch.zeros(self.num_codes, dtype=torch.int64, device=collective_device())
+        else:
+            counts = self.counts.clone()
+            self.counts.zero_()
+        counts = all_reduce_data_parallel(counts, self.groups)
         return usage_figures(counts, self.num_codes) if int(counts.sum()) else {}
 
 

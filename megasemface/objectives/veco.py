@@ -108,8 +108,9 @@ class VecoTerms:
     """CS(y, x): x's masked tokens through the decoder, from ŷ's encoder states and x̂<t."""
     cs_y: torch.Tensor
     """CS(x, y): y's masked tokens through the decoder, from x̂'s encoder states and ŷ<t."""
-    is_accuracy: float
-    cs_accuracy: float
+    is_accuracy: torch.Tensor
+    """Detached and on the device, as the other stages' metrics: a logging step reads it."""
+    cs_accuracy: torch.Tensor
     num_targets: int
     """Predicted tokens of the four terms."""
 
@@ -246,8 +247,8 @@ class VecoSeq2Seq(nn.Module):
             is_y,
             cs_x,
             cs_y,
-            is_accuracy.item(),
-            cs_accuracy.item(),
+            is_accuracy,
+            cs_accuracy,
             int(is_wanted.numel() + cs_wanted.numel()),
         )
 

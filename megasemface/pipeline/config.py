@@ -101,8 +101,9 @@ class PipelineConfig:
     off: the shard builder's defaults, for large corpora."""
     shard_jobs: int = 2
     """Encoding processes of the shard builder."""
-    procs: int = 2
-    """Training processes on this machine (GPUs, or CPU processes)."""
+    procs: int = dataclasses.field(default_factory=lambda: min(2, cuda_devices()) or 2)
+    """Training processes on this machine (GPUs, or CPU processes); by default 2, or one per
+    GPU on a machine with fewer (each rank takes a GPU of its own)."""
     deepspeed_config: Path | None = None
     """Default: ds_configs/cpu_fp32_zero2.json on CPU, ds_configs/zero2_bf16.json on GPU."""
     hostfile: Path | None = None
@@ -135,6 +136,11 @@ class PipelineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.no_repeat_ngram_size is not None and self.no_repeat_ngram_size < 0:
             raise ValueError("--no-repeat-ngram-size must be >= 0 (0: no limit)")
+        gpus = cuda_devices()
+        if self.hostfile is None and gpus and self.procs > gpus:
+            raise ValueError(
+                f"--procs {self.procs}: each rank takes a GPU, this machine has {gpus}"
+            )
         for name in ("lr", "pretrain_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -248,6 +254,13 @@ class PipelineConfig:
 
     def system(self, key: str) -> System:
         return SYSTEMS.get(key) or ABLATIONS.get(key) or PAPER_SCALE.get(key) or RELATED[key]
+
+
+def cuda_devices() -> int:
+    """The CUDA devices of this machine (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 LANG_CODE = re.compile(r"[A-Za-z]{2,3}(?:_[A-Za-z0-9]+)?(?:@[A-Za-z0-9]+)?")

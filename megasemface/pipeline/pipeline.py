@@ -35,7 +35,7 @@ from megasemface.inference.search import SearchConfig
 from megasemface.inference.translate import Translator
 from megasemface.models.config import build_model_config
 from megasemface.pipeline import data_steps
-from megasemface.pipeline.config import PipelineConfig, seeded
+from megasemface.pipeline.config import PipelineConfig, cuda_devices, seeded
 from megasemface.pipeline.launcher import (
     LaunchError,
     changed_settings,
@@ -465,7 +465,9 @@ class Pipeline:
             scores = json.loads(path.read_text())
             print(f"reusing {path}: BLEU {scores['test_bleu']:.2f}")
             return scores
-        translator = Translator.from_model_dir(run_dir / "best")
+        # Decoded where the runs trained: on the GPU where there is one.
+        device = "cuda" if cuda_devices() else "cpu"
+        translator = Translator.from_model_dir(run_dir / "best", device)
         # The fine-tuning run's own setting, so the test decodes as its validation did.
         trained = json.loads((run_dir / "config.json").read_text())["train"]
         search = SearchConfig(
@@ -485,7 +487,7 @@ class Pipeline:
             scores["signatures"] = {"bleu": result.bleu.signature, "chrf": result.chrf.signature}
             print(
                 f"   {a}->{b}: {result.bleu.details} | chrF {result.chrf.score:.2f} "
-                f"({len(sources)} sentences in {time.perf_counter() - started:.0f}s)"
+                f"({len(sources)} sentences in {time.perf_counter() - started:.0f}s on {device})"
             )
         for metric in ("bleu", "chrf"):
             values = [v for k, v in scores.items() if k.startswith(f"test_{metric}_")]

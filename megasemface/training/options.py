@@ -318,6 +318,15 @@ class TrainConfig:
             src, sep, tgt = text.partition("-")
             if not (sep and src and tgt):
                 raise ValueError(f"--direction takes SRC-TGT, got {text!r}")
+        # Unsupervised: each rank's batch is in one language, and a language no direction
+        # translates into has no back-translation, so its ranks would run other passes than
+        # the rest (a collective mismatch under ZeRO-3) and none once denoising ends.
+        targets = {text.partition("-")[2] for text in self.directions}
+        if self.stage == "finetune" and self.finetune_mode == "unsupervised" and len(targets) == 1:
+            raise ValueError(
+                "unsupervised fine-tuning back-translates the batches of both languages: "
+                "give --direction for both directions of the pair, or leave it out"
+            )
         try:
             parse_schedule(self.denoise_schedule)
         except ValueError as exc:
