@@ -122,7 +122,17 @@ def pretrained(
     extra = {
         "cl-zero3": ("--cl-table", str(launch_data["cl"]), "--decoder-noise-ras", *ras),
         "mrasp": ras,
-        "vq-bf16": ("--save-interval", "1", "--keep-last", "3"),
+        "vq-bf16": (
+            *(
+                "--save-interval",
+                "1",
+                "--keep-last",
+                "3",
+                "--valid-prefix",
+                str(launch_data["valid"]),
+            ),
+            *("--valid-interval", "3", "--valid-max-sentences", "16"),
+        ),
     }
     names = [n for n in PRETRAINING if ON_GPU or PRETRAINING[n][0] != "fp16"]
     runs = {}
@@ -146,6 +156,9 @@ def test_pretraining_stages_train_and_report_their_speed(pretrained: dict[str, P
         assert metrics["tokens_per_s_per_gpu"] == pytest.approx(metrics["tokens_per_s"])
         if name in ("cl-zero3", "mrasp"):  # random aligned substitution replaced words
             assert metrics["ras_replaced"] > 0, (name, metrics)
+        if name == "vq-bf16":  # validation in eval mode on the device
+            assert 0 < metrics["valid_enc_mlm"] < 20 and 0 < metrics["valid_dec_clm"] < 20
+            assert metrics["valid_enc_code_perplexity"] >= 1, metrics
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
