@@ -10,7 +10,7 @@ PACKAGE = ROOT / "megasemface"
 
 # Lowest first: a module may import from its own layer's other parts and from lower layers.
 LAYERS: list[set[str]] = [
-    {"files", "host_memory", "flop_count", "command_line"},
+    {"files", "host_memory", "flop_count", "command_line", "stages"},
     {"data", "distributed"},
     {"models"},
     {"interfaces"},

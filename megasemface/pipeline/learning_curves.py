@@ -17,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from megasemface.interfaces.registry import interface
 from megasemface.pipeline.config import BUDGETS, PipelineConfig, seeded
 from megasemface.pipeline.data_steps import build_cl_table
 from megasemface.pipeline.launcher import LaunchError, lineage
 from megasemface.pipeline.pipeline import Pipeline
 from megasemface.pipeline.systems import System
+from megasemface.stages import stage_names
 from megasemface.tracking.compare.curves import (
     Curve,
     curve_from_log,
@@ -36,7 +38,7 @@ DEMO_DATA = Path("runs/demo")
 """Where the demo (``make demo``, ``tools/reproduce.py``) builds its data: the default
 shards (``shards/mono``) and SentencePiece model (``spm/joint.model``)."""
 
-CURVE_STAGES = ("encoder", "joint")
+CURVE_STAGES = stage_names(lambda spec: spec.encoder)
 """Pre-training stages whose runs have an encoder MLM to compare."""
 
 
@@ -223,7 +225,7 @@ def run_curves(config: CurvesConfig) -> CurvesReport:
     _check_data(config)
     vocab_size = Tokenizer.load(config.spm_model).vocab_size
     pipeline.workdir.mkdir(parents=True, exist_ok=True)
-    if any(system.interface == "cl" for system in systems):
+    if any(interface(system.interface).table for system in systems):
         print("\n== CL-SemFace's cross-lingual table", flush=True)
         pipeline.prepare_cl_table()
     curves = []

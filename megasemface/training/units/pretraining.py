@@ -13,11 +13,13 @@ from megasemface.data.loader import TokenBatch
 from megasemface.distributed.collectives import rank
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces import registry
 from megasemface.interfaces.code_usage import collapse_warning
 from megasemface.interfaces.factory import build_interface
 from megasemface.objectives.noising import sentence_boundary_ids
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.objectives.stages import DenoisingSeq2Seq, SemFaceModel, StageOutput
+from megasemface.stages import stage
 from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
@@ -68,15 +70,16 @@ class SemFaceUnit(_MonolingualUnit):
         model = SemFaceModel(
             self.model_config, interface, data.special, objective_config_from(config)
         )
-        if config.stage == "decoder" and config.interface == "vq":
-            self._load_codebook(model)
-        model.stage = config.stage  # type: ignore[assignment]
-        if config.stage == "encoder":
-            keep = model.encoder_stage_parameters()
-        elif config.stage == "decoder":
-            keep = model.decoder_stage_parameters()
-        else:
-            keep = model.encoder_stage_parameters() + model.decoder_stage_parameters()
+        run_stage = stage(config.stage)
+        codebook = registry.interface(config.interface).codebook
+        if codebook and run_stage.decoder and not run_stage.encoder:
+            self._load_codebook(model)  # the decoder stage's codes are the encoder stage's
+        model.stage = config.stage
+        keep: list[nn.Parameter] = []
+        if run_stage.encoder:
+            keep += model.encoder_stage_parameters()
+        if run_stage.decoder:
+            keep += model.decoder_stage_parameters()
         kept = {id(p) for p in keep}
         for param in model.parameters():
             if id(param) not in kept:
