@@ -16,6 +16,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 LOCALE_DIR = Path(os.environ.get("MEGASEMFACE_LOCALE_DIR", "/usr/share/locale"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks ``unit`` every test that is neither ``launcher`` nor ``gpu``, so that each
+    test is in one tier: ``-m unit``, ``-m launcher``, ``-m gpu``."""
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in ("launcher", "gpu")):
+            item.add_marker(pytest.mark.unit)
+
+
 @pytest.fixture(scope="session")
 def locale_dir() -> Path:
     """The system's gettext catalogs, which the demo corpus is made from."""

@@ -27,6 +27,8 @@ from megasemface.models.config import ModelConfig, build_model_config
 from megasemface.models.model_dir import save_model_dir
 from megasemface.models.transformer import Seq2SeqModel
 
+pytestmark = pytest.mark.launcher
+
 pytest.importorskip("transformers")
 pytest.importorskip("ctranslate2")
 

@@ -23,6 +23,8 @@ from launch import (
 from megasemface.data.tokenizer import Tokenizer
 from megasemface.models.model_dir import load_seq2seq
 
+pytestmark = pytest.mark.launcher
+
 
 def _finetune(data: dict, out: Path, shards: Path, *args: str, zero: int) -> list[str]:
     return train_command(

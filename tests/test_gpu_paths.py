@@ -131,6 +131,7 @@ def pretrained(
     return {name: root / name for name in names}
 
 
+@pytest.mark.launcher
 def test_pretraining_stages_train_and_report_their_speed(pretrained: dict[str, Path]) -> None:
     for name, out in pretrained.items():
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -143,6 +144,7 @@ def test_pretraining_stages_train_and_report_their_speed(pretrained: dict[str, P
         assert metrics["tokens_per_s_per_gpu"] == pytest.approx(metrics["tokens_per_s"])
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_checkpoints_written_on_the_device_consolidate_to_their_weights(
     pretrained: dict[str, Path], precision: str, tmp_path: Path
@@ -163,6 +165,7 @@ def test_checkpoints_written_on_the_device_consolidate_to_their_weights(
     assert (out / "model.safetensors").is_file()
 
 
+@pytest.mark.launcher
 def test_average_connect_and_export_of_device_checkpoints(
     pretrained: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -227,6 +230,7 @@ def finetuned(
     return {name: root / name for name in runs}
 
 
+@pytest.mark.launcher
 def test_finetuning_validates_and_keeps_the_best_model(finetuned: dict[str, Path]) -> None:
     client, run = mlflow_run(finetuned["supervised"])
     bleu = client.get_metric_history(run.info.run_id, "valid_bleu")
@@ -239,6 +243,7 @@ def test_finetuning_validates_and_keeps_the_best_model(finetuned: dict[str, Path
     assert (finetuned["unsupervised"] / "best" / "model.safetensors").is_file()
 
 
+@pytest.mark.launcher
 def test_translate_evaluate_and_diagnose_tools(
     launch_data: dict, pretrained: dict[str, Path], finetuned: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -50,6 +50,8 @@ from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, load_seq2seq
 from megasemface.models.seq2seq_init import ConnectError
 
+pytestmark = pytest.mark.launcher
+
 pytestmark = pytest.mark.slow
 
 

@@ -17,6 +17,8 @@ from megasemface.checkpoints import connect_mbart, write_seq2seq_dir
 from megasemface.checkpoints.consolidate import load_stage
 from megasemface.models.model_dir import load_seq2seq_state
 
+pytestmark = pytest.mark.launcher
+
 
 @pytest.fixture(scope="module")
 def mixed_shards(

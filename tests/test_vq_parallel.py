@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -31,6 +32,8 @@ from megasemface.interfaces.gumbel_quantizer import (
     shard_state_dict,
 )
 from megasemface.models.config import VQConfig
+
+pytestmark = pytest.mark.launcher
 
 D = 8
 FLAT = VQConfig(
