@@ -42,7 +42,7 @@ from megasemface.evaluation.diagnostics import (
     word_codes,
 )
 from megasemface.evaluation.diagnostics.dictionary import whole_word_occurrences
-from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.config import VQConfig
 
 SENTENCES = 24

@@ -44,7 +44,7 @@ from megasemface.data.shard_build_config import ShardBuildConfig
 from megasemface.data.shard_builder import build_shards
 from megasemface.data.textio import parse_lang_path
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
+from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
 from megasemface.models.bridge import bridge_sources
 from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, load_seq2seq

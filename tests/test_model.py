@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.bridge import CodebookBridge, bridge_state
 from megasemface.models.config import (
     PRESETS,

@@ -26,7 +26,7 @@ from megasemface.distributed.groups import (
     global_batch_sum,
 )
 from megasemface.distributed.launch import free_port
-from megasemface.interfaces.gumbel_quantizer import (
+from megasemface.interfaces.vq.gumbel_quantizer import (
     GumbelVectorQuantizer,
     gather_state_dicts,
     shard_state_dict,

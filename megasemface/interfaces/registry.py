@@ -167,7 +167,7 @@ def _build_cl(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
 
 def _build_vq(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
     from megasemface.distributed.groups import ParallelGroups
-    from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
+    from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
 
     return VectorQuantizedInterface(config, options.groups or ParallelGroups.single(), options.seed)
 

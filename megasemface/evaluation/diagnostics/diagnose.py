@@ -51,7 +51,7 @@ from megasemface.evaluation.diagnostics.sources import (
 from megasemface.inference.translate import token_batches
 from megasemface.interfaces.cross_lingual import CrossLingualInterface
 from megasemface.interfaces.registry import find_interface
-from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
+from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
 from megasemface.models.transformer import EncoderOutput
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
 

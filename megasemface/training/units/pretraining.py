@@ -14,8 +14,8 @@ from megasemface.distributed.collectives import rank
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces import registry
-from megasemface.interfaces.code_usage import collapse_warning
 from megasemface.interfaces.factory import build_interface
+from megasemface.interfaces.vq.code_usage import collapse_warning
 from megasemface.objectives.noising import sentence_boundary_ids
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.objectives.stages import DenoisingSeq2Seq, SemFaceModel, StageOutput
