@@ -25,7 +25,7 @@ MAX_LINES = 600
 
 
 def _part(module: str) -> str:
-    """``megasemface.data.loader`` -> ``data``; ``megasemface.train`` -> ``train``."""
+    """``megasemface.data.loading.loader`` -> ``data``; ``megasemface.train`` -> ``train``."""
     return module.split(".")[1]
 
 

@@ -23,11 +23,11 @@ from safetensors.torch import save_file
 
 from megasemface.checkpoints import connect_runs, write_seq2seq_dir
 from megasemface.cli.diagnose_interface import main as diagnose_main
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.spm_training import SpmTrainConfig, train_spm
-from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
+from megasemface.data.text.textio import parse_lang_path
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.evaluation.diagnostics import (
     DiagnosticModels,

@@ -19,7 +19,7 @@ from launch import ROOT, check_finished, launch
 from test_finetune_launcher import _finetune
 
 from megasemface.cli.export import main as export_main
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.evaluation.metrics import evaluate
 from megasemface.inference.search import SearchConfig, max_lengths
 from megasemface.inference.translate import Translator

@@ -25,9 +25,9 @@ from launch import ROOT, chain, check_finished, environment, launch, mlflow_run,
 from safetensors.torch import load_file
 
 from megasemface.checkpoints import load_stage
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.textio import parse_lang_path, parse_parallel
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.textio import parse_lang_path, parse_parallel
 
 DEVICE = os.environ.get("MEGASEMFACE_GPU_TIER_DEVICE", "cuda")
 ON_GPU = DEVICE == "cuda"

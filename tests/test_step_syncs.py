@@ -46,7 +46,7 @@ reads = collections.defaultdict(collections.Counter)
 def where() -> str:
     frames = [f for f in traceback.extract_stack()[:-2] if "megasemface" in f.filename]
     names = [f.filename for f in frames]
-    if any(name.endswith("data/loader.py") for name in names):
+    if any(name.endswith("data/loading/loader.py") for name in names):
         return "loader"
     if any(part in name for name in names for part in MODEL):
         return "model"

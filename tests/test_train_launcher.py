@@ -25,10 +25,10 @@ from launch import (
 )
 from safetensors.torch import save_file
 
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.textio import parse_lang_path
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.distributed.engine import consolidated_state
 
 CONFIGS = {

@@ -217,7 +217,7 @@ def run_curves(config: CurvesConfig) -> CurvesReport:
         ValueError, FileNotFoundError: bad options or missing data, before anything trains.
         LaunchError: a run failed (its log is named).
     """
-    from megasemface.data.tokenizer import Tokenizer
+    from megasemface.data.text.tokenizer import Tokenizer
     from megasemface.tracking.report_run import log_report_run
 
     systems = curve_systems(config.pipeline_config())

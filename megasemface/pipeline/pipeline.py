@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from megasemface.checkpoints import connect_mbart, connect_runs, write_seq2seq_dir
 from megasemface.checkpoints.connect import SEQ2SEQ_STAGES
 from megasemface.checkpoints.layout import is_model_dir, newest_complete_step
-from megasemface.data.lines import read_lines, write_lines
+from megasemface.data.text.lines import read_lines, write_lines
 from megasemface.evaluation.diagnostics import DiagnosticsConfig, diagnose_interface, log_to_run
 from megasemface.evaluation.metrics import evaluate
 from megasemface.inference.search import SearchConfig

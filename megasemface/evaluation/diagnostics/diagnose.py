@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from megasemface.data.lines import read_lines
+from megasemface.data.text.lines import read_lines
 from megasemface.evaluation.diagnostics.dictionary import (
     Position,
     Word,

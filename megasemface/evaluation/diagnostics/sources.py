@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from megasemface.checkpoints import load_stage, resolve_spm_model
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.interfaces.base import SemanticInterface
 from megasemface.interfaces.factory import build_interface
 from megasemface.interfaces.registry import find_interface, recorded_interface, records_codebook

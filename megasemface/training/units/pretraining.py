@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from megasemface.checkpoints import load_codebook
-from megasemface.data.loader import TokenBatch
+from megasemface.data.loading.loader import TokenBatch
 from megasemface.distributed.collectives import rank
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megasemface.data.loader import TokenBatch
-from megasemface.data.pairs import split_pairs
+from megasemface.data.loading.loader import TokenBatch
+from megasemface.data.loading.pairs import split_pairs
 from megasemface.distributed.collectives import any_rank
 from megasemface.distributed.engine import DeepSpeedEngine, on_device
 from megasemface.distributed.groups import ParallelGroups
