@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from megasemface.models.config import ModelConfig
 
 __all__ = [
+    "DEFAULT",
     "INTERFACES",
     "NONE",
     "BuildOptions",
@@ -40,6 +41,8 @@ __all__ = [
 NONE = "none"
 """The interface of a model without one: the XLM baseline and the sequence-to-sequence
 stages."""
+DEFAULT = "vq"
+"""The interface of a SemFace stage when ``--interface`` is not given."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

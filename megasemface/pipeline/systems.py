@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megasemface.interfaces.registry import NONE
 from megasemface.models.config import model_option
 from megasemface.stages import stage
 from megasemface.training.options import TrainConfig, typed_overrides
@@ -69,7 +70,7 @@ class System:
     """The name in tables and plots (the paper's row label)."""
     stage: str | None
     """train.py --stage of the pre-training run; None: no pre-training."""
-    interface: str = "none"
+    interface: str = NONE
     options: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     """TrainConfig fields of the pre-training run by name (ablations), e.g.
     ``{"diversity_weight": 0.0}``; they replace the pipeline's values (docs/options.md lists

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from megasemface.interfaces.registry import NONE, interface, interface_names
+from megasemface.interfaces.registry import DEFAULT, NONE, interface, interface_names
 from megasemface.models.config import ModelConfig, build_model_config
 from megasemface.stages import stage, stage_names
 from megasemface.training.schedules import parse_schedule
@@ -414,7 +414,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     """Adds train.py's options to ``parser`` and returns them. An option's help is its
     TrainConfig field's docstring."""
     d = TrainConfig(
-        stage="encoder", interface="vq", data=Path(), spm_model=Path(), output_dir=Path()
+        stage="encoder", interface=DEFAULT, data=Path(), spm_model=Path(), output_dir=Path()
     )
     actions: list[argparse.Action] = []
     docs = field_docs()
@@ -496,7 +496,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     if values.get("interface") is None:  # not given: the stage's own
-        values["interface"] = "vq" if stage(values["stage"]).semface else NONE
+        values["interface"] = DEFAULT if stage(values["stage"]).semface else NONE
     return TrainConfig(**values)
 
 
