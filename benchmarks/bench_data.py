@@ -26,14 +26,14 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from megasemface.data.cleaning import DropReason, clean_line
-from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
-from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.shard_format import Manifest
-from megasemface.data.spm_training import SpmTrainConfig, train_spm
-from megasemface.data.textio import iter_lines, parse_lang_path
+from megasemface.data.demo.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
+from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSource
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.shards.shard_format import Manifest
+from megasemface.data.text.cleaning import DropReason, clean_line
+from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
+from megasemface.data.text.textio import iter_lines, parse_lang_path
 
 
 def _clean_texts(corpus: Path) -> list[str]:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR
+from megasemface.data.demo.demo_corpus import DEFAULT_LOCALE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT_SECONDS = 20 * 60

@@ -14,7 +14,7 @@ same step with the output layer and its cross-entropy through autograd (logits,
 (``train.py --compile``), with the seconds its first call spends compiling (into a fresh
 inductor cache: what a run on a new machine pays), after the first eager step, whose time
 is reported too: at the paper preset it compiles the flat VQ layer's passes
-(``interfaces/vq_flat_passes.py``). The step, the peak matmul, the VQ calls,
+(``interfaces/vq/flat_passes.py``). The step, the peak matmul, the VQ calls,
 the autograd step and the compiled step take turns, and each share or ratio is the median of
 per-round ratios, so load from other processes cancels out. A round in which a call grew
 the process's heap (the kernel zero-filling fresh pages, which a training run pays in its
@@ -202,7 +202,7 @@ def bench(preset: str, layout: str, repeats: int, kept_memory: bool = False) -> 
         model.joint_loss(batch, generator).loss.backward()
     stock = counter.get_total_flops()
     # The first step outside FLOP counting: at the paper preset it compiles the VQ layer's
-    # passes (interfaces/vq_flat_passes.py), which every run pays once.
+    # passes (interfaces/vq/flat_passes.py), which every run pays once.
     started = time.perf_counter()
     step()
     first_step = time.perf_counter() - started

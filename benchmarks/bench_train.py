@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.spm_training import SpmTrainConfig, train_spm
-from megasemface.data.textio import parse_lang_path
+from megasemface.data.demo.demo_corpus import DEFAULT_LOCALE_DIR, build_demo_corpus
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
+from megasemface.data.text.textio import parse_lang_path
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.host_memory import keep_freed_memory
 from megasemface.objectives.sequences import SequenceBatch

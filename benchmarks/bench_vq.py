@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from megasemface.distributed.groups import ParallelGroups, build_parallel_groups
-from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.config import VQConfig
 
 

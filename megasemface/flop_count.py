@@ -3,7 +3,7 @@
 FlopCounterMode counts ``mm``, ``addmm``, ``bmm`` and the CUDA attention kernels. It does not
 count the in-place ``addmm_`` with which the fused output loss
 (:mod:`megasemface.objectives.output_loss`) and the flat VQ layer
-(:mod:`megasemface.interfaces.vq_flat`) accumulate their weights' gradients over chunks, nor
+(:mod:`megasemface.interfaces.vq.flat`) accumulate their weights' gradients over chunks, nor
 the CPU attention kernel and its backward, nor oneDNN's products
 (:mod:`megasemface.models.cpu_gemm`): work that autograd's form of the same step runs as
 counted ``mm`` and attention calls. Left out, a fused step's FLOPs, and so its FLOP/s and

@@ -16,6 +16,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 LOCALE_DIR = Path(os.environ.get("MEGASEMFACE_LOCALE_DIR", "/usr/share/locale"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks ``unit`` every test that is neither ``launcher`` nor ``gpu``, so that each
+    test is in one tier: ``-m unit``, ``-m launcher``, ``-m gpu``."""
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in ("launcher", "gpu")):
+            item.add_marker(pytest.mark.unit)
+
+
 @pytest.fixture(scope="session")
 def locale_dir() -> Path:
     """The system's gettext catalogs, which the demo corpus is made from."""
@@ -29,7 +37,7 @@ def demo_corpus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     """The real en-de demo corpus, built once per test session from gettext catalogs, or
     the one ``MEGASEMFACE_DEMO_CORPUS`` names (``tools/make_demo_corpus.py``'s output, for
     a machine without the catalogs: the GPU kit carries one)."""
-    from megasemface.data.demo_corpus import build_demo_corpus
+    from megasemface.data.demo.demo_corpus import build_demo_corpus
 
     made = os.environ.get("MEGASEMFACE_DEMO_CORPUS")
     if made:
@@ -42,8 +50,8 @@ def demo_corpus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 @pytest.fixture(scope="session")
 def spm_model(demo_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small joint en-de BPE model trained on the demo corpus."""
-    from megasemface.data.spm_training import SpmTrainConfig, train_spm
-    from megasemface.data.textio import parse_lang_path
+    from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
+    from megasemface.data.text.textio import parse_lang_path
 
     prefix = tmp_path_factory.mktemp("spm") / "joint"
     corpora = parse_lang_path(
@@ -65,10 +73,10 @@ def launch_data(
     import torch
     from safetensors.torch import save_file
 
-    from megasemface.data.shard_build_config import ShardBuildConfig
-    from megasemface.data.shard_builder import build_shards
-    from megasemface.data.textio import parse_lang_path, parse_parallel
-    from megasemface.data.tokenizer import Tokenizer
+    from megasemface.data.shards.shard_build_config import ShardBuildConfig
+    from megasemface.data.shards.shard_builder import build_shards
+    from megasemface.data.text.textio import parse_lang_path, parse_parallel
+    from megasemface.data.text.tokenizer import Tokenizer
     from megasemface.models.config import build_model_config
     from megasemface.models.model_dir import save_model_dir
     from megasemface.models.transformer import Seq2SeqModel

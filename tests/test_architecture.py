@@ -10,7 +10,7 @@ PACKAGE = ROOT / "megasemface"
 
 # Lowest first: a module may import from its own layer's other parts and from lower layers.
 LAYERS: list[set[str]] = [
-    {"files", "host_memory", "flop_count", "command_line"},
+    {"files", "host_memory", "flop_count", "command_line", "stages"},
     {"data", "distributed"},
     {"models"},
     {"interfaces"},
@@ -25,7 +25,7 @@ MAX_LINES = 600
 
 
 def _part(module: str) -> str:
-    """``megasemface.data.loader`` -> ``data``; ``megasemface.train`` -> ``train``."""
+    """``megasemface.data.loading.loader`` -> ``data``; ``megasemface.train`` -> ``train``."""
     return module.split(".")[1]
 
 

@@ -27,17 +27,17 @@ import zstandard
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from megasemface.data.loader import DataError, LoaderConfig, ShardLoader, ShardSource
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.shard_format import (
+from megasemface.data.loading.loader import DataError, LoaderConfig, ShardLoader, ShardSource
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.shards.shard_format import (
     Manifest,
     ShardFormatError,
     decode_sample,
     encode_sample,
     iter_shard_chunks,
 )
-from megasemface.data.textio import CorpusReadError, LineReader, parse_lang_path, split_lines
+from megasemface.data.text.textio import CorpusReadError, LineReader, parse_lang_path, split_lines
 from megasemface.export.source import load_export_source
 from megasemface.models.model_dir import ModelDirError, load_model_dir, load_seq2seq
 

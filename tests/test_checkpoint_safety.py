@@ -72,6 +72,7 @@ def reference(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.launcher
 def test_killed_while_saving_resumes_from_the_previous_checkpoint(
     data: dict, reference: Path, tmp_path: Path
 ) -> None:
@@ -95,6 +96,7 @@ def test_killed_while_saving_resumes_from_the_previous_checkpoint(
     assert names == {p.name for p in (reference / "checkpoints" / tag(4)).iterdir()}
 
 
+@pytest.mark.launcher
 def test_full_disk_while_saving_stops_cleanly_and_resumes(
     data: dict, reference: Path, tmpfs: Callable[[int], Path]
 ) -> None:
@@ -132,6 +134,7 @@ class Payload:
         return Path.touch, (self.marker,)
 
 
+@pytest.mark.launcher
 def test_a_model_states_file_that_would_run_code_is_never_loaded(
     data: dict, reference: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from megasemface.cli.build_cl_embeddings import main as cli_main
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.spm_training import SpmTrainConfig, train_spm
-from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
+from megasemface.data.text.textio import parse_lang_path
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.embeddings import (
     CLEmbeddingConfig,
     CLEmbeddingError,

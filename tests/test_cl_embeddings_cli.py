@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.spm_training import SpmTrainConfig, train_spm
-from megasemface.data.textio import parse_lang_path
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
+from megasemface.data.text.textio import parse_lang_path
 from megasemface.interfaces.cross_lingual import CrossLingualInterface, load_embedding_table
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.config import build_model_config
@@ -145,8 +145,8 @@ def test_the_build_induces_the_ras_dictionary(
     """--dictionary-out: CSLS pairs of single-piece words above the threshold, best first,
     each side a word of its language, read back as mRASP's dictionary; a name that does not
     say the languages is refused before any training."""
-    from megasemface.data.ras import RasDictionary
-    from megasemface.data.tokenizer import Tokenizer
+    from megasemface.data.text.ras import RasDictionary
+    from megasemface.data.text.tokenizer import Tokenizer
 
     base = [
         sys.executable,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces.code_usage import (
+from megasemface.interfaces.vq.code_usage import (
     PERPLEXITY_FLOOR,
     CodeUsage,
     collapse_warning,

@@ -13,6 +13,7 @@ from megasemface.models.model_dir import load_seq2seq
 from megasemface.tracking.compare import select_runs
 
 
+@pytest.mark.launcher
 def test_pipeline_runs_end_to_end_and_reuses_its_work(
     tmp_path: Path, locale_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,9 +13,13 @@ from pathlib import Path
 import pytest
 
 from megasemface.cli.make_demo_corpus import main
-from megasemface.data.demo_corpus import NoCatalogsError, assign_domain_splits, build_demo_corpus
-from megasemface.data.gettext_catalogs import Message, MoFormatError, read_mo
-from megasemface.data.message_cleaning import (
+from megasemface.data.demo.demo_corpus import (
+    NoCatalogsError,
+    assign_domain_splits,
+    build_demo_corpus,
+)
+from megasemface.data.demo.gettext_catalogs import Message, MoFormatError, read_mo
+from megasemface.data.demo.message_cleaning import (
     DROP_CONTROL_CHARS,
     DROP_MULTILINE,
     DROP_NO_LETTERS,

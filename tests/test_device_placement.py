@@ -9,8 +9,8 @@ import torch
 from launch import on_cuda
 
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces import code_usage
-from megasemface.interfaces.code_usage import CodeUsage
+from megasemface.interfaces.vq import code_usage
+from megasemface.interfaces.vq.code_usage import CodeUsage
 from megasemface.models.config import build_model_config
 from megasemface.objectives import noising
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens

@@ -23,11 +23,11 @@ from safetensors.torch import save_file
 
 from megasemface.checkpoints import connect_runs, write_seq2seq_dir
 from megasemface.cli.diagnose_interface import main as diagnose_main
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.spm_training import SpmTrainConfig, train_spm
-from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
+from megasemface.data.text.textio import parse_lang_path
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.evaluation.diagnostics import (
     DiagnosticModels,
@@ -42,7 +42,7 @@ from megasemface.evaluation.diagnostics import (
     word_codes,
 )
 from megasemface.evaluation.diagnostics.dictionary import whole_word_occurrences
-from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.config import VQConfig
 
 SENTENCES = 24
@@ -298,6 +298,7 @@ def _check_against_direct(models: DiagnosticModels, result_dict: dict, data: dic
                 assert ours["perplexity"] == pytest.approx(direct[name]["perplexity"])
 
 
+@pytest.mark.launcher
 def test_vq_figures_equal_the_direct_computation(vq_run: Path, data: dict) -> None:
     models = load_models(vq_run)
     assert models.num_codes == 512 and models.step == 3 and models.interface_kind == "vq"
@@ -316,6 +317,7 @@ def test_vq_figures_equal_the_direct_computation(vq_run: Path, data: dict) -> No
     assert 0 <= agreement.same_code <= 1 and 0 <= agreement.overlap <= 1
 
 
+@pytest.mark.launcher
 def test_a_decoder_pretrained_on_the_encoders_codes_reads_them_as_its_interface(
     vq_run: Path, data: dict
 ) -> None:
@@ -329,6 +331,7 @@ def test_a_decoder_pretrained_on_the_encoders_codes_reads_them_as_its_interface(
         assert figures.encoder_codes is not None
 
 
+@pytest.mark.launcher
 def test_cl_figures_equal_the_direct_computation(cl_run: Path, data: dict) -> None:
     models = load_models(cl_run)
     result = diagnose_interface(_config(data), models)
@@ -337,6 +340,7 @@ def test_cl_figures_equal_the_direct_computation(cl_run: Path, data: dict) -> No
     _check_against_direct(models, result.to_dict(), data)
 
 
+@pytest.mark.launcher
 def test_a_cl_decoder_pretrained_on_the_encoders_output_reads_it_as_its_interface(
     cl_run: Path, data: dict
 ) -> None:
@@ -350,6 +354,7 @@ def test_a_cl_decoder_pretrained_on_the_encoders_output_reads_it_as_its_interfac
         assert figures.nll["interface"] != from_table.nll["interface"]
 
 
+@pytest.mark.launcher
 def test_connected_model_dir_gives_the_encoder_memory(vq_run: Path, data: dict) -> None:
     model_dir = data["dir"] / "vq-connected"
     write_seq2seq_dir(model_dir, connect_runs(vq_run, vq_run), spm_model=data["spm"])
@@ -373,6 +378,7 @@ def test_connected_model_dir_gives_the_encoder_memory(vq_run: Path, data: dict) 
         assert ours.nll["encoder"] == pytest.approx(theirs.nll["bridge"], rel=1e-6)
 
 
+@pytest.mark.launcher
 def test_cli_prints_writes_json_and_logs_to_the_run(
     vq_run: Path, data: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -395,6 +401,7 @@ def test_cli_prints_writes_json_and_logs_to_the_run(
     assert written["metrics"]["diag_en_nll_zeros"] == written["languages"][0]["nll"]["zeros"]
 
 
+@pytest.mark.launcher
 def test_cli_refuses_bad_input_with_one_line(
     runs: dict[str, Path],
     vq_run: Path,

@@ -418,7 +418,7 @@ def _memory_row(name: str, total: int, trained: int) -> str:
 
 
 def test_memory_figures_follow_from_the_model() -> None:
-    from megasemface.interfaces.gumbel_quantizer import SPLIT_PARAMETERS
+    from megasemface.interfaces.vq.gumbel_quantizer import SPLIT_PARAMETERS
 
     text = (ROOT / "docs" / "memory.md").read_text(encoding="utf-8")
     (code,) = [c for c in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S) if "meta" in c]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from megasemface.data.lines import TextFileError, read_lines, write_lines
+from megasemface.data.text.lines import TextFileError, read_lines, write_lines
 from megasemface.evaluation.metrics import evaluate, log_to_mlflow
 
 ROOT = Path(__file__).resolve().parents[1]

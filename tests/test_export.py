@@ -19,13 +19,15 @@ from launch import ROOT, check_finished, launch
 from test_finetune_launcher import _finetune
 
 from megasemface.cli.export import main as export_main
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.evaluation.metrics import evaluate
 from megasemface.inference.search import SearchConfig, max_lengths
 from megasemface.inference.translate import Translator
 from megasemface.models.config import ModelConfig, build_model_config
 from megasemface.models.model_dir import save_model_dir
 from megasemface.models.transformer import Seq2SeqModel
+
+pytestmark = pytest.mark.launcher
 
 pytest.importorskip("transformers")
 pytest.importorskip("ctranslate2")

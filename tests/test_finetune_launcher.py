@@ -20,8 +20,10 @@ from launch import (
     train_command,
 )
 
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.models.model_dir import load_seq2seq
+
+pytestmark = pytest.mark.launcher
 
 
 def _finetune(data: dict, out: Path, shards: Path, *args: str, zero: int) -> list[str]:

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces import noise_kernel
-from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.interfaces.vq_random import gumbel_noise
+from megasemface.interfaces.vq import noise_kernel
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.interfaces.vq.randomness import gumbel_noise
 from megasemface.models.config import VQConfig
 from megasemface.objectives.output_loss import output_cross_entropy
 

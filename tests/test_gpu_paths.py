@@ -27,9 +27,9 @@ from launch import ROOT, chain, check_finished, environment, launch, mlflow_run,
 from safetensors.torch import load_file
 
 from megasemface.checkpoints import load_stage
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.textio import parse_lang_path, parse_parallel
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.textio import parse_lang_path, parse_parallel
 
 DEVICE = os.environ.get("MEGASEMFACE_GPU_TIER_DEVICE", "cuda")
 ON_GPU = DEVICE == "cuda"
@@ -144,6 +144,7 @@ def pretrained(
     return {name: root / name for name in names}
 
 
+@pytest.mark.launcher
 def test_pretraining_stages_train_and_report_their_speed(pretrained: dict[str, Path]) -> None:
     for name, out in pretrained.items():
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -161,6 +162,7 @@ def test_pretraining_stages_train_and_report_their_speed(pretrained: dict[str, P
             assert metrics["valid_enc_code_perplexity"] >= 1, metrics
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_checkpoints_written_on_the_device_consolidate_to_their_weights(
     pretrained: dict[str, Path], precision: str, tmp_path: Path
@@ -186,6 +188,7 @@ def test_checkpoints_written_on_the_device_consolidate_to_their_weights(
     assert all(v.dtype == torch.float32 and bool(v.isfinite().all()) for v in weights.values())
 
 
+@pytest.mark.launcher
 def test_average_connect_and_export_of_device_checkpoints(
     pretrained: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -255,6 +258,7 @@ def finetuned(
     return {name: root / name for name in runs}
 
 
+@pytest.mark.launcher
 def test_finetuning_validates_and_keeps_the_best_model(finetuned: dict[str, Path]) -> None:
     client, run = mlflow_run(finetuned["supervised"])
     bleu = client.get_metric_history(run.info.run_id, "valid_bleu")
@@ -268,6 +272,7 @@ def test_finetuning_validates_and_keeps_the_best_model(finetuned: dict[str, Path
     assert (finetuned["unsupervised"] / "best" / "model.safetensors").is_file()
 
 
+@pytest.mark.launcher
 def test_translate_evaluate_and_diagnose_tools(
     launch_data: dict, pretrained: dict[str, Path], finetuned: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -13,6 +13,8 @@ import pytest
 from megasemface.cli.learning_curves import main
 from megasemface.tracking.compare import metric_history, select_runs
 
+pytestmark = pytest.mark.launcher
+
 SYSTEMS = {"xlm": "XLM", "cl": "CL-SemFace", "vq": "VQ-SemFace"}
 
 

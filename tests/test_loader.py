@@ -17,12 +17,18 @@ import pytest
 import torch
 import webdataset as wds
 
-from megasemface.data.languages import sampling_probs, temperature_probs
-from megasemface.data.loader import DataError, LoaderConfig, ShardLoader, ShardSource, TokenBatch
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.shard_format import Manifest
-from megasemface.data.textio import parse_lang_path, parse_parallel
+from megasemface.data.loading.loader import (
+    DataError,
+    LoaderConfig,
+    ShardLoader,
+    ShardSource,
+    TokenBatch,
+)
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.shards.shard_format import Manifest
+from megasemface.data.text.languages import sampling_probs, temperature_probs
+from megasemface.data.text.textio import parse_lang_path, parse_parallel
 
 PAD = 3
 

@@ -68,6 +68,7 @@ def _script(tmp_path: Path, text: str) -> Path:
     return path
 
 
+@pytest.mark.launcher
 def test_every_rank_gets_the_environment_of_deepspeeds_launcher(tmp_path: Path) -> None:
     script = _script(tmp_path, RANK_SCRIPT)
     cmd = _launcher(script, "--flag", "value", str(tmp_path), nproc=3)
@@ -88,6 +89,7 @@ def test_every_rank_gets_the_environment_of_deepspeeds_launcher(tmp_path: Path) 
         }
 
 
+@pytest.mark.launcher
 def test_a_failing_rank_stops_the_others_and_gives_its_exit_code(tmp_path: Path) -> None:
     script = _script(tmp_path, FAILING_SCRIPT)
     started = time.monotonic()
@@ -96,6 +98,7 @@ def test_a_failing_rank_stops_the_others_and_gives_its_exit_code(tmp_path: Path)
     assert time.monotonic() - started < 30  # rank 0 did not sleep its minute out
 
 
+@pytest.mark.launcher
 def test_sigterm_reaches_every_rank_which_exit_cleanly(tmp_path: Path) -> None:
     script = _script(tmp_path, SIGTERM_SCRIPT)
     process = subprocess.Popen(_launcher(script, str(tmp_path)), cwd=ROOT)
@@ -108,6 +111,7 @@ def test_sigterm_reaches_every_rank_which_exit_cleanly(tmp_path: Path) -> None:
     assert [(tmp_path / f"stopped{r}").read_text() for r in (0, 1)] == ["SIGTERM", "SIGTERM"]
 
 
+@pytest.mark.launcher
 def test_bad_arguments_get_one_line(tmp_path: Path) -> None:
     script = _script(tmp_path, RANK_SCRIPT)
     cmd = _launcher(script, nproc=0)

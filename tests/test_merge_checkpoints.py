@@ -40,15 +40,17 @@ from megasemface.checkpoints import (
 )
 from megasemface.checkpoints.codebook import SPLIT_KEYS
 from megasemface.cli.merge_checkpoints import main as merge_main
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.textio import parse_lang_path
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.textio import parse_lang_path
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
+from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
 from megasemface.models.bridge import bridge_sources
 from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, load_seq2seq
 from megasemface.models.seq2seq_init import ConnectError
+
+pytestmark = pytest.mark.launcher
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.bridge import CodebookBridge, bridge_state
 from megasemface.models.config import (
     PRESETS,
@@ -303,7 +303,9 @@ def test_connect_with_the_bridge_takes_the_vq_layer() -> None:
         "interface.quantizer.codebook": torch.randn(config.vq.num_codes, config.d_model),
     }
     meta = _meta(config, interface={"kind": "vq"})
-    model, provenance = connect_stages(config, {**enc, **vq}, meta, dec, meta)
+    model, provenance = connect_stages(
+        config, {**enc, **vq}, meta, dec, meta, encoder_codebook=True
+    )
     state = model.state_dict()
     torch.testing.assert_close(state["bridge.codebook"], vq["interface.quantizer.codebook"])
     torch.testing.assert_close(
@@ -312,16 +314,18 @@ def test_connect_with_the_bridge_takes_the_vq_layer() -> None:
     assert provenance["bridge.hidden.bias"] == "encoder-stage:interface.quantizer.hidden.bias"
     assert "random" not in provenance.values()
     with pytest.raises(ConnectError, match="lacks its VQ layer"):
-        connect_stages(config, enc, meta, dec, meta)
+        connect_stages(config, enc, meta, dec, meta, encoder_codebook=True)
     with pytest.raises(ConnectError, match="'cl' encoder stage"):
         connect_stages(config, {**enc, **vq}, _meta(config), dec, _meta(config))
     with pytest.raises(ConnectError, match="no decoder stage"):
-        connect_stages(config, {**enc, **vq}, meta)
+        connect_stages(config, {**enc, **vq}, meta, encoder_codebook=True)
     # Distance logits: the codebook is the whole VQ layer, and all the bridge takes.
     config = build_model_config("tiny", ["vocab_size=100", "bridge=codebook"])
     assert config.vq.logits == "distance"
     table = {"interface.quantizer.codebook": vq["interface.quantizer.codebook"]}
-    model, provenance = connect_stages(config, {**enc, **table}, meta, dec, meta)
+    model, provenance = connect_stages(
+        config, {**enc, **table}, meta, dec, meta, encoder_codebook=True
+    )
     assert [k for k in model.state_dict() if k.startswith("bridge.")] == ["bridge.codebook"]
     assert provenance["bridge.codebook"] == "encoder-stage:interface.quantizer.codebook"
     assert "random" not in provenance.values()

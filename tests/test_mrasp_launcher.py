@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from launch import (
     check_finished,
     ds_config,
@@ -18,6 +19,8 @@ from launch import (
 
 from megasemface.checkpoints import connect_mbart, write_seq2seq_dir
 from megasemface.checkpoints.consolidate import load_stage
+
+pytestmark = pytest.mark.launcher
 
 
 def _mrasp(data: dict, out: Path, dictionary: Path, *args: str, zero: int) -> list[str]:

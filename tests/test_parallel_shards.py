@@ -19,12 +19,12 @@ import torch
 import zstandard
 
 from megasemface.cli.build_shards import main as build_shards_main
-from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
-from megasemface.data.pairs import split_pairs
-from megasemface.data.shard_build_config import ShardBuildConfig, ShardBuildError
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.shard_format import Manifest, PairLayout, iter_shard_chunks
-from megasemface.data.textio import parse_parallel
+from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSource
+from megasemface.data.loading.pairs import split_pairs
+from megasemface.data.shards.shard_build_config import ShardBuildConfig, ShardBuildError
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.shards.shard_format import Manifest, PairLayout, iter_shard_chunks
+from megasemface.data.text.textio import parse_parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, SEP = 3, 2

@@ -11,8 +11,8 @@ import torch
 from launch import ROOT, launch, mlflow_run, train_command
 
 from megasemface.checkpoints.consolidate import load_stage
-from megasemface.data.lines import read_lines
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.lines import read_lines
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.config import config_from_dict
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens

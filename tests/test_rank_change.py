@@ -23,6 +23,8 @@ from launch import check_finished, ds_config, kill_after_checkpoint, launch, rew
 from megasemface.checkpoints import consolidate_checkpoint, find_checkpoint
 from megasemface.distributed.engine import convert_to_universal
 
+pytestmark = pytest.mark.launcher
+
 CHECKPOINT = 3
 
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from megasemface.data.pairs import split_pairs
-from megasemface.data.ras import (
+from megasemface.data.loading.pairs import split_pairs
+from megasemface.data.text.ras import (
     WORD_START,
     RandomAlignedSubstitution,
     RasDictionary,
     RasDictionaryError,
 )
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.embeddings.dictionary import (
     induce_dictionary_pairs,
     whole_word_counts,

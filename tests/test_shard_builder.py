@@ -22,10 +22,10 @@ import webdataset as wds
 import zstandard
 
 from megasemface.cli.build_shards import main as build_shards_main
-from megasemface.data.shard_build_config import ShardBuildConfig, ShardBuildError
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.shard_format import Manifest, iter_shard_chunks
-from megasemface.data.textio import parse_lang_path
+from megasemface.data.shards.shard_build_config import ShardBuildConfig, ShardBuildError
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.shards.shard_format import Manifest, iter_shard_chunks
+from megasemface.data.text.textio import parse_lang_path
 
 GOOD = [
     "The file could not be opened.",

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from launch import ROOT, ds_config, launch_chains, losses, train_command
 
+pytestmark = pytest.mark.launcher
+
 RECORDED = ROOT / "tests" / "data" / "stage_losses.json"
 RECORD = os.environ.get("MEGASEMFACE_RECORD_STAGE_LOSSES") == "1"
 STEPS = 3

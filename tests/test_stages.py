@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.shard_format import Manifest
-from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSource
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.shards.shard_format import Manifest
+from megasemface.data.text.textio import parse_lang_path
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.evaluation.diagnostics.figures import teacher_forced_nll
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.config import ModelConfig, build_model_config

@@ -46,7 +46,7 @@ reads = collections.defaultdict(collections.Counter)
 def where() -> str:
     frames = [f for f in traceback.extract_stack()[:-2] if "megasemface" in f.filename]
     names = [f.filename for f in frames]
-    if any(name.endswith("data/loader.py") for name in names):
+    if any(name.endswith("data/loading/loader.py") for name in names):
         return "loader"
     if any(part in name for name in names for part in MODEL):
         return "model"
@@ -150,6 +150,7 @@ def test_a_step_reads_the_device_only_in_the_optimizers_overflow_check(
             assert loop["step_ledger.py:tolist"] == 1 and loop["deepspeed:item"] == 1, found
 
 
+@pytest.mark.launcher
 def test_a_non_finite_loss_changes_nothing_on_any_rank(launch_data: dict, tmp_path: Path) -> None:
     """Step 2's loss is NaN on both ranks and no step before the 4th reads the device: the
     optimizer's own check skips it, so the weights after it are those after step 1, and the

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import zstandard
 
-from megasemface.data.cleaning import DropReason, clean_block, clean_line, clean_lines
-from megasemface.data.hashset import HashSet
-from megasemface.data.languages import lang_from_tag, lang_tag, temperature_probs
-from megasemface.data.textio import (
+from megasemface.data.text.cleaning import DropReason, clean_block, clean_line, clean_lines
+from megasemface.data.text.hashset import HashSet
+from megasemface.data.text.languages import lang_from_tag, lang_tag, temperature_probs
+from megasemface.data.text.textio import (
     LineReader,
     count_lines,
     iter_lines,

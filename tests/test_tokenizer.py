@@ -1,4 +1,5 @@
-"""Tests for joint SentencePiece training (megasemface.data.spm_training), the tokenizer, the CLI.
+"""Tests for joint SentencePiece training (megasemface.data.text.spm_training), the
+tokenizer, the CLI.
 
 Corpora are generated here: seeded random words over Latin, Cyrillic and Gujarati alphabets,
 with Zipf-like word frequencies so that BPE has real merges to learn. Models are tiny
@@ -19,16 +20,16 @@ import numpy as np
 import pytest
 
 from megasemface.cli.train_spm import main as cli_main
-from megasemface.data.languages import lang_tag, temperature_probs
-from megasemface.data.spm_sampling import (
+from megasemface.data.text.languages import lang_tag, temperature_probs
+from megasemface.data.text.spm_sampling import (
     LanguageSample,
     balanced_sentences,
     compute_quotas,
     reservoir_sample,
 )
-from megasemface.data.spm_training import SpmTrainConfig, train_spm
-from megasemface.data.textio import CorpusSpec
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
+from megasemface.data.text.textio import CorpusSpec
+from megasemface.data.text.tokenizer import Tokenizer
 
 ALPHABETS = {
     "en": "abcdefghijklmnopqrstuvwxyz",

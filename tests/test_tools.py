@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
-from megasemface.data.shard_format import Manifest
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSource
+from megasemface.data.shards.shard_format import Manifest
+from megasemface.data.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,10 +25,10 @@ from launch import (
 )
 from safetensors.torch import save_file
 
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.textio import parse_lang_path
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.textio import parse_lang_path
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.distributed.engine import consolidated_state
 
 CONFIGS = {
@@ -90,6 +90,7 @@ def vq_encoder_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path
     return out
 
 
+@pytest.mark.launcher
 def test_vq_encoder_stage_zero2(vq_encoder_run: Path) -> None:
     meta = json.loads((vq_encoder_run / "checkpoints" / "step-00000004" / "meta.json").read_text())
     assert meta["stage"] == "encoder" and meta["interface"]["kind"] == "vq"
@@ -97,12 +98,14 @@ def test_vq_encoder_stage_zero2(vq_encoder_run: Path) -> None:
     assert config["deepspeed"]["zero_optimization"]["stage"] == 2
 
 
+@pytest.mark.launcher
 def test_no_extension_is_built(vq_encoder_run: Path) -> None:
     """DeepSpeed's shared-memory all-reduce for CPUs, which only its inference all-reduce
     calls, is not built in a new environment (a minute of the first launch)."""
     assert list((vq_encoder_run / EXTENSIONS).iterdir()) == []
 
 
+@pytest.mark.launcher
 def test_local_launcher_trains_as_deepspeeds_does(
     data: dict, vq_encoder_run: Path, tmp_path: Path
 ) -> None:
@@ -121,6 +124,7 @@ def test_local_launcher_trains_as_deepspeeds_does(
     assert all(torch.equal(local[k], reference[k]) for k in local)
 
 
+@pytest.mark.launcher
 def test_joint_stage_under_zero1_in_bf16(data: dict, tmp_path: Path) -> None:
     """bf16 works on the CPU accelerator too. (Every stage under ZeRO-2 or 3 in fp32:
     tests/test_stage_losses.py.)"""
@@ -129,6 +133,7 @@ def test_joint_stage_under_zero1_in_bf16(data: dict, tmp_path: Path) -> None:
     check_finished(launch(command(data, out, *args, zero=1)), out, 3)
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_killed_run_resumes_exactly(data: dict, tmp_path: Path, compiled: bool) -> None:
     """Also with --compile: the compiled layers draw dropout as eager ones do. (The compiled
@@ -218,6 +223,7 @@ def test_sigterm_on_one_rank_saves_and_exits_cleanly(data: dict, tmp_path: Path)
     assert run_status(out) == "KILLED"
 
 
+@pytest.mark.launcher
 def test_unreachable_tracking_server_does_not_stop_training(data: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -242,6 +248,7 @@ def test_unreachable_tracking_server_does_not_stop_training(data: dict, tmp_path
     assert f"MLflow tracking at {uri} is unavailable" in result.stdout + result.stderr
 
 
+@pytest.mark.launcher
 def test_flat_codebook_split_over_two_model_parallel_ranks(data: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = ["--stage", "joint", "--interface", "vq", "--mp-size", "2", "--steps", "3"]
@@ -264,6 +271,7 @@ def test_flat_codebook_split_over_two_model_parallel_ranks(data: dict, tmp_path:
     assert "| enc codes " in result.stdout and "| dec codes " in result.stdout
 
 
+@pytest.mark.launcher
 def test_decoder_stage_splits_an_unsplit_encoder_codebook(
     data: dict, vq_encoder_run: Path, tmp_path: Path
 ) -> None:
@@ -280,6 +288,7 @@ def test_decoder_stage_splits_an_unsplit_encoder_codebook(
             torch.testing.assert_close(decoder[key], value, rtol=0, atol=0)
 
 
+@pytest.mark.launcher
 def test_non_finite_losses_are_skipped_then_stop_the_run(data: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [

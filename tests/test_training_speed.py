@@ -72,6 +72,7 @@ def test_the_peak_is_taken_in_the_configs_training_dtype() -> None:
     assert dtype("cpu_fp32_zero2.json") == torch.float32
 
 
+@pytest.mark.launcher
 def test_a_cpu_run_shows_and_tracks_mfu(launch_data: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = train_command(

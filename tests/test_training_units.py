@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megasemface.checkpoints.manager import CheckpointManager, DiskFullError
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.distributed.engine import load_ds_config, on_device
 from megasemface.models.transformer import DecoderCache
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens

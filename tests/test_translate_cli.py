@@ -14,8 +14,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from megasemface.cli.translate import main
-from megasemface.data.lines import read_lines, write_lines
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.lines import read_lines, write_lines
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.evaluation.metrics import evaluate
 from megasemface.inference.search import SearchConfig
 from megasemface.inference.translate import Translator, token_batches

@@ -266,9 +266,9 @@ def test_the_unit_makes_pairs_of_parallel_batches_and_halves_of_monolingual_ones
     """A parallel batch's (x, y) are its sides in their languages; a monolingual batch's the
     two halves of each sentence in the batch's language; every side is cut to what the model
     takes (``max_len - 1``: room for ``</s>`` or the language tag)."""
-    from megasemface.data.loader import TokenBatch
-    from megasemface.data.shard_format import Manifest, PairLayout
-    from megasemface.data.tokenizer import Tokenizer
+    from megasemface.data.loading.loader import TokenBatch
+    from megasemface.data.shards.shard_format import Manifest, PairLayout
+    from megasemface.data.text.tokenizer import Tokenizer
     from megasemface.distributed.groups import ParallelGroups
     from megasemface.training.options import TrainConfig
     from megasemface.training.run_data import RunData

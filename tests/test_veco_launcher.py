@@ -17,6 +17,8 @@ from megasemface.checkpoints import connect_mbart, write_seq2seq_dir
 from megasemface.checkpoints.consolidate import load_stage
 from megasemface.models.model_dir import load_seq2seq_state
 
+pytestmark = pytest.mark.launcher
+
 
 @pytest.fixture(scope="module")
 def mixed_shards(
@@ -24,9 +26,9 @@ def mixed_shards(
 ) -> Path:
     """Monolingual en and de text and en-de pairs in one shard directory, as VECO reads
     them (small samples, so that two ranks get shards of each)."""
-    from megasemface.data.shard_build_config import ShardBuildConfig
-    from megasemface.data.shard_builder import build_shards
-    from megasemface.data.textio import parse_lang_path, parse_parallel
+    from megasemface.data.shards.shard_build_config import ShardBuildConfig
+    from megasemface.data.shards.shard_builder import build_shards
+    from megasemface.data.text.textio import parse_lang_path, parse_parallel
 
     out = tmp_path_factory.mktemp("veco-shards")
     parallel = demo_corpus / "parallel" / "en-de"
@@ -107,7 +109,7 @@ def test_veco_zero3_connects_into_a_translation_model(
     """Under ZeRO-3 (parameters partitioned, gathered per module call) the ranks stay in
     lockstep whichever kind of batch each draws; the gathered model translates: its
     fine-tuning loss starts from the pre-trained decoder's output layer."""
-    from megasemface.data.tokenizer import Tokenizer
+    from megasemface.data.text.tokenizer import Tokenizer
     from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
     from megasemface.objectives.translation import TranslationModel
 

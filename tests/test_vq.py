@@ -12,8 +12,9 @@ from torch.profiler import ProfilerActivity, profile
 from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups
 from megasemface.evaluation.diagnostics.figures import code_log_probs
 from megasemface.flop_count import flop_counter
-from megasemface.interfaces import vq_flat_passes, vq_random
-from megasemface.interfaces.gumbel_quantizer import (
+from megasemface.interfaces.vq import flat_passes as vq_flat_passes
+from megasemface.interfaces.vq import randomness as vq_random
+from megasemface.interfaces.vq.gumbel_quantizer import (
     SPLIT_PARAMETERS,
     GumbelVectorQuantizer,
     gather_codebook,
@@ -21,7 +22,7 @@ from megasemface.interfaces.gumbel_quantizer import (
     shard_state_dict,
     split_codebook,
 )
-from megasemface.interfaces.vq_random import gumbel_noise
+from megasemface.interfaces.vq.randomness import gumbel_noise
 from megasemface.models.code_distance import distance_scale
 from megasemface.models.config import VQConfig
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces import vq_flat_fused
-from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.interfaces.vq import flat_fused as vq_flat_fused
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.config import VQConfig
 
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -25,12 +26,14 @@ from megasemface.distributed.groups import (
     global_batch_sum,
 )
 from megasemface.distributed.launch import free_port
-from megasemface.interfaces.gumbel_quantizer import (
+from megasemface.interfaces.vq.gumbel_quantizer import (
     GumbelVectorQuantizer,
     gather_state_dicts,
     shard_state_dict,
 )
 from megasemface.models.config import VQConfig
+
+pytestmark = pytest.mark.launcher
 
 D = 8
 FLAT = VQConfig(

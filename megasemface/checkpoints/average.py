@@ -27,6 +27,7 @@ from megasemface.checkpoints.layout import (
     complete_checkpoints,
     find_checkpoint,
 )
+from megasemface.interfaces.registry import records_codebook
 from megasemface.models.config import config_from_dict
 
 __all__ = ["average_checkpoints", "last_checkpoints"]
@@ -56,8 +57,9 @@ def _check_compatible(infos: Sequence[CheckpointInfo]) -> None:
                     "checkpoints of one stage and model shape"
                 )
         mine, theirs = first.meta.get("interface", {}), info.meta.get("interface", {})
-        # A VQ layer trains (its hash changes); any other interface is fixed.
-        if mine.get("kind") != theirs.get("kind") or (mine.get("kind") != "vq" and mine != theirs):
+        # A codebook trains (its hash changes); any other interface is fixed.
+        trains = records_codebook(first.meta)
+        if mine.get("kind") != theirs.get("kind") or (not trains and mine != theirs):
             raise CheckpointError(
                 f"cannot average {first.path} and {info.path}: they were trained against "
                 f"different semantic interfaces ({mine} and {theirs})"
@@ -123,7 +125,7 @@ def average_checkpoints(
         if key not in constant:
             value.div_(len(infos))
     meta = dict(metas[-1])
-    if meta.get("interface", {}).get("kind") == "vq":
+    if records_codebook(meta):
         config = config_from_dict(meta["model"])
         meta["interface"] = vq_fingerprint(total, config, dtype=DTYPES[meta["param_dtype"]])
         meta.pop("interface_recorded", None)

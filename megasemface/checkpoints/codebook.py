@@ -3,7 +3,7 @@
 A flat VQ layer splits ``interface.quantizer.{logits_weight, logits_bias, codebook}`` along
 dim 0 over the model-parallel group (rank r holds rows ``[r K/m, (r+1) K/m)``); everything
 else is replicated. These functions work on whole model state dicts (``interface.quantizer.``
-keys) with the shard helpers of :mod:`megasemface.interfaces.gumbel_quantizer`. A
+keys) with the shard helpers of :mod:`megasemface.interfaces.vq.gumbel_quantizer`. A
 product-layout layer is replicated on every rank, so gathering takes rank 0's copy and
 splitting copies it.
 
@@ -24,12 +24,12 @@ import torch
 from torch import Tensor
 
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces.gumbel_quantizer import (
+from megasemface.interfaces.vq.gumbel_quantizer import (
     SPLIT_PARAMETERS,
     gather_codebook,
     split_codebook,
 )
-from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
+from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
 from megasemface.models.config import ModelConfig
 
 __all__ = [

@@ -26,9 +26,11 @@ from torch import Tensor
 from megasemface.checkpoints.codebook import quantizer_state, vq_fingerprint
 from megasemface.checkpoints.consolidate import DTYPES, load_stage
 from megasemface.checkpoints.layout import CheckpointError
+from megasemface.interfaces.registry import records_codebook
 from megasemface.models.config import ModelConfig, config_from_dict
 from megasemface.models.seq2seq_init import ConnectError, connect_stages
 from megasemface.models.transformer import Seq2SeqModel, parameter_shapes
+from megasemface.stages import stage_names
 
 __all__ = ["Connected", "connect_mbart", "connect_runs"]
 
@@ -88,20 +90,26 @@ def connect_runs(
     depth. Raises :class:`~megasemface.models.seq2seq_init.ConnectError` when the stages do not
     fit together (the message names both sources and what differs).
     """
-    enc_state, enc_meta = _stage(encoder, "encoder", ("encoder", "joint"))
+    enc_state, enc_meta = _stage(encoder, "encoder", stage_names(lambda spec: spec.encoder))
     config = dataclasses.replace(config_from_dict(enc_meta["model"]), bridge=bridge)
     dec_state = dec_meta = None
     enc_check = dict(enc_meta)
     if decoder is not None:
-        dec_state, dec_meta = _stage(decoder, "decoder", ("decoder", "joint"))
+        dec_state, dec_meta = _stage(decoder, "decoder", stage_names(lambda spec: spec.decoder))
         dec_config = config_from_dict(dec_meta["model"])
         config = dataclasses.replace(config, decoder_layers=dec_config.decoder_layers)
-        if enc_meta["interface"].get("kind") == "vq" and quantizer_state(enc_state):
+        if records_codebook(enc_meta) and quantizer_state(enc_state):
             dtype = DTYPES[dec_meta.get("param_dtype", "float32")]
             enc_check["interface"] = vq_fingerprint(enc_state, config, dtype=dtype)
     try:
         model, parameters = connect_stages(
-            config, enc_state, enc_check, dec_state, dec_meta, seed=seed
+            config,
+            enc_state,
+            enc_check,
+            dec_state,
+            dec_meta,
+            encoder_codebook=records_codebook(enc_meta),
+            seed=seed,
         )
     except ConnectError as exc:
         pair = f"{encoder} and {decoder}" if decoder is not None else str(encoder)
@@ -114,7 +122,7 @@ def connect_runs(
     return Connected(model.state_dict(), config, mode, sources, parameters)
 
 
-SEQ2SEQ_STAGES = ("mbart", "mrasp", "veco")
+SEQ2SEQ_STAGES = stage_names(lambda spec: spec.seq2seq)
 """Pre-training stages that train the whole ``Seq2SeqModel``, connected as it is."""
 
 

@@ -74,9 +74,11 @@ from megasemface.checkpoints.layout import (
     read_ds_header,
 )
 from megasemface.distributed.engine import UnsafeCheckpointError, consolidated_state
-from megasemface.interfaces.gumbel_quantizer import shard_state_dict
+from megasemface.interfaces.registry import records_codebook
+from megasemface.interfaces.vq.gumbel_quantizer import shard_state_dict
 from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, read_model_dir_info
+from megasemface.stages import find_stage
 
 __all__ = [
     "Codebook",
@@ -226,8 +228,8 @@ def _checked_fingerprint(
     """(fingerprint of the gathered interface, the training dtype that reproduces meta.json)."""
     recorded = dict(info.meta.get("interface") or {})
     fallback = configured or torch.float32
-    if recorded.get("kind") != "vq":
-        return recorded, fallback  # none, cl (a fixed table, never split) and mbart
+    if not records_codebook(info.meta):
+        return recorded, fallback  # no interface, or a fixed one (a CL table, never split)
     config = config_from_dict(info.meta["model"])
     mp_size = info.mp_size if config.vq.layout == "flat" else 1
     if not quantizer_state(state):
@@ -346,7 +348,8 @@ def load_codebook(source: str | Path) -> Codebook:
     else:
         state, meta = load_checkpoint(find_checkpoint(source))
     kind, stage = meta.get("interface", {}).get("kind"), meta.get("stage")
-    if kind != "vq" or stage not in ("encoder", "joint"):
+    trained = find_stage(stage)
+    if not records_codebook(meta) or trained is None or not trained.encoder:
         raise CheckpointError(
             f"{source} is not a VQ encoder-stage run (stage {stage!r}, interface {kind!r}); "
             "the VQ decoder stage needs the run whose codebook it uses"

@@ -24,6 +24,7 @@ from megasemface.checkpoints.codebook import SPLIT_KEYS, quantizer_state, respli
 from megasemface.checkpoints.connect import Connected
 from megasemface.checkpoints.layout import CheckpointError
 from megasemface.files import replace_directory, write_atomically
+from megasemface.interfaces.registry import records_codebook
 from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import ModelDirError, save_model_dir
 
@@ -114,7 +115,7 @@ def write_pretraining_dir(
     spm = resolve_spm_model(meta, spm_model)
     kept = {k: meta[k] for k in _KEPT if k in meta}
     shard_files: list[str] = []
-    if mp_size is not None and meta.get("interface", {}).get("kind") == "vq":
+    if mp_size is not None and records_codebook(meta):
         shard_files = [f"codebook-mp{mp_size}-rank{r}.safetensors" for r in range(mp_size)]
         kept["codebook_shards"] = {
             "mp_size": mp_size,

@@ -8,7 +8,8 @@ Adam's two moments, reassembled from every partition), which an engine of any da
 size loads (``"checkpoint": {"load_universal": true}``), the step counts and DeepSpeed's
 learning-rate scheduler with it. The training state megasemface keeps itself (step, samples
 seen, the stage's schedules) travels in DeepSpeed's model file, which the conversion copies,
-and the loader continues the run's global batch order (:mod:`megasemface.data.loader_position`).
+and the loader continues the run's global batch order
+(:mod:`megasemface.data.loading.loader_position`).
 
 Model-parallel ranks write separate ZeRO groups side by side
 (:mod:`megasemface.checkpoints.layout`), which DeepSpeed's converter would take for tensor

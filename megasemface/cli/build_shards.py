@@ -8,7 +8,8 @@ Examples::
         --parallel en-de:corpus/train.en,corpus/train.de --jobs 8 --dedup
 
 ``--input`` and ``--parallel`` may be mixed in one build: each pair becomes one more entry
-of the manifest, named after the pair, whose sentences are pairs (``megasemface.data.pairs``).
+of the manifest, named after the pair, whose sentences are pairs
+(``megasemface.data.loading.pairs``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import sys
 from pathlib import Path
 
 from megasemface.cli.parsing import command_parser
-from megasemface.data.shard_build_config import ShardBuildConfig, ShardBuildError
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.textio import parse_lang_path, parse_parallel
+from megasemface.data.shards.shard_build_config import ShardBuildConfig, ShardBuildError
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.textio import parse_lang_path, parse_parallel
 
 
 def build_parser() -> argparse.ArgumentParser:

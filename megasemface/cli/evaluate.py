@@ -21,7 +21,7 @@ from megasemface.cli.parsing import (
     parse_or_status,
     score_logging_error,
 )
-from megasemface.data.lines import TextFileError, read_lines
+from megasemface.data.text.lines import TextFileError, read_lines
 from megasemface.evaluation.metrics import evaluate, log_to_mlflow
 
 

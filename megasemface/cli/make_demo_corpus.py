@@ -5,7 +5,7 @@ Example::
     python tools/make_demo_corpus.py --langs de,fr --out demo/corpus
 
 writes mono/<lang>.txt, parallel/en-<xx>/{train,valid,test}.{en,<xx>}, dict/en-<xx>.tsv
-and, last, report.json under the output directory (see megasemface.data.demo_corpus).
+and, last, report.json under the output directory (see megasemface.data.demo.demo_corpus).
 Catalogs of names and translations that copy their source are left out.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.cli.parsing import command_parser, parse_or_status
-from megasemface.data import demo_corpus as dc
-from megasemface.data.message_cleaning import DEFAULT_MAX_CHARS
+from megasemface.data.demo import demo_corpus as dc
+from megasemface.data.demo.message_cleaning import DEFAULT_MAX_CHARS
 
 _PROG = "make_demo_corpus"
 

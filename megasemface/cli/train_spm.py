@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.cli.parsing import command_parser, parse_or_status
-from megasemface.data.spm_training import MODEL_TYPES, SpmTrainConfig, train_spm
-from megasemface.data.textio import parse_lang_path
+from megasemface.data.text.spm_training import MODEL_TYPES, SpmTrainConfig, train_spm
+from megasemface.data.text.textio import parse_lang_path
 
 
 def build_parser() -> argparse.ArgumentParser:

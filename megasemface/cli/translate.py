@@ -28,7 +28,7 @@ from megasemface.cli.parsing import (
     parse_or_status,
     score_logging_error,
 )
-from megasemface.data.lines import (
+from megasemface.data.text.lines import (
     TextFileError,
     check_writable,
     one_line,

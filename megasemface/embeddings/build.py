@@ -53,9 +53,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from megasemface.data.ras import RasDictionaryError, dictionary_languages
-from megasemface.data.shard_format import Manifest, iter_shard_chunks, write_json_atomic
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.shards.shard_format import Manifest, iter_shard_chunks, write_json_atomic
+from megasemface.data.text.ras import RasDictionaryError, dictionary_languages
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.embeddings.config import INITS, CLEmbeddingConfig, CLEmbeddingError
 from megasemface.embeddings.dictionary import (
     gold_precision,

@@ -3,7 +3,7 @@
 A dictionary line is ``source word<TAB>target word`` (or two space-separated words). A word
 has a row in the table only when SentencePiece encodes it as one piece (``▁word``), so each
 side is looked up as a single piece, in each of its case forms: the demo corpus' dictionary
-(``megasemface.data.demo_corpus``) is lower-cased, while its German nouns and the UI words
+(``megasemface.data.demo.demo_corpus``) is lower-cased, while its German nouns and the UI words
 of both languages are mostly written capitalised ("Benutzer", "Delete"), and the lower-cased
 piece is then rare or absent. Case forms are the same dictionary entry, so a retrieved
 target counts as a hit in any of its forms; the query is the source form most frequent in
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 
 __all__ = [
     "GoldDictionaryError",

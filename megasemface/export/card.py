@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.checkpoints.layout import CheckpointError, complete_checkpoints
-from megasemface.data.shard_format import Manifest, ShardFormatError
+from megasemface.data.shards.shard_format import Manifest, ShardFormatError
 from megasemface.export.source import ExportError, ExportSource
 
 __all__ = ["model_card", "read_test_scores"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.export.source import ExportError
 
 __all__ = ["build_hf_tokenizer"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.inference.translate import banned_ids
 from megasemface.models.config import ModelConfig
 from megasemface.models.model_dir import (

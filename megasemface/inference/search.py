@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from megasemface.data.tokenizer import EOS_ID
+from megasemface.data.text.tokenizer import EOS_ID
 from megasemface.models.transformer import DecoderCache, EncoderOutput
 
 __all__ = [

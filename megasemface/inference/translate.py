@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.inference.search import Hypothesis, SearchConfig, search
 from megasemface.models.model_dir import ModelDirError, load_seq2seq
 from megasemface.models.transformer import Seq2SeqModel

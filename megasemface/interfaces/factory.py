@@ -1,4 +1,4 @@
-"""Builds a semantic interface by name: ``none`` (XLM-style), ``cl`` or ``vq``."""
+"""Builds a semantic interface by its registered name (``interfaces/registry.py``)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,11 @@ from pathlib import Path
 import torch
 
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces.base import NoInterface, SemanticInterface
-from megasemface.interfaces.cross_lingual import CrossLingualInterface, load_embedding_table
-from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
+from megasemface.interfaces.base import SemanticInterface
+from megasemface.interfaces.registry import BuildOptions, find_interface, interface_names
 from megasemface.models.config import ModelConfig
 
-__all__ = ["INTERFACES", "build_interface"]
-
-INTERFACES = ("none", "cl", "vq")
+__all__ = ["build_interface"]
 
 
 def build_interface(
@@ -32,19 +29,14 @@ def build_interface(
     ``cl`` needs ``cl_table``: a [vocab_size, d_model] tensor or a safetensors file of one.
     ``vq`` splits a flat codebook across ``groups``' model-parallel group.
     """
-    if kind == "none":
-        return NoInterface()
-    if kind == "cl":
-        if cl_table is None:
-            raise ValueError("the cl interface needs a cross-lingual embedding table (--cl-table)")
-        if not isinstance(cl_table, torch.Tensor):
-            cl_table = load_embedding_table(cl_table, config.vocab_size, config.d_model)
-        elif tuple(cl_table.shape) != (config.vocab_size, config.d_model):
-            raise ValueError(
-                f"cross-lingual table of shape {tuple(cl_table.shape)}, the model needs "
-                f"[{config.vocab_size}, {config.d_model}]"
-            )
-        return CrossLingualInterface(cl_table, trainable=cl_trainable, unit_logits=cl_unit_logits)
-    if kind == "vq":
-        return VectorQuantizedInterface(config, groups or ParallelGroups.single(), seed)
-    raise ValueError(f"unknown interface {kind!r}; choose one of {INTERFACES}")
+    spec = find_interface(kind)
+    if spec is None:
+        raise ValueError(f"unknown interface {kind!r}; choose one of {interface_names()}")
+    options = BuildOptions(
+        groups=groups,
+        seed=seed,
+        cl_table=cl_table,
+        cl_trainable=cl_trainable,
+        cl_unit_logits=cl_unit_logits,
+    )
+    return spec.build(config, options)

@@ -48,7 +48,7 @@ class VQConfig:
     mlp: the Linear-ReLU-Linear of the paper's section 2.3 (as wav2vec 2.0), which leaves
     the encoder's output far from its codes (cosine under 0.1) and measured 1.8 BLEU lower
     on validation at the demo budget (docs/reproduce.md). See
-    interfaces/gumbel_quantizer.py."""
+    interfaces/vq/gumbel_quantizer.py."""
     distance_width: int = 128
     """distance: codes of width w up to this one divide the squared distance by sqrt(w),
     wider codes by w / sqrt(distance_width). Over sqrt(w) the logits spread alike at any width
@@ -77,8 +77,8 @@ class VQConfig:
     43,690 tokens a rank; the paper's 102,400 up to 218). 0 always recomputes."""
     fused_kernels: bool = True
     """On a GPU with Triton, the flat layer's passes over each chunk's [tokens, codes] logits
-    run as fused kernels (interfaces/vq_flat_fused.py); on a CPU, from 4M logits a chunk
-    (the paper's codebook), compiled by torch.compile (interfaces/vq_flat_passes.py). The
+    run as fused kernels (interfaces/vq/flat_fused.py); on a CPU, from 4M logits a chunk
+    (the paper's codebook), compiled by torch.compile (interfaces/vq/flat_passes.py). The
     same values up to float rounding; False runs them as eager PyTorch operations."""
     diversity_loss: Literal["perplexity", "eq6", "entropy"] = "perplexity"
     """perplexity: wav2vec 2.0's ``(K - exp(H(pbar))) / K``, whose pull does not fade with K
@@ -88,7 +88,7 @@ class VQConfig:
     entropy (not in the paper; the paper preset's): ``max(0, ln min(K, N) - H(pbar))`` for
     a batch of N tokens (per group for the product layout), a pull of one nat a nat
     whatever the codebook's state, towards what the batch's tokens can reach. See
-    interfaces/gumbel_quantizer.py."""
+    interfaces/vq/gumbel_quantizer.py."""
     copy_gradient: float = 0.0
     """Not in the paper: the gradient of the chosen code also reaches the layer's input h
     unchanged, times this gain, as in VQ-VAE's straight-through estimator, beside the
@@ -100,7 +100,7 @@ class VQConfig:
     forward output is exactly the chosen code either way. 0: the Gumbel path alone."""
     diversity_from_gumbel: bool = False
     """Average Eq. 5's Gumbel probabilities for the diversity loss (the paper's text) instead
-    of the noise-free softmax (wav2vec 2.0's code); see interfaces/gumbel_quantizer.py."""
+    of the noise-free softmax (wav2vec 2.0's code); see interfaces/vq/gumbel_quantizer.py."""
 
     def __post_init__(self) -> None:
         if self.layout not in ("flat", "product"):

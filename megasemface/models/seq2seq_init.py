@@ -75,6 +75,7 @@ def connect_stages(
     decoder_state: Mapping[str, torch.Tensor] | None = None,
     decoder_meta: Mapping[str, Any] | None = None,
     *,
+    encoder_codebook: bool = False,
     seed: int = 0,
 ) -> tuple[Seq2SeqModel, dict[str, str]]:
     """Builds the translation model; returns it and ``{parameter: where it came from}``.
@@ -82,7 +83,9 @@ def connect_stages(
     ``*_state`` are state dicts of pre-training models (``encoder.*``, ``decoder.*`` keys);
     ``*_meta`` their metadata: ``model`` (the config dict), ``languages``, ``vocab_sha256``
     and ``interface`` (the interface fingerprint). Without a decoder stage (the XLM-style
-    baseline) the decoder is initialised from the encoder.
+    baseline) the decoder is initialised from the encoder. ``encoder_codebook``: the
+    encoder stage's interface has a codebook (``interfaces/registry.py`` knows which do),
+    which the codebook bridge needs.
     """
     _check_compatible(config, encoder_meta, decoder_meta)
     # Every stage tensor is checked against the shapes first; the model is built only once
@@ -112,7 +115,7 @@ def connect_stages(
         raise ConnectError("the encoder-stage state holds no encoder.* parameters")
     take(encoder, "encoder.", "encoder-stage")
     if config.bridge == "codebook":
-        if encoder_meta.get("interface", {}).get("kind") != "vq" or decoder_state is None:
+        if not encoder_codebook or decoder_state is None:
             raise ConnectError(
                 "the codebook bridge joins a VQ-SemFace encoder stage with its decoder stage; "
                 f"got a {encoder_meta.get('interface', {}).get('kind')!r} encoder stage"

@@ -35,6 +35,7 @@ from megasemface.objectives.sequences import (
     lengths_to_mask,
     prepend_tokens,
 )
+from megasemface.stages import stage
 
 __all__ = [
     "DenoisingSeq2Seq",
@@ -205,8 +206,9 @@ class SemFaceModel(nn.Module):
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.interface = interface
         self.decoder = TransformerDecoder(config) if interface.has_decoder_stage else None
-        self.stage: Literal["encoder", "decoder", "joint"] = "joint"
-        """Which loss ``forward`` computes (the trainer sets it)."""
+        self.stage = "joint"
+        """The SemFace stage (``megasemface/stages.py``) whose loss ``forward`` computes (the
+        trainer sets it)."""
 
     def forward(
         self,
@@ -217,9 +219,10 @@ class SemFaceModel(nn.Module):
         """The loss of ``self.stage``; a module call, so ZeRO-3 gathers what it needs.
         ``substituted``: the decoder stage's source before noise, when it is not ``batch``
         (``batch`` with random aligned substitution)."""
-        if self.stage == "encoder":
+        trained = stage(self.stage)
+        if not trained.decoder:
             return self.encoder_loss(batch, generator)
-        if self.stage == "decoder":
+        if not trained.encoder:
             return self.decoder_loss(batch, generator, substituted)
         return self.joint_loss(batch, generator, substituted)
 

@@ -7,8 +7,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from megasemface.data.demo_corpus import DEFAULT_LOCALE_DIR, SOURCE_LANG
-from megasemface.data.gettext_catalogs import find_catalogs
+from megasemface.data.demo.demo_corpus import DEFAULT_LOCALE_DIR, SOURCE_LANG
+from megasemface.data.demo.gettext_catalogs import find_catalogs
 from megasemface.pipeline.systems import (
     ABLATIONS,
     PAPER_SCALE,

@@ -10,13 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-from megasemface.data.demo_corpus import build_demo_corpus
-from megasemface.data.lines import read_lines, write_lines
-from megasemface.data.shard_build_config import ShardBuildConfig
-from megasemface.data.shard_builder import build_shards
-from megasemface.data.spm_training import SpmTrainConfig, train_spm
-from megasemface.data.textio import parse_lang_path, parse_parallel
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.demo.demo_corpus import build_demo_corpus
+from megasemface.data.shards.shard_build_config import ShardBuildConfig
+from megasemface.data.shards.shard_builder import build_shards
+from megasemface.data.text.lines import read_lines, write_lines
+from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
+from megasemface.data.text.textio import parse_lang_path, parse_parallel
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.models.config import build_model_config
 from megasemface.pipeline.config import PipelineConfig
 from megasemface.pipeline.launcher import ROOT, run_logged

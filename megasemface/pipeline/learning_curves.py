@@ -23,11 +23,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from megasemface.interfaces.registry import interface
 from megasemface.pipeline.config import BUDGETS, PipelineConfig, seeded
 from megasemface.pipeline.data_steps import build_cl_table
 from megasemface.pipeline.launcher import LaunchError, lineage
 from megasemface.pipeline.pipeline import Pipeline
 from megasemface.pipeline.systems import System
+from megasemface.stages import stage_names
 from megasemface.tracking.compare.curves import (
     Curve,
     curve_from_log,
@@ -43,7 +45,7 @@ DEMO_DATA = Path("runs/demo")
 shards (``shards/mono``), SentencePiece model (``spm/joint.model``) and validation text
 (``corpus/parallel/en-de/valid.{en,de}``)."""
 
-CURVE_STAGES = ("encoder", "joint")
+CURVE_STAGES = stage_names(lambda spec: spec.encoder)
 """Pre-training stages whose runs have an encoder MLM to compare."""
 
 
@@ -239,7 +241,7 @@ def run_curves(config: CurvesConfig) -> CurvesReport:
         ValueError, FileNotFoundError: bad options or missing data, before anything trains.
         LaunchError: a run failed (its log is named).
     """
-    from megasemface.data.tokenizer import Tokenizer
+    from megasemface.data.text.tokenizer import Tokenizer
     from megasemface.tracking.report_run import log_report_run
 
     systems = curve_systems(config.pipeline_config())
@@ -247,7 +249,7 @@ def run_curves(config: CurvesConfig) -> CurvesReport:
     _check_data(config)
     vocab_size = Tokenizer.load(config.spm_model).vocab_size
     pipeline.workdir.mkdir(parents=True, exist_ok=True)
-    if any(system.interface == "cl" for system in systems):
+    if any(interface(system.interface).table for system in systems):
         print("\n== CL-SemFace's cross-lingual table", flush=True)
         pipeline.prepare_cl_table()
     curves = []

@@ -28,11 +28,12 @@ from typing import Any, NamedTuple
 from megasemface.checkpoints import connect_mbart, connect_runs, write_seq2seq_dir
 from megasemface.checkpoints.connect import SEQ2SEQ_STAGES
 from megasemface.checkpoints.layout import is_model_dir, newest_complete_step
-from megasemface.data.lines import read_lines, write_lines
+from megasemface.data.text.lines import read_lines, write_lines
 from megasemface.evaluation.diagnostics import DiagnosticsConfig, diagnose_interface, log_to_run
 from megasemface.evaluation.metrics import evaluate
 from megasemface.inference.search import SearchConfig
 from megasemface.inference.translate import Translator
+from megasemface.interfaces.registry import interface
 from megasemface.models.config import build_model_config
 from megasemface.pipeline import data_steps
 from megasemface.pipeline.config import PipelineConfig, cuda_devices, seeded
@@ -156,13 +157,13 @@ class Pipeline:
             else:  # mRASP's pre-training, or its fine-tuning, reads parallel pairs
                 print(f"left out {system.display}: it trains on parallel pairs, so it has no run")
         self.cl_table: Path | None = None
-        if any(s.interface == "cl" for s in systems):
+        if any(interface(s.interface).table for s in systems):
             self._step("cross-lingual embeddings (CL-SemFace's interface)")
             self.cl_table = data_steps.build_cl_table(
                 cfg, self.mono, self.spm, self.model_config.d_model, self.corpus
             )
         self.mixed = None
-        if any(s.stage == "veco" for s in systems):
+        if any(s.pretraining_data == "mixed" for s in systems):
             self._step("monolingual and parallel shards in one directory (VECO)")
             self.mixed = data_steps.build_mixed_shards(cfg, self.corpus, self.spm)
         self.ras_dictionary = None
@@ -212,7 +213,7 @@ class Pipeline:
             )
             run = self.pretrain(system, seed)
             inits[system.key] = self.connect(system, run, seed)
-            if system.interface != "none":
+            if interface(system.interface).semface:
                 self._step(f"interface diagnostics of {system.display}{of_seed}", "diagnostics")
                 self.diagnostics.append((system.display, seed, self.diagnose(system, run)))
         for setting in cfg.settings:
@@ -314,9 +315,9 @@ class Pipeline:
     def _pretraining_data(self, system: System) -> Path:
         """The monolingual shards; mRASP's: the parallel ones; VECO's: both in one
         directory."""
-        if system.stage == "mrasp":
+        if system.pretraining_data == "parallel":
             return self.parallel
-        if system.stage == "veco":
+        if system.pretraining_data == "mixed":
             assert self.mixed is not None, "a system is VECO: its shards are built"
             return self.mixed
         return self.mono
@@ -334,7 +335,7 @@ class Pipeline:
             "data": self._pretraining_data(system),
             "lr": cfg.pretrain_lr,
             "ras_dictionary": self._ras(system.pretraining_ras),
-            "cl_table": self.cl_table if system.interface == "cl" else None,
+            "cl_table": self.cl_table if interface(system.interface).table else None,
             "model_options": [*cfg.model_options, *system.model_options],
             **system.options,
         }
@@ -358,7 +359,7 @@ class Pipeline:
         # Whether translations share codes (the paper's Fig. 5) is a question for VQ codes;
         # of several pairs, the first one's dictionary answers it.
         dictionary = self.corpus / "dict" / f"{self.config.pairs[0]}.tsv"
-        has_dictionary = system.interface == "vq" and dictionary.is_file()
+        has_dictionary = interface(system.interface).codebook and dictionary.is_file()
         result = diagnose_interface(
             DiagnosticsConfig(
                 checkpoint=run_dir,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megasemface.data.lines import read_lines
+from megasemface.data.text.lines import read_lines
 from megasemface.evaluation.metrics import evaluate
 from megasemface.evaluation.significance import BOOTSTRAP_SAMPLES, PairedResult
 from megasemface.pipeline.config import PipelineConfig

@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from megasemface.data.lines import read_lines
+from megasemface.data.text.lines import read_lines
 from megasemface.evaluation.significance import PairedResult, paired_bootstrap
 from megasemface.tracking.compare import RunRecord
 

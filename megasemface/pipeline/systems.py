@@ -15,13 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megasemface.interfaces.registry import NONE
 from megasemface.models.config import model_option
+from megasemface.stages import stage
 from megasemface.training.options import TrainConfig, typed_overrides
 
 __all__ = [
     "ABLATIONS",
     "FINETUNE_FIELDS",
-    "PAIR_STAGES",
     "PAPER_SCALE",
     "RELATED",
     "RUN_FIELDS",
@@ -53,9 +54,6 @@ RUN_FIELDS = frozenset(
 system's ``options`` (a system has its own ``stage``, ``interface`` and ``model``; the
 pipeline gives its RAS dictionary to the runs that substitute)."""
 
-PAIR_STAGES = ("mrasp", "veco")
-"""Pre-training stages that read the parallel pairs: their systems run only supervised."""
-
 _RAS_FILE = [Path("en-de.tsv")]
 """A dictionary in the configs that check a system's options (no file is read there)."""
 
@@ -73,7 +71,7 @@ class System:
     """The name in tables and plots (the paper's row label)."""
     stage: str | None
     """train.py --stage of the pre-training run; None: no pre-training."""
-    interface: str = "none"
+    interface: str = NONE
     options: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     """TrainConfig fields of the pre-training run by name (ablations), e.g.
     ``{"diversity_weight": 0.0}``; they replace the pipeline's values (docs/options.md lists
@@ -108,7 +106,8 @@ class System:
     @property
     def pretraining_ras(self) -> bool:
         """Its pre-training substitutes words (mRASP, or RAS in the decoder noise)."""
-        return self.stage == "mrasp" or bool(self.options.get("decoder_noise_ras"))
+        substitutes = self.stage is not None and stage(self.stage).substitutes
+        return substitutes or bool(self.options.get("decoder_noise_ras"))
 
     @property
     def finetuning_ras(self) -> bool:
@@ -116,9 +115,14 @@ class System:
         return bool(self.finetune.get("finetune_ras"))
 
     @property
+    def pretraining_data(self) -> str | None:
+        """The shards its pre-training reads (``Stage.data``), None without one."""
+        return None if self.stage is None else stage(self.stage).data
+
+    @property
     def pretraining_pairs(self) -> bool:
         """Its pre-training reads parallel pairs (mRASP's, VECO's)."""
-        return self.stage in PAIR_STAGES
+        return self.pretraining_data not in (None, "monolingual")
 
     def runs_in(self, setting: str) -> bool:
         """Whether it has a run in ``setting``: one that trains on parallel pairs (mRASP's
@@ -138,7 +142,7 @@ class System:
             model_option(key, value)  # a known option, a value of its type
         # What TrainConfig refuses together (e.g. extractor_diversity with a CL interface).
         paths: dict[str, Any] = {"data": Path(), "spm_model": Path(), "output_dir": Path()}
-        ras = self.stage == "mrasp" or options.get("decoder_noise_ras")
+        ras = stage(self.stage).substitutes or options.get("decoder_noise_ras")
         paths |= {"ras_dictionary": _RAS_FILE} if ras else {}
         TrainConfig(stage=self.stage, interface=self.interface, **paths, **options)
         return options

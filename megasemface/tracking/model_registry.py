@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megasemface.files import file_sha256
+from megasemface.interfaces.registry import NONE, find_interface
 from megasemface.models.model_dir import ModelDirInfo, read_model_dir_info
 
 if TYPE_CHECKING:
@@ -47,7 +48,6 @@ BEST_ALIAS = "best"
 """The alias of a registered model's version with the highest validation BLEU."""
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
-_INTERFACES = ("cl", "vq")
 
 
 class RegistryError(ValueError):
@@ -209,9 +209,10 @@ def _parent_interface(client: MlflowClient, run_ids: Iterable[str]) -> str:
             interface = client.get_run(run_id).data.tags.get("interface")
         except MlflowException:
             continue  # a parent gone from the store says nothing
-        if interface in _INTERFACES:
-            return interface
-    return "none"
+        spec = find_interface(interface)
+        if spec is not None and spec.semface:
+            return spec.name
+    return NONE
 
 
 def _score_tags(meta: Mapping[str, Any], scores: Mapping[str, Any]) -> dict[str, str]:

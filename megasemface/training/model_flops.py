@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from megasemface import stages
+from megasemface.interfaces import registry
 from megasemface.models.config import ModelConfig, VQConfig
 
 __all__ = [
@@ -160,12 +162,12 @@ def semface_step(
     """A SemFace (or XLM) pre-training step without its output layers: ``batch`` sentences
     padded to ``length``, ``tokens`` real tokens."""
     total = 0.0
-    vq = interface == "vq"
-    if stage in ("encoder", "joint"):  # MLM over x' </s>, through the VQ layer
+    vq = registry.interface(interface).codebook
+    if stages.stage(stage).encoder:  # MLM over x' </s>, through the VQ layer
         total += encoder_stack(config, batch, length + 1, config.encoder_layers)
         if vq:
             total += quantizer(config.vq, config.d_model, tokens + batch, "train")
-    if stage in ("decoder", "joint"):
+    if stages.stage(stage).decoder:
         if decoder_codes == "extractor":  # the noised copy through the extractor
             memory, memory_grad = length, vq
             if vq:

@@ -16,14 +16,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from megasemface.interfaces.registry import DEFAULT, NONE, interface, interface_names
 from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.stages import stage, stage_names
 from megasemface.training.schedules import parse_schedule
 
 # ObjectiveConfig.decoder_codes's values, repeated so that parsing options imports no torch.
 DECODER_CODES = ("extractor", "encoder", "encoder-trained")
 
 __all__ = [
-    "STAGES",
     "TrainConfig",
     "add_train_arguments",
     "field_docs",
@@ -34,9 +35,6 @@ __all__ = [
     "user_model_keys",
 ]
 
-STAGES = ("encoder", "decoder", "joint", "mbart", "mrasp", "veco", "finetune")
-NO_INTERFACE = ("mbart", "mrasp", "veco", "finetune")
-"""Stages whose model has no semantic interface (``--interface`` is none)."""
 LR_SCHEDULES = ("deepspeed", "inverse_sqrt")
 FINETUNE_MODES = ("supervised", "unsupervised")
 
@@ -227,41 +225,28 @@ class TrainConfig:
     second version)."""
 
     def __post_init__(self) -> None:
-        if self.stage not in STAGES:
-            raise ValueError(f"--stage must be one of {STAGES}, got {self.stage!r}")
-        if self.interface not in ("cl", "vq", "none"):
-            raise ValueError(f"--interface must be cl, vq or none, got {self.interface!r}")
-        if self.stage == "finetune" and self.interface != "none" and self.init_from is None:
+        run_stage = stage(self.stage)
+        if run_stage.finetunes and interface(self.interface).semface and self.init_from is None:
             raise ValueError(
                 f"--stage finetune --interface {self.interface} needs --init-from, the "
                 f"connected {self.interface.upper()}-SemFace model directory "
                 "(tools/merge_checkpoints.py connect); without it the model starts from random "
                 "weights: that is the Transformer baseline, --interface none"
             )
-        if self.stage in NO_INTERFACE:
-            self.interface = "none"  # none of them has a semantic interface
-        if self.interface == "none" and self.stage not in ("encoder", *NO_INTERFACE):
-            raise ValueError("--interface none (XLM) has only an encoder stage")
-        if self.stage == "decoder" and self.interface == "vq" and self.init_from is None:
-            raise ValueError(
-                "the VQ decoder stage needs --init-from: the encoder-stage run whose codebook "
-                "it uses (frozen)"
-            )
+        if not run_stage.semface:
+            self.interface = NONE  # its model has no semantic interface
+        run_interface = interface(self.interface)
+        run_interface.check(self, run_stage)
         if self.lr_schedule not in (None, *LR_SCHEDULES):
             raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}")
         if self.finetune_mode not in FINETUNE_MODES:
             raise ValueError(f"--finetune-mode must be one of {FINETUNE_MODES}")
-        if self.stage in ("mrasp", "veco", "finetune") and self.mp_size != 1:
+        if not run_stage.splits_codebook and self.mp_size != 1:
             raise ValueError(f"--stage {self.stage} has no codebook to split: use --mp-size 1")
         self._check_ras()
-        if self.stage in ("mrasp", "veco", "mbart") and self.valid_prefix is not None:
-            raise ValueError(
-                f"--stage {self.stage} pre-trains; validation belongs to its fine-tuning: connect "
-                "the run (tools/merge_checkpoints.py connect --mbart RUN) and fine-tune with "
-                "--valid-prefix"
-            )
+        run_stage.check(self)
         if self.register_model is not None and (
-            self.stage != "finetune" or self.valid_prefix is None or self.no_tracking
+            not run_stage.finetunes or self.valid_prefix is None or self.no_tracking
         ):
             raise ValueError(
                 "--register-model registers the best model of fine-tuning: use it with "
@@ -269,40 +254,7 @@ class TrainConfig:
             )
         if not 0 <= self.label_smoothing < 1:
             raise ValueError("--label-smoothing must be in [0, 1)")
-        if self.extractor_diversity and (
-            self.interface != "vq" or self.stage not in ("decoder", "joint")
-        ):
-            raise ValueError(
-                "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
-                "--interface vq and --stage decoder or joint"
-            )
-        if self.cl_trainable is None:
-            self.cl_trainable = self.interface == "cl" and self.stage == "joint"
-        cl_mlm = self.interface == "cl" and self.stage in ("encoder", "joint")
-        if self.cl_unit_logits is None:
-            self.cl_unit_logits = cl_mlm
-        if self.cl_unit_logits and not cl_mlm:
-            raise ValueError(
-                "--cl-unit-logits scales CL-SemFace's MLM output layer: use it with "
-                "--interface cl and --stage encoder or joint"
-            )
-        if self.decoder_codes is None:
-            joint_vq = self.interface == "vq" and self.stage == "joint"
-            tied = joint_vq and not self.extractor_diversity
-            self.decoder_codes = "encoder-trained" if tied else "extractor"
-        if self.decoder_codes not in DECODER_CODES:
-            raise ValueError(
-                f"--decoder-codes must be one of {', '.join(DECODER_CODES)}, "
-                f"got {self.decoder_codes!r}"
-            )
-        if self.decoder_codes != "extractor" and (
-            self.interface not in ("vq", "cl") or self.stage != "joint" or self.extractor_diversity
-        ):
-            raise ValueError(
-                f"--decoder-codes {self.decoder_codes} feeds the decoder stage the output of the "
-                "encoder trained beside it: use it with --interface vq or cl and --stage joint, "
-                "without --extractor-diversity (the extractor is then unused)"
-            )
+        self._check_interface_options()
         for name in (
             "mse_weight",
             "diversity_weight",
@@ -322,7 +274,7 @@ class TrainConfig:
         # translates into has no back-translation, so its ranks would run other passes than
         # the rest (a collective mismatch under ZeRO-3) and none once denoising ends.
         targets = {text.partition("-")[2] for text in self.directions}
-        if self.stage == "finetune" and self.finetune_mode == "unsupervised" and len(targets) == 1:
+        if run_stage.finetunes and self.finetune_mode == "unsupervised" and len(targets) == 1:
             raise ValueError(
                 "unsupervised fine-tuning back-translates the batches of both languages: "
                 "give --direction for both directions of the pair, or leave it out"
@@ -351,24 +303,58 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
+    def _check_interface_options(self) -> None:
+        """The options of the SemFace interfaces: where each applies, and its default."""
+        run_stage, run_interface = stage(self.stage), interface(self.interface)
+        if self.extractor_diversity and not (run_interface.codebook and run_stage.decoder):
+            raise ValueError(
+                "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
+                "--interface vq and --stage decoder or joint"
+            )
+        if self.cl_trainable is None:
+            self.cl_trainable = run_interface.table and run_stage.joint
+        cl_mlm = run_interface.table and run_stage.encoder
+        if self.cl_unit_logits is None:
+            self.cl_unit_logits = cl_mlm
+        if self.cl_unit_logits and not cl_mlm:
+            raise ValueError(
+                "--cl-unit-logits scales CL-SemFace's MLM output layer: use it with "
+                "--interface cl and --stage encoder or joint"
+            )
+        if self.decoder_codes is None:
+            tied = run_interface.codebook and run_stage.joint and not self.extractor_diversity
+            self.decoder_codes = "encoder-trained" if tied else "extractor"
+        if self.decoder_codes not in DECODER_CODES:
+            raise ValueError(
+                f"--decoder-codes must be one of {', '.join(DECODER_CODES)}, "
+                f"got {self.decoder_codes!r}"
+            )
+        if self.decoder_codes != "extractor" and (
+            not run_interface.semface or not run_stage.joint or self.extractor_diversity
+        ):
+            raise ValueError(
+                f"--decoder-codes {self.decoder_codes} feeds the decoder stage the output of the "
+                "encoder trained beside it: use it with --interface vq or cl and --stage joint, "
+                "without --extractor-diversity (the extractor is then unused)"
+            )
+
     def _check_ras(self) -> None:
         """Random aligned substitution: where it runs, and that it has a dictionary."""
+        run_stage = stage(self.stage)
         if not 0 <= self.ras_prob <= 1:
             raise ValueError("--ras-prob must be in [0, 1]")
-        if self.finetune_ras and (self.stage != "finetune" or self.finetune_mode != "supervised"):
+        if self.finetune_ras and (not run_stage.finetunes or self.finetune_mode != "supervised"):
             raise ValueError(
                 "--finetune-ras substitutes the source side of parallel pairs: use it with "
                 "--stage finetune --finetune-mode supervised"
             )
-        if self.decoder_noise_ras and not (
-            self.stage in ("decoder", "joint") and self.interface in ("cl", "vq")
-        ):
+        if self.decoder_noise_ras and not (run_stage.decoder and interface(self.interface).semface):
             raise ValueError(
                 "--decoder-noise-ras substitutes the SemFace decoder stage's noised copy: use it "
                 "with --stage decoder or joint and --interface cl or vq"
             )
-        uses = self.stage == "mrasp" or self.finetune_ras or self.decoder_noise_ras
-        if uses and not self.ras_dictionary and (self.stage != "mrasp" or self.ras_prob > 0):
+        uses = run_stage.substitutes or self.finetune_ras or self.decoder_noise_ras
+        if uses and not self.ras_dictionary and (not run_stage.substitutes or self.ras_prob > 0):
             raise ValueError(
                 "random aligned substitution needs --ras-dictionary <src>-<tgt>.tsv (a user's "
                 "word list, or one tools/build_cl_embeddings.py --dictionary-out induces)"
@@ -441,7 +427,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     """Adds train.py's options to ``parser`` and returns them. An option's help is its
     TrainConfig field's docstring."""
     d = TrainConfig(
-        stage="encoder", interface="vq", data=Path(), spm_model=Path(), output_dir=Path()
+        stage="encoder", interface=DEFAULT, data=Path(), spm_model=Path(), output_dir=Path()
     )
     actions: list[argparse.Action] = []
     docs = field_docs()
@@ -455,8 +441,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
         default=int(os.environ.get("LOCAL_RANK", -1)),
         help="set by the deepspeed launcher",
     )
-    add("--stage", required=True, choices=STAGES)
-    add("--interface", default=None, choices=("cl", "vq", "none"))
+    add("--stage", required=True, choices=stage_names())
+    add("--interface", default=None, choices=interface_names())
     add("--data", type=Path, required=True)
     add("--spm-model", type=Path, required=True)
     add("--output-dir", type=Path, required=True)
@@ -523,7 +509,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     if values.get("interface") is None:  # not given: the stage's own
-        values["interface"] = "none" if values.get("stage") in NO_INTERFACE else "vq"
+        values["interface"] = DEFAULT if stage(values["stage"]).semface else NONE
     return TrainConfig(**values)
 
 

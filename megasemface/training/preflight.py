@@ -10,6 +10,7 @@ from typing import Any
 
 from megasemface.checkpoints.manager import CheckpointManager
 from megasemface.checkpoints.universal import check_parallel_sizes
+from megasemface.interfaces.registry import interface
 from megasemface.models import cpu_gemm
 from megasemface.training.options import TrainConfig, user_model_config
 from megasemface.training.units import UNITS, unit_name
@@ -63,7 +64,7 @@ def check_before_start(config: TrainConfig, ds_config: dict[str, Any], world_siz
             "VQ-SemFace pre-training: connect with tools/merge_checkpoints.py connect --bridge "
             "codebook, then fine-tune with --init-from that model directory"
         )
-    flat = config.interface == "vq" and model.vq.layout == "flat"
+    flat = interface(config.interface).codebook and model.vq.layout == "flat"
     if flat and model.vq.num_codes % config.mp_size:
         raise ValueError(
             f"vq.num_codes {model.vq.num_codes} is not divisible by --mp-size "

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from megasemface.data.shard_format import Manifest
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.shards.shard_format import Manifest
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.objectives.sequences import SpecialTokens
 from megasemface.training.options import TrainConfig
 

@@ -37,7 +37,7 @@ import torch
 from megasemface.checkpoints.consolidate import param_dtype
 from megasemface.checkpoints.manager import CheckpointManager
 from megasemface.checkpoints.universal import ResumePoint, resume_point
-from megasemface.data.loader import LoaderConfig, ShardLoader, ShardSource
+from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.distributed import collectives
 from megasemface.distributed.collectives import any_rank
 from megasemface.distributed.engine import DeepSpeedEngine, loading_universal

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from megasemface.data.lines import read_lines
+from megasemface.data.text.lines import read_lines
 from megasemface.evaluation.diagnostics.dictionary import (
     Position,
     Word,
@@ -50,7 +50,8 @@ from megasemface.evaluation.diagnostics.sources import (
 )
 from megasemface.inference.translate import token_batches
 from megasemface.interfaces.cross_lingual import CrossLingualInterface
-from megasemface.interfaces.vector_quantized import VectorQuantizedInterface
+from megasemface.interfaces.registry import find_interface
+from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
 from megasemface.models.transformer import EncoderOutput
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
 
@@ -124,7 +125,8 @@ def _refusal(measure: str, models: DiagnosticModels, config: DiagnosticsConfig) 
     if kind is None:
         return f"{title} needs a pre-training stage: pass --checkpoint"
     needs_vq = measure in ("usage", "dictionary")
-    if kind not in (("vq",) if needs_vq else ("vq", "cl")):
+    spec = find_interface(kind)
+    if spec is None or not (spec.codebook if needs_vq else spec.semface):
         what = "VQ codes" if needs_vq else "an interface vector to compare the encoder with"
         return f"{where} is a run with the {kind!r} interface: {title} needs {what}"
     if measure == "dictionary" and config.dictionary is None:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.embeddings.gold import gold_languages, load_gold_dictionary
 from megasemface.evaluation.diagnostics.figures import WordCodes, code_log_probs, word_codes
 from megasemface.evaluation.diagnostics.sources import DiagnosticsError
-from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.config import VQConfig
 
 __all__ = [

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megasemface.interfaces.code_usage import usage_figures
-from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer
+from megasemface.interfaces.vq.code_usage import usage_figures
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.models.config import VQConfig
 from megasemface.models.transformer import TransformerDecoder
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from megasemface.evaluation.diagnostics.figures import CodeAgreement, CodeUsageFigures
+from megasemface.interfaces.registry import interface
 
 __all__ = ["METRIC_PREFIX", "Diagnostics", "DictionaryFigures", "LanguageFigures", "log_to_run"]
 
@@ -167,7 +168,7 @@ class Diagnostics:
             ]
             rows.append(("encoder and extractor agree", shares))
         if any(x.cosine is not None for x in self.languages):
-            target = "its code" if self.interface == "vq" else "its table row"
+            target = interface(self.interface).target
             rows.append(
                 (f"cosine(encoder, {target})", [_float(x.cosine, ".3f") for x in self.languages])
             )

@@ -32,19 +32,22 @@ from typing import Any
 import torch
 
 from megasemface.checkpoints import load_stage, resolve_spm_model
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.interfaces.base import SemanticInterface
 from megasemface.interfaces.factory import build_interface
+from megasemface.interfaces.registry import find_interface, recorded_interface, records_codebook
 from megasemface.models.bridge import CodebookBridge, bridge_state
 from megasemface.models.config import ModelConfig, config_from_dict
 from megasemface.models.model_dir import load_seq2seq
 from megasemface.models.transformer import EncoderOutput, TransformerDecoder, TransformerEncoder
 from megasemface.objectives.sequences import SpecialTokens
 from megasemface.objectives.stages import SemFaceModel
+from megasemface.stages import find_stage, stage_names
 
 __all__ = ["DiagnosticModels", "DiagnosticsError", "load_models"]
 
-_STAGES = ("encoder", "decoder", "joint")
+_STAGES = stage_names(lambda spec: spec.semface)
+"""The stages whose model has a semantic interface to diagnose."""
 
 
 class DiagnosticsError(ValueError):
@@ -86,7 +89,8 @@ class DiagnosticModels:
     @property
     def num_codes(self) -> int | None:
         """K of the VQ layer, None without one."""
-        return self.config.vq.combinations if self.interface_kind == "vq" else None
+        spec = find_interface(self.interface_kind)
+        return self.config.vq.combinations if spec is not None and spec.codebook else None
 
 
 def _stage_model(
@@ -95,12 +99,13 @@ def _stage_model(
     """The stage's ``SemFaceModel`` holding exactly the checkpoint's weights."""
     config = config_from_dict(meta["model"])
     kind = meta.get("interface", {}).get("kind")
+    spec = recorded_interface(meta)
     # Built on the meta device and then given the checkpoint's tensors: no random init of a
     # paper-size codebook only to overwrite it.
     unfit = f"{where}: the weights do not fit a {kind!r} SemFace model of its own config"
     try:
         with torch.device("meta"):
-            table = torch.empty(config.vocab_size, config.d_model) if kind == "cl" else None
+            table = torch.empty(config.vocab_size, config.d_model) if spec and spec.table else None
             interface = build_interface(kind, config, cl_table=table)
             model = SemFaceModel(config, interface, special)
         # A shape that differs raises here (strict=False forgives only names).
@@ -172,17 +177,18 @@ def load_models(
                         f"{getattr(stage_model.config, key)}: not connected from this stage"
                     )
     stage = meta.get("stage")
+    trained = find_stage(stage)
     encoder = interface_decoder = None
-    if stage_model is not None:
-        encoder = stage_model.encoder if stage in ("encoder", "joint") else None
-        interface_decoder = stage_model.decoder if stage in ("decoder", "joint") else None
+    if stage_model is not None and trained is not None:
+        encoder = stage_model.encoder if trained.encoder else None
+        interface_decoder = stage_model.decoder if trained.decoder else None
     connected: Callable[..., EncoderOutput] | None = None
     if seq2seq is not None:
         connected = seq2seq.encode
-    elif stage == "joint":
+    elif trained is not None and trained.joint:
         connected = encoder
     bridge = None
-    if encoder is not None and meta.get("interface", {}).get("kind") == "vq":
+    if encoder is not None and records_codebook(meta):
         assert stage_model is not None
         bridge_config = dataclasses.replace(stage_model.config, bridge="codebook")
         with torch.device("meta"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from megasemface.distributed.groups import ParallelGroups
+from megasemface.stages import stage
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.units.base import TrainUnit
@@ -35,7 +36,9 @@ UNITS: dict[str, UnitFactory] = {
 
 def unit_name(config: TrainConfig) -> str:
     """The stage, and for fine-tuning its mode: the key of :data:`UNITS`."""
-    return f"finetune-{config.finetune_mode}" if config.stage == "finetune" else config.stage
+    return (
+        f"{config.stage}-{config.finetune_mode}" if stage(config.stage).finetunes else config.stage
+    )
 
 
 def build_unit(config: TrainConfig, data: RunData, groups: ParallelGroups) -> TrainUnit:

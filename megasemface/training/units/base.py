@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from megasemface.data.loader import TokenBatch
-from megasemface.data.ras import RandomAlignedSubstitution, RasDictionary
+from megasemface.data.loading.loader import TokenBatch
+from megasemface.data.text.ras import RandomAlignedSubstitution, RasDictionary
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.models.config import ModelConfig, apply_overrides

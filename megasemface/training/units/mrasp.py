@@ -3,7 +3,7 @@
 The whole sequence-to-sequence model learns to translate, in both directions of every pair
 (one direction a step, drawn as supervised fine-tuning draws it), from sources whose
 dictionary words are replaced by a translation with probability ``--ras-prob``
-(:mod:`megasemface.data.ras`). Language tags are on both sides: the encoder reads the source
+(:mod:`megasemface.data.text.ras`). Language tags are on both sides: the encoder reads the source
 with its language's embedding (kept when words are substituted, as mRASP keeps ``<en>`` on a
 code-switched English sentence) and the decoder starts from the target language's tag.
 

@@ -9,15 +9,17 @@ import torch
 from torch import nn
 
 from megasemface.checkpoints import load_codebook
-from megasemface.data.loader import TokenBatch
+from megasemface.data.loading.loader import TokenBatch
 from megasemface.distributed.collectives import rank
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.interfaces.code_usage import collapse_warning
+from megasemface.interfaces import registry
 from megasemface.interfaces.factory import build_interface
+from megasemface.interfaces.vq.code_usage import collapse_warning
 from megasemface.objectives.noising import sentence_boundary_ids
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.objectives.stages import DenoisingSeq2Seq, SemFaceModel, StageOutput
+from megasemface.stages import stage
 from megasemface.tracking.tracker import Tracker
 from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig
@@ -70,15 +72,16 @@ class SemFaceUnit(_MonolingualUnit):
         model = SemFaceModel(
             self.model_config, interface, data.special, objective_config_from(config)
         )
-        if config.stage == "decoder" and config.interface == "vq":
-            self._load_codebook(model)
-        model.stage = config.stage  # type: ignore[assignment]
-        if config.stage == "encoder":
-            keep = model.encoder_stage_parameters()
-        elif config.stage == "decoder":
-            keep = model.decoder_stage_parameters()
-        else:
-            keep = model.encoder_stage_parameters() + model.decoder_stage_parameters()
+        run_stage = stage(config.stage)
+        codebook = registry.interface(config.interface).codebook
+        if codebook and run_stage.decoder and not run_stage.encoder:
+            self._load_codebook(model)  # the decoder stage's codes are the encoder stage's
+        model.stage = config.stage
+        keep: list[nn.Parameter] = []
+        if run_stage.encoder:
+            keep += model.encoder_stage_parameters()
+        if run_stage.decoder:
+            keep += model.decoder_stage_parameters()
         kept = {id(p) for p in keep}
         for param in model.parameters():
             if id(param) not in kept:

@@ -28,20 +28,18 @@ from pathlib import Path
 
 import torch
 
-from megasemface.data.lines import read_lines
+from megasemface.data.text.lines import read_lines
 from megasemface.distributed.collectives import rank
 from megasemface.distributed.engine import DeepSpeedEngine
-from megasemface.interfaces.code_usage import count_codes, usage_figures
+from megasemface.interfaces.vq.code_usage import count_codes, usage_figures
 from megasemface.objectives.sequences import SequenceBatch
+from megasemface.stages import STAGES, Stage, stage
 from megasemface.tracking.tracker import Tracker
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 
 __all__ = ["PretrainingValidation"]
 
-PARTS = ("encoder", "decoder")
-"""The parts a SemFace stage trains, each with its own prediction loss (the joint stage:
-both)."""
 
 BATCH_SENTENCES = 32
 MASK_SEED = 12_345
@@ -55,7 +53,16 @@ class PretrainingValidation:
         self.config = config
         self.data = data
         self.batches = self._read(max_len) if config.valid_prefix is not None else []
-        self.parts = [config.stage] if config.stage in PARTS else list(PARTS)
+        trained = stage(config.stage)
+        # Each part the run trains is scored alone, as the stage that trains only that part
+        # computes it (the joint stage: both).
+        self.parts = [
+            spec
+            for spec in STAGES.values()
+            if spec.semface
+            and not spec.joint
+            and ((spec.encoder and trained.encoder) or (spec.decoder and trained.decoder))
+        ]
 
     def _read(self, max_len: int) -> list[SequenceBatch]:
         """Batches of at most ``BATCH_SENTENCES`` sentences of one language, cut to the
@@ -109,20 +116,20 @@ class PretrainingValidation:
             print(f"validation at step {step}: {shown}", flush=True)
         return figures
 
-    def _score(self, engine: DeepSpeedEngine, part: str) -> dict[str, float]:
+    def _score(self, engine: DeepSpeedEngine, part: Stage) -> dict[str, float]:
         model = engine.module
         # The decoder stage predicts the sentence left to right (clm) or its masked tokens.
-        loss_name = "enc_mlm" if part == "encoder" else f"dec_{model.objective.decoder_objective}"
+        loss_name = "enc_mlm" if part.encoder else f"dec_{model.objective.decoder_objective}"
         total, targets, codes = 0.0, 0, []
         interface = model.interface
-        with _stage(model, part):
+        with _stage(model, part.name):
             for index, batch in enumerate(self.batches):
                 generator = torch.Generator().manual_seed(MASK_SEED + index)
                 out = engine.forward(batch, generator)
                 total += float(out.components[loss_name]) * out.num_targets
                 targets += out.num_targets
                 last = getattr(interface, "last_output", None)
-                if part == "encoder" and last is not None:
+                if part.encoder and last is not None:
                     codes.append(last.greedy_codes.cpu())
         figures = {f"valid_{loss_name}": total / max(targets, 1)}
         if codes:

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from megasemface.data.loader import TokenBatch
-from megasemface.data.pairs import split_pairs
+from megasemface.data.loading.loader import TokenBatch
+from megasemface.data.loading.pairs import split_pairs
 from megasemface.distributed.collectives import any_rank
 from megasemface.distributed.engine import DeepSpeedEngine, on_device
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.inference.search import SearchConfig, search
+from megasemface.interfaces.registry import NONE, find_interface
 from megasemface.models.config import ModelConfig, apply_overrides
 from megasemface.models.model_dir import ModelDirInfo, load_seq2seq_state
 from megasemface.models.seq2seq_init import ConnectError
@@ -94,7 +95,7 @@ class TranslationUnit(TrainUnit):
             return {"interface": "none", "pretraining": "none"}
         kind = self.init.interface.get("kind")
         return {
-            "interface": kind if kind in ("cl", "vq") else "none",
+            "interface": kind if (spec := find_interface(kind)) and spec.semface else NONE,
             "pretraining": str(self.init.meta.get("mode", "unknown")),
         }
 

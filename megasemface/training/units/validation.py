@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megasemface.data.lines import read_lines
+from megasemface.data.text.lines import read_lines
 from megasemface.distributed.collectives import all_gather_objects, rank, sum_or_max
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups

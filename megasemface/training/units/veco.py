@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megasemface.data.loader import TokenBatch
-from megasemface.data.pairs import split_pairs
+from megasemface.data.loading.loader import TokenBatch
+from megasemface.data.loading.pairs import split_pairs
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.objectives.sequences import SequenceBatch

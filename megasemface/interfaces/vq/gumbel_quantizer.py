@@ -33,7 +33,7 @@ multiplies ``2 s h`` by the table itself rather than making ``W``).
 
 Code usage. What the model actually picks is the noise-free argmax (the code used at inference
 and when stages are connected), so :class:`VQOutput` carries it in training too
-(``greedy_codes``), and :class:`~megasemface.interfaces.code_usage.CodeUsage` accumulates it
+(``greedy_codes``), and :class:`~megasemface.interfaces.vq.code_usage.CodeUsage` accumulates it
 over a window of steps across all ranks: codes used, histogram perplexity, dead codes.
 
 Two layouts (``VQConfig.layout``):
@@ -46,7 +46,7 @@ Two layouts (``VQConfig.layout``):
   full [N, K] logits are never gathered, [N, K, d] is never formed (logits are a GEMM; the
   output is a row gather, its gradient a GEMM with the table), and the [n, K/p] logits exist only
   for one chunk of ``chunk_tokens`` tokens at a time, in forward and again (recomputed) in
-  backward by :mod:`~megasemface.interfaces.vq_flat`, so activation memory is
+  backward by :mod:`~megasemface.interfaces.vq.flat`, so activation memory is
   O(N (H + d) + chunk K/p) (below ``keep_logits_mib``, forward keeps them for backward).
 * ``product`` (wav2vec 2.0): G tables of V entries of size d/G; logits G*V, a softmax per
   group, the output is the concatenation of the G chosen entries and the code id
@@ -59,7 +59,7 @@ every rank draws exactly the noise the unsplit layer would draw for its codes, w
 model-parallel split or the token chunking, and backward regenerates it instead of storing it.
 Initial weights are generated per block of 1024 global rows from generators seeded by the
 layer's seed, so a split layer starts from exactly the shard of the unsplit layer's weights
-(:mod:`~megasemface.interfaces.vq_random`).
+(:mod:`~megasemface.interfaces.vq.randomness`).
 
 Diversity statistics. ``pbar`` averages over all real tokens of the global batch: the per-code
 probability sums and the token count are summed over the data-parallel group (the probability
@@ -95,9 +95,9 @@ from megasemface.distributed.groups import (
     mark_model_parallel_parameter,
     reduce_from_model_parallel,
 )
-from megasemface.interfaces.code_usage import CodeUsage, count_codes, entropy_shortfall
-from megasemface.interfaces.vq_flat import FlatQuantize, FlatSpec, matmul_dtype, owned_codes
-from megasemface.interfaces.vq_random import (
+from megasemface.interfaces.vq.code_usage import CodeUsage, count_codes, entropy_shortfall
+from megasemface.interfaces.vq.flat import FlatQuantize, FlatSpec, matmul_dtype, owned_codes
+from megasemface.interfaces.vq.randomness import (
     TAG_CODEBOOK,
     TAG_HIDDEN_B,
     TAG_HIDDEN_W,
@@ -108,7 +108,7 @@ from megasemface.interfaces.vq_random import (
     init_rows,
     mix_key,
 )
-from megasemface.interfaces.vq_shards import (
+from megasemface.interfaces.vq.shards import (
     SPLIT_PARAMETERS,
     gather_codebook,
     gather_state_dicts,

@@ -1,6 +1,6 @@
 """The project's tokenizer: a SentencePiece model with fixed special ids and language tags.
 
-Vocabulary layout of every model trained by :func:`megasemface.data.spm_training.train_spm`::
+Vocabulary layout of every model trained by :func:`megasemface.data.text.spm_training.train_spm`::
 
     0 <unk>   1 <s>   2 </s>   3 <pad>   4 <mask>   5.. __xx__ (one per language, in the
     order given)   then extra control symbols, the 256 byte pieces, the learned pieces.
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-from megasemface.data.languages import lang_from_tag
+from megasemface.data.text.languages import lang_from_tag
 
 __all__ = [
     "BOS_ID",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megasemface.interfaces.noise_kernel import noise_from_hashes
+from megasemface.interfaces.vq.noise_kernel import noise_from_hashes
 
 __all__ = [
     "TAG_CODEBOOK",

@@ -1,7 +1,7 @@
 """The flat layer's passes over a chunk's [tokens, codes] logits besides its matrix products,
 as functions that run eagerly or, on a CPU, fused by ``torch.compile``.
 
-Eagerly each chunk of :class:`~megasemface.interfaces.vq_flat.FlatQuantize` makes about
+Eagerly each chunk of :class:`~megasemface.interfaces.vq.flat.FlatQuantize` makes about
 twenty passes through [chunk, Kl] buffers: the Gumbel noise's int64 hashing and two
 logarithms, the scores, three exponentials and their row sums in forward; normalising, two
 dot products per token and the logits' gradient in backward. Inductor's C++ backend fuses
@@ -15,7 +15,7 @@ the order of the sums and the logarithms' last bit.
 
 Compiled where a chunk holds at least :data:`MIN_COMPILED_ELEMENTS` logits on a CPU and
 ``VQConfig.fused_kernels`` is on (on a GPU the Triton kernels of
-:mod:`~megasemface.interfaces.vq_flat_fused` serve). Compiling takes seconds once per
+:mod:`~megasemface.interfaces.vq.flat_fused` serve). Compiling takes seconds once per
 process (less from inductor's on-disk cache), which such chunks pay back within a few
 hundred steps; the tiny and small presets' 512 codes stay eager. Where compiling fails (no
 C++ compiler), a warning says so once and the eager passes serve.
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from megasemface.interfaces.vq_random import gumbel_of_hashes
+from megasemface.interfaces.vq.randomness import gumbel_of_hashes
 
 __all__ = [
     "MIN_COMPILED_ELEMENTS",
@@ -88,8 +88,8 @@ def run(fn: Callable[..., Any], compiled: bool, *args: Any) -> Any:
 
 def noisy_scores(logits: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     """The selection scores ``s = l + v`` of logits [n, Kl] and the Gumbel noise of the
-    row seeds [n] and scaled code indices [Kl] (``vq_random.noise_hashes``), in one pass
-    when compiled. Eagerly, ``vq_random.gumbel_noise`` hashes the same values in
+    row seeds [n] and scaled code indices [Kl] (``randomness.noise_hashes``), in one pass
+    when compiled. Eagerly, ``randomness.gumbel_noise`` hashes the same values in
     cache-sized blocks instead of [n, Kl] int64 temporaries."""
     return logits + gumbel_of_hashes(rows[:, None] + cols[None, :])
 
@@ -123,7 +123,7 @@ def gradient_dots(
     from_gumbel: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """This rank's parts [n, 2] of ``<q, gq>`` and ``<r, grad_div>`` (see
-    ``vq_flat._flat_logit_backward``), and ``gq``: the straight-through product
+    ``flat._flat_logit_backward``), and ``gq``: the straight-through product
     ``grad_soft`` (zeros where None) plus, when the diversity averages Eq. 5's
     probabilities, ``grad_div``. In place, as the buffers are not read again: ``soft`` (q)
     and ``plain`` (r) are normalised by the partition sums in ``stats`` [n, 5], and ``gq``

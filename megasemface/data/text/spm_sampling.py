@@ -19,8 +19,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from megasemface.data.languages import temperature_probs
-from megasemface.data.textio import CorpusReadError, CorpusSpec, iter_lines
+from megasemface.data.text.languages import temperature_probs
+from megasemface.data.text.textio import CorpusReadError, CorpusSpec, iter_lines
 
 __all__ = [
     "CorpusReadError",

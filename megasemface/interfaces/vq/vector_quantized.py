@@ -28,8 +28,8 @@ from megasemface.interfaces.base import (
     SemanticInterface,
     tensor_sha256,
 )
-from megasemface.interfaces.code_usage import CodeUsage
-from megasemface.interfaces.gumbel_quantizer import GumbelVectorQuantizer, VQOutput
+from megasemface.interfaces.vq.code_usage import CodeUsage
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer, VQOutput
 from megasemface.models.config import ModelConfig
 from megasemface.models.layers import positions
 from megasemface.models.transformer import EncoderOutput, TransformerEncoder

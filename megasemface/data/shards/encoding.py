@@ -6,7 +6,7 @@ the cleaning rules.
 
 A block has one side per aligned file: one for a language's corpus, two (source, target)
 for a parallel corpus, whose pairs are encoded as one sequence ``source ids + [separator] +
-target ids`` (see ``megasemface.data.pairs``).
+target ids`` (see ``megasemface.data.loading.pairs``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-from megasemface.data.cleaning import clean_aligned, line_hash
+from megasemface.data.text.cleaning import clean_aligned, line_hash
 
 __all__ = ["EncodedBlock", "EncodingPool", "init_worker", "process_block"]
 

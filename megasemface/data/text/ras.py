@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from megasemface.data.lines import TextFileError, read_lines
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.text.lines import TextFileError, read_lines
+from megasemface.data.text.tokenizer import Tokenizer
 
 __all__ = [
     "WORD_START",

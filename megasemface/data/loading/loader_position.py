@@ -1,7 +1,7 @@
 """The loader's position, in a form that does not depend on how many ranks read the stream.
 
 A run's batch stream is fixed when it starts. It has ``S = ranks x max(1, workers)`` reading
-slots (:mod:`megasemface.data.loader`), each an endless stream of batches, and one global
+slots (:mod:`megasemface.data.loading.loader`), each an endless stream of batches, and one global
 order of their batches: global batch ``g`` is batch ``g // S`` of slot ``order[g % S]``. Rank
 ``r`` of ``w`` ranks reads the global batches ``r, r + w, r + 2w, ...``. The order is chosen so
 that, with the starting numbers of ranks and workers, each DataLoader worker of each rank reads

@@ -19,7 +19,7 @@ pickle is ever decoded. ``manifest.json`` beside the shards lists every shard wi
 language, counts and sha256, the SentencePiece model's hash and the filter counts.
 
 A parallel corpus is stored as one more "language" named after its pair (``en-de``), whose
-sentences are pairs: ``source ids + [separator] + target ids`` (``megasemface.data.pairs``
+sentences are pairs: ``source ids + [separator] + target ids`` (``megasemface.data.loading.pairs``
 splits them). Its manifest entry has ``"pair": {"src", "tgt", "separator_id",
 "max_length"}`` (``PairLayout``), and its line and sentence counts count pairs.
 """

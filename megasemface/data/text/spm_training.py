@@ -7,9 +7,9 @@ lines per language):
 1. each language's files are streamed once into a seeded reservoir sample of at most
    ``max_sentences_per_lang`` usable lines, every line counted;
 2. the training budget is split between languages by temperature sampling over the full line
-   counts, small languages up-sampled (steps 1 and 2: :mod:`megasemface.data.spm_sampling`);
+   counts, small languages up-sampled (steps 1 and 2: :mod:`megasemface.data.text.spm_sampling`);
 3. SentencePiece is trained on that stream with byte fallback, the fixed special ids of
-   :mod:`megasemface.data.tokenizer`, ``<mask>`` and one control symbol per language.
+   :mod:`megasemface.data.text.tokenizer`, ``<mask>`` and one control symbol per language.
 
 Determinism: the same corpora, config and seed give a byte-identical ``.model``. SentencePiece
 stores its trainer options, ``num_threads`` included, inside the model, so the bytes (and the
@@ -32,16 +32,16 @@ from typing import Any
 
 import sentencepiece as spm
 
-from megasemface.data.languages import lang_from_tag, lang_tag, temperature_probs
-from megasemface.data.spm_sampling import (
+from megasemface.data.text.languages import lang_from_tag, lang_tag, temperature_probs
+from megasemface.data.text.spm_sampling import (
     LanguageSample,
     balanced_sentences,
     check_int,
     compute_quotas,
     sample_languages,
 )
-from megasemface.data.textio import CorpusSpec
-from megasemface.data.tokenizer import (
+from megasemface.data.text.textio import CorpusSpec
+from megasemface.data.text.tokenizer import (
     BOS_ID,
     EOS_ID,
     MASK_ID,

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megasemface.data.gettext_catalogs import MoFormatError, find_catalogs, parse_mo
-from megasemface.data.message_cleaning import (
+from megasemface.data.demo.gettext_catalogs import MoFormatError, find_catalogs, parse_mo
+from megasemface.data.demo.message_cleaning import (
     DEFAULT_MAX_CHARS,
     DROP_IDENTICAL,
     NAME_CATALOGS,

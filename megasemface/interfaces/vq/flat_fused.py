@@ -1,6 +1,6 @@
 """The flat layer's passes over a chunk's [tokens, codes] logits as fused Triton kernels.
 
-Eagerly, each chunk of :class:`~megasemface.interfaces.vq_flat.FlatQuantize` makes about
+Eagerly, each chunk of :class:`~megasemface.interfaces.vq.flat.FlatQuantize` makes about
 twenty passes through [chunk, Kl] fp32 buffers (bias, noise, maxima, exponentials, sums,
 products): on an H100 at the paper's 102,400 codes those passes, not the matrix products,
 took three quarters of the joint step's device time. Here forward reads the product's
@@ -9,7 +9,7 @@ softmax, whose sums are rescaled to the global maxima after the model-parallel m
 for the column sums of the diversity distribution. Backward reads the logits and the
 straight-through product twice: once for two dot products per token, once to write the
 logits' gradient (in the products' dtype) and its column sums. The bias is added and the
-Gumbel noise hashed in registers each time (:mod:`megasemface.interfaces.noise_kernel`);
+Gumbel noise hashed in registers each time (:mod:`megasemface.interfaces.vq.noise_kernel`);
 no [chunk, Kl] temporary is written besides the products' outputs and the gradient. Each
 thread keeps its own running maxima and sums and combines them with the others' once, at
 the end of its row or column, rather than after every block.
@@ -30,12 +30,12 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from megasemface.interfaces.noise_kernel import triton
+from megasemface.interfaces.vq.noise_kernel import triton
 
 if triton is not None:
     import triton.language as tl
 
-    from megasemface.interfaces.noise_kernel import gumbel_from_hashes
+    from megasemface.interfaces.vq.noise_kernel import gumbel_from_hashes
 
 __all__ = [
     "Chunk",
@@ -97,7 +97,7 @@ class Chunk:
     bias: Tensor
     """[Kl] fp32."""
     seeds: Tensor
-    """[n] int64: the noise's row seeds (``vq_random.noise_hashes``)."""
+    """[n] int64: the noise's row seeds (``randomness.noise_hashes``)."""
     cols: Tensor
     """[Kl] int64: the noise's scaled code indices."""
     tau: float
@@ -348,7 +348,7 @@ def row_dots(
 ) -> Tensor:
     """Per token, the local parts [n, 2] of ``<q, gq>`` (gq: the straight-through product
     ``grad_soft`` plus, from Eq. 5's probabilities, the diversity gradient ``grad_div``) and
-    of ``<r, grad_div>`` for softmax(l) r; see ``vq_flat._flat_logit_backward``."""
+    of ``<r, grad_div>`` for softmax(l) r; see ``flat._flat_logit_backward``."""
     n, k = chunk.product.shape
     dots = torch.zeros(n, 2, dtype=torch.float32, device=chunk.product.device)
     if n:

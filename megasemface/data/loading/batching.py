@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from megasemface.data.shard_format import Chunk
+from megasemface.data.shards.shard_format import Chunk
 
 __all__ = ["Pool", "token_budget_batches"]
 

@@ -16,7 +16,7 @@ step by temperature sampling over the languages' sentence counts.
 Resume. A slot's whole position is a few integers per language (shard position, sample,
 batch) plus its step count, because every random choice is a pure function of the seed and
 of that position. The slots' batches form one global order, which the ranks share out
-(:mod:`megasemface.data.loader_position`): the run's position is one counter plus the slots'
+(:mod:`megasemface.data.loading.loader_position`): the run's position is one counter plus the slots'
 positions, whatever the number of ranks. Each batch travels with its slot's position after
 it, so ``ShardLoader.state_dict()`` is exact even though DataLoader workers prefetch ahead,
 and a loader restored from it yields exactly the batches the original would have yielded
@@ -44,15 +44,15 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from megasemface.data.batching import Pool, token_budget_batches
-from megasemface.data.languages import sampling_probs
-from megasemface.data.loader_position import (
+from megasemface.data.loading.batching import Pool, token_budget_batches
+from megasemface.data.loading.loader_position import (
     STATE_VERSION,
     merge_loader_states,
     rank_slots,
     slot_order,
 )
-from megasemface.data.shard_format import Chunk, Manifest, ShardFormatError, decode_sample
+from megasemface.data.shards.shard_format import Chunk, Manifest, ShardFormatError, decode_sample
+from megasemface.data.text.languages import sampling_probs
 
 __all__ = ["DataError", "LoaderConfig", "ShardLoader", "ShardSource", "TokenBatch", "batch_probs"]
 
@@ -83,7 +83,7 @@ class LoaderConfig:
     pair_share: float | None = None
     """Share of batches drawn from language pairs when the source holds pairs and single
     languages, each kind divided among its own by temperature (None: one temperature over
-    all, a pair counting its pairs); see :func:`~megasemface.data.languages.sampling_probs`."""
+    all, a pair counting its pairs); see :func:`~megasemface.data.text.languages.sampling_probs`."""
     languages: tuple[str, ...] = ()
     """Languages to read (empty: every language of the source)."""
     seed: int = 0
@@ -570,7 +570,7 @@ class ShardLoader:
 
     def load_states(self, states: list[dict[str, Any]]) -> None:
         """Continues from the states of a run's ranks, whatever their number and this one's
-        (:mod:`~megasemface.data.loader_position`): pass all of them when the number of
+        (:mod:`~megasemface.data.loading.loader_position`): pass all of them when the number of
         ranks changed; the ranks then read every global batch exactly once."""
         merged = merge_loader_states(states, self.fingerprint)
         self.order = merged["order"]

@@ -1,6 +1,6 @@
 """The VQ layer's Gumbel noise as one Triton kernel on a GPU.
 
-:func:`megasemface.interfaces.vq_random.gumbel_noise` hashes every (token, code) pair with
+:func:`megasemface.interfaces.vq.randomness.gumbel_noise` hashes every (token, code) pair with
 SplitMix64. Eagerly that is about 20 passes over [tokens, codes] int64 temporaries, which
 on a GPU at the paper's 102,400 codes took half the joint step; this kernel computes each
 value in registers and writes it once. The hashing is exact integer arithmetic (uint64,

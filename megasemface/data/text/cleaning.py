@@ -17,7 +17,7 @@ import re
 
 import numpy as np
 
-from megasemface.data.textio import split_lines
+from megasemface.data.text.textio import split_lines
 
 __all__ = ["DropReason", "clean_aligned", "clean_block", "clean_line", "clean_lines", "line_hash"]
 

@@ -29,13 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from megasemface.data.encoding import EncodingPool
-from megasemface.data.language_shards import PARTIAL, LanguageShardBuild
-from megasemface.data.shard_build_config import ShardBuildConfig, ShardBuildError, id_dtype_for
-from megasemface.data.shard_format import FORMAT_VERSION, write_json_atomic
-from megasemface.data.shard_journal import JOURNAL, BuildJournal
-from megasemface.data.textio import CorpusSpec
-from megasemface.data.tokenizer import Tokenizer
+from megasemface.data.shards.encoding import EncodingPool
+from megasemface.data.shards.language_shards import PARTIAL, LanguageShardBuild
+from megasemface.data.shards.shard_build_config import (
+    ShardBuildConfig,
+    ShardBuildError,
+    id_dtype_for,
+)
+from megasemface.data.shards.shard_format import FORMAT_VERSION, write_json_atomic
+from megasemface.data.shards.shard_journal import JOURNAL, BuildJournal
+from megasemface.data.text.textio import CorpusSpec
+from megasemface.data.text.tokenizer import Tokenizer
 
 __all__ = ["build_shards"]
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megasemface.data.shard_build_config import ShardBuildError
+from megasemface.data.shards.shard_build_config import ShardBuildError
 
 __all__ = ["JOURNAL", "BuildJournal"]
 

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import webdataset as wds
 
-from megasemface.data.cleaning import DropReason
-from megasemface.data.encoding import EncodedBlock, EncodingPool
-from megasemface.data.hashset import HashSet
-from megasemface.data.shard_build_config import ShardBuildConfig, ShardBuildError
-from megasemface.data.shard_format import ShardInfo, encode_sample
-from megasemface.data.shard_journal import BuildJournal
-from megasemface.data.textio import (
+from megasemface.data.shards.encoding import EncodedBlock, EncodingPool
+from megasemface.data.shards.shard_build_config import ShardBuildConfig, ShardBuildError
+from megasemface.data.shards.shard_format import ShardInfo, encode_sample
+from megasemface.data.shards.shard_journal import BuildJournal
+from megasemface.data.text.cleaning import DropReason
+from megasemface.data.text.hashset import HashSet
+from megasemface.data.text.textio import (
     AlignmentError,
     CorpusSpec,
     count_lines,

@@ -7,7 +7,7 @@ scalars per token (maxima, partition sums, the smallest index among maxima). The
 logits exist for one chunk of tokens at a time, in forward and again in backward, except
 where a call's buffers are small (``VQConfig.keep_logits_mib``): forward then keeps them for
 backward, which would otherwise recompute the same values, the noise included. The layer
-that uses it, and the notation, are in :mod:`megasemface.interfaces.gumbel_quantizer`.
+that uses it, and the notation, are in :mod:`megasemface.interfaces.vq.gumbel_quantizer`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from megasemface.distributed.groups import ParallelGroups, all_reduce_model_parallel
-from megasemface.interfaces import vq_flat_fused as fused
-from megasemface.interfaces import vq_flat_passes as passes
-from megasemface.interfaces.vq_random import gumbel_noise, noise_hashes
+from megasemface.interfaces.vq import flat_fused as fused
+from megasemface.interfaces.vq import flat_passes as passes
+from megasemface.interfaces.vq.randomness import gumbel_noise, noise_hashes
 from megasemface.models import cpu_gemm
 
 __all__ = ["FlatQuantize", "FlatSpec", "owned_codes"]
@@ -58,12 +58,12 @@ class FlatSpec:
     be: at the paper's 102,400 x 1,024, each a 420 MB pass through memory)."""
     fused: bool = False
     """Each chunk's passes over its logits as the fused kernels of
-    :mod:`~megasemface.interfaces.vq_flat_fused` where they run (a GPU with Triton); forward
+    :mod:`~megasemface.interfaces.vq.flat_fused` where they run (a GPU with Triton); forward
     then keeps no buffers for backward, whose recomputation costs one product and two fused
     passes. Elsewhere, the eager passes compiled where :attr:`compiled` says."""
     compiled: bool = False
     """The eager passes through ``torch.compile``
-    (:mod:`~megasemface.interfaces.vq_flat_passes`): set by :class:`FlatQuantize` from
+    (:mod:`~megasemface.interfaces.vq.flat_passes`): set by :class:`FlatQuantize` from
     ``fused`` where the fused kernels do not run, for a CPU and large chunks."""
 
 

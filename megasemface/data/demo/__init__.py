@@ -1,0 +1,1 @@
+"""The demo corpus: real sentence pairs from the gettext catalogs installed on a system."""

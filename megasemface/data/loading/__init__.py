@@ -1,0 +1,1 @@
+"""Loading: streaming shards into token-budget batches, with exact mid-epoch resume."""

@@ -1,0 +1,1 @@
+"""Token shards: their on-disk format and manifest, and building them from text."""

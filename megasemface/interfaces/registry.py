@@ -1,0 +1,194 @@
+"""The semantic interfaces, by name: what each needs, checks, builds and keeps.
+
+An interface is defined once, here: its :class:`Interface` says what it needs (a
+cross-lingual table), what it checks in a run's options, how it is built, and what its
+checkpoints and diagnostics hold (a codebook that trains, or a fixed table). Every other
+module asks :func:`interface` instead of comparing a name; a new interface is its module
+and one :func:`register_interface`. Nothing here imports torch at import time: parsing the
+command line reads the registry, and the builders import their modules when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megasemface.stages import Stage
+
+if TYPE_CHECKING:
+    import torch
+
+    from megasemface.distributed.groups import ParallelGroups
+    from megasemface.interfaces.base import SemanticInterface
+    from megasemface.models.config import ModelConfig
+
+__all__ = [
+    "DEFAULT",
+    "INTERFACES",
+    "NONE",
+    "BuildOptions",
+    "Interface",
+    "find_interface",
+    "interface",
+    "interface_names",
+    "recorded_interface",
+    "records_codebook",
+    "register_interface",
+]
+
+NONE = "none"
+"""The interface of a model without one: the XLM baseline and the sequence-to-sequence
+stages."""
+DEFAULT = "vq"
+"""The interface of a SemFace stage when ``--interface`` is not given."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BuildOptions:
+    """What building an interface may read besides the model's shape."""
+
+    groups: ParallelGroups | None = None
+    """The model-parallel group a codebook is split over (None: one process)."""
+    seed: int = 0
+    cl_table: torch.Tensor | str | Path | None = None
+    """A [vocab_size, d_model] tensor or a safetensors file of one."""
+    cl_trainable: bool = False
+    cl_unit_logits: bool = False
+
+
+Builder = Callable[["ModelConfig", BuildOptions], "SemanticInterface"]
+
+
+def _no_check(options: Any, spec: Stage) -> None:
+    del options, spec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Interface:
+    """One semantic interface: an ``--interface`` value and its checkpoints'
+    ``interface.kind``."""
+
+    name: str
+    build: Builder
+    """Builds the interface for a model of the given shape."""
+    semface: bool = True
+    """A semantic interface between the stages (False: the XLM baseline's encoder alone)."""
+    table: bool = False
+    """Reads a cross-lingual embedding table (``--cl-table``), which stays fixed in the
+    checkpoint's fingerprint; diagnostics compare an encoder output with its table row."""
+    codebook: bool = False
+    """A vector-quantised codebook: it trains (its fingerprint changes, averaging
+    recomputes it), splits over model-parallel ranks, is read by the decoder stage from
+    ``--init-from`` and by a codebook bridge; its feature extractor trains in the decoder
+    stage; diagnostics compare an encoder output with its code."""
+    check: Callable[[Any, Stage], None] = _no_check
+    """The interface's own checks of a run's options (a ``TrainConfig``) in ``stage``."""
+
+    @property
+    def target(self) -> str:
+        """What the diagnostics compare an encoder output with."""
+        return "its code" if self.codebook else "its table row"
+
+
+INTERFACES: dict[str, Interface] = {}
+"""Every interface by name, in the order ``--interface`` lists them."""
+
+
+def register_interface(spec: Interface) -> Interface:
+    """Adds ``spec`` to :data:`INTERFACES`."""
+    if spec.name in INTERFACES:
+        raise ValueError(f"interface {spec.name!r} is registered already")
+    INTERFACES[spec.name] = spec
+    return spec
+
+
+def interface_names(where: Callable[[Interface], bool] = lambda spec: True) -> tuple[str, ...]:
+    """The names of the interfaces ``where`` holds for, in registration order."""
+    return tuple(name for name, spec in INTERFACES.items() if where(spec))
+
+
+def find_interface(name: object) -> Interface | None:
+    """The interface ``name``, None when it is none (metadata and tags may hold anything)."""
+    return INTERFACES.get(name) if isinstance(name, str) else None
+
+
+def recorded_interface(meta: Mapping[str, Any]) -> Interface | None:
+    """The interface a checkpoint's or a model directory's metadata records
+    (``interface.kind``), None when it records none that is registered."""
+    return find_interface((meta.get("interface") or {}).get("kind"))
+
+
+def records_codebook(meta: Mapping[str, Any]) -> bool:
+    """Whether the metadata records an interface with a codebook (its checkpoints hold a
+    trained, possibly split codebook and fingerprint it by its weights)."""
+    spec = recorded_interface(meta)
+    return spec is not None and spec.codebook
+
+
+def interface(name: str) -> Interface:
+    """The interface ``name``.
+
+    Raises:
+        ValueError: an unknown name, as ``--interface`` reports it.
+    """
+    spec = find_interface(name)
+    if spec is None:
+        names = interface_names()
+        raise ValueError(
+            f"--interface must be {', '.join(names[:-1])} or {names[-1]}, got {name!r}"
+        )
+    return spec
+
+
+def _build_none(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
+    from megasemface.interfaces.base import NoInterface
+
+    return NoInterface()
+
+
+def _build_cl(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
+    import torch
+
+    from megasemface.interfaces.cross_lingual import CrossLingualInterface, load_embedding_table
+
+    table = options.cl_table
+    if table is None:
+        raise ValueError("the cl interface needs a cross-lingual embedding table (--cl-table)")
+    if not isinstance(table, torch.Tensor):
+        table = load_embedding_table(table, config.vocab_size, config.d_model)
+    elif tuple(table.shape) != (config.vocab_size, config.d_model):
+        raise ValueError(
+            f"cross-lingual table of shape {tuple(table.shape)}, the model needs "
+            f"[{config.vocab_size}, {config.d_model}]"
+        )
+    return CrossLingualInterface(
+        table, trainable=options.cl_trainable, unit_logits=options.cl_unit_logits
+    )
+
+
+def _build_vq(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
+    from megasemface.distributed.groups import ParallelGroups
+    from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
+
+    return VectorQuantizedInterface(config, options.groups or ParallelGroups.single(), options.seed)
+
+
+def _check_none(options: Any, spec: Stage) -> None:
+    if spec.decoder:
+        raise ValueError("--interface none (XLM) has only an encoder stage")
+
+
+def _check_vq(options: Any, spec: Stage) -> None:
+    if spec.decoder and not spec.encoder and options.init_from is None:
+        raise ValueError(
+            "the VQ decoder stage needs --init-from: the encoder-stage run whose codebook "
+            "it uses (frozen)"
+        )
+
+
+register_interface(Interface(name="cl", build=_build_cl, table=True))
+register_interface(Interface(name="vq", build=_build_vq, codebook=True, check=_check_vq))
+
+register_interface(Interface(name=NONE, build=_build_none, semface=False, check=_check_none))

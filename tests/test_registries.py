@@ -1,0 +1,183 @@
+"""The interface and stage registries: no module outside them compares a name, and a new
+interface is one registration."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from megasemface.interfaces.base import (
+    EncoderHeadOutput,
+    InterfaceMemory,
+    SemanticInterface,
+    select_targets,
+    tensor_sha256,
+)
+from megasemface.interfaces.factory import build_interface
+from megasemface.interfaces.registry import INTERFACES, BuildOptions, Interface, interface_names
+from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.models.transformer import EncoderOutput, TransformerEncoder
+from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
+from megasemface.objectives.stages import ObjectiveConfig, SemFaceModel
+from megasemface.stages import STAGES, stage_names
+from megasemface.training import model_flops
+from megasemface.training.options import TrainConfig, add_train_arguments, train_config_from_args
+from megasemface.training.units import UNITS
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megasemface"
+REGISTRIES = {PACKAGE / "stages.py", PACKAGE / "interfaces"}
+"""Where the names are defined, and only there compared."""
+NAMED = ("stage", "interface", "kind")
+"""What the compared expression is called when it holds a stage's or interface's name."""
+
+
+def _literals(node: ast.expr) -> set[str]:
+    """The string constants of a constant or of a tuple, list or set of them."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+
+
+def name_comparisons(source: str) -> list[str]:
+    """Comparisons of a stage's or interface's name with a string literal, and literal
+    tuples of such names, in ``source``."""
+    names = set(stage_names()) | set(interface_names())
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            literal = [s for s in sides if _literals(s) & names]
+            named = [s for s in sides if any(n in ast.unparse(s).lower() for n in NAMED)]
+            if literal and any(s not in literal for s in named):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) > 1:
+            values = _literals(node)
+            stages, interfaces = set(stage_names()), set(interface_names())
+            if len(values) == len(node.elts) and (values <= stages or values <= interfaces):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _outside_registries() -> list[Path]:
+    return [
+        path
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not any(path == r or r in path.parents for r in REGISTRIES)
+    ]
+
+
+def test_no_module_outside_the_registries_compares_a_stage_or_interface_name() -> None:
+    found = [
+        f"{path.relative_to(PACKAGE.parent)} {hit}"
+        for path in _outside_registries()
+        for hit in name_comparisons(path.read_text(encoding="utf-8"))
+    ]
+    assert not found, "ask megasemface/stages.py or interfaces/registry.py:\n" + "\n".join(found)
+
+
+def test_the_name_check_sees_a_comparison() -> None:
+    assert name_comparisons('if config.interface == "vq":\n    pass\n')
+    assert name_comparisons('ok = meta.get("stage") in ("encoder", "joint")\n')
+    assert name_comparisons('INTERFACES = ("cl", "vq")\n')
+    assert not name_comparisons('if stack == "encoder":\n    pass\n')
+    assert not name_comparisons('if config.bridge != "none":\n    pass\n')
+
+
+def test_every_stage_has_a_train_unit() -> None:
+    units = {name.partition("-")[0] for name in UNITS}
+    assert units == set(STAGES)
+
+
+SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
+PATHS: dict[str, Any] = {"data": Path(), "spm_model": Path(), "output_dir": Path()}
+
+
+class TokenMemoryInterface(SemanticInterface):
+    """A test interface: the decoder reads its own embeddings of the noised sentence."""
+
+    kind = "tokens"
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.table = nn.Embedding(config.vocab_size, config.d_model)
+
+    def encoder_head(self, encoded: EncoderOutput, targets_BT: torch.Tensor) -> EncoderHeadOutput:
+        return EncoderHeadOutput(select_targets(encoded.hidden_BTD, targets_BT), {}, {})
+
+    def output_embeddings(self, encoder: TransformerEncoder) -> torch.Tensor:
+        return encoder.embed.tokens.weight
+
+    def decoder_memory(
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
+    ) -> InterfaceMemory:
+        return InterfaceMemory(self.table(tokens_BT), mask_BT, {})
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"kind": self.kind, "table": tensor_sha256(self.table.weight)}
+
+
+def _build_tokens(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
+    return TokenMemoryInterface(config)
+
+
+@pytest.fixture
+def tokens_interface(monkeypatch: pytest.MonkeyPatch) -> Interface:
+    spec = Interface(name="tokens", build=_build_tokens)
+    monkeypatch.setitem(INTERFACES, spec.name, spec)
+    return spec
+
+
+def test_a_registered_interface_is_an_option_with_the_stages_rules(
+    tokens_interface: Interface,
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    argv = ["--stage", "joint", "--interface", "tokens", "--data", "d", "--spm-model", "s"]
+    config = train_config_from_args(parser.parse_args([*argv, "--output-dir", "o"]))
+    assert (config.interface, config.decoder_codes, config.cl_trainable) == (
+        "tokens",
+        "extractor",
+        False,
+    )
+    TrainConfig(stage="joint", interface="tokens", decoder_codes="encoder", **PATHS)
+    with pytest.raises(ValueError, match="--extractor-diversity trains the VQ decoder"):
+        TrainConfig(stage="joint", interface="tokens", extractor_diversity=True, **PATHS)
+    with pytest.raises(ValueError, match="--cl-unit-logits"):
+        TrainConfig(stage="encoder", interface="tokens", cl_unit_logits=True, **PATHS)
+    assert TrainConfig(stage="mbart", interface="tokens", **PATHS).interface == "none"
+    assert (
+        model_flops.semface_step(
+            build_model_config("tiny"),
+            interface="tokens",
+            stage="joint",
+            decoder_codes="extractor",
+            batch=2,
+            length=5,
+            tokens=8,
+        )
+        > 0
+    )
+
+
+def test_a_registered_interface_trains_in_the_joint_stage(tokens_interface: Interface) -> None:
+    config = build_model_config("tiny", ["vocab_size=60", "dropout=0.0"])
+    torch.manual_seed(0)
+    model = SemFaceModel(config, build_interface("tokens", config), SPECIAL, ObjectiveConfig())
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(7, config.vocab_size, (4, 8), generator=g)
+    batch = SequenceBatch(tokens, torch.full((4,), 8), torch.tensor([0, 1, 0, 1]))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(8):
+        output = model(batch, torch.Generator().manual_seed(step % 2))
+        optimizer.zero_grad()
+        output.loss.backward()
+        optimizer.step()
+        losses.append(float(output.loss.detach()))
+    assert model.interface.table.weight.grad is not None  # the decoder's loss reaches it
+    assert losses[-1] < losses[0]
