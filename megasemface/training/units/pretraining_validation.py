@@ -143,11 +143,11 @@ class PretrainingValidation:
 
 
 @contextlib.contextmanager
-def _stage(model: torch.nn.Module, stage: str) -> Iterator[None]:
-    """The model's forward computes ``stage``'s loss alone (through the engine, so ZeRO-3
-    gathers what it needs), then the run's stage again."""
+def _stage(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """The model's forward computes stage ``name``'s loss alone (through the engine, so
+    ZeRO-3 gathers what it needs), then the run's stage again."""
     trained = model.stage
-    model.stage = stage
+    model.stage = name
     try:
         yield
     finally:
