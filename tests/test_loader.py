@@ -349,3 +349,15 @@ def test_ids_outside_the_vocabulary_mean_another_tokenizer(shard_dir: Path) -> N
     loader = ShardLoader(narrow, config(bad_sample_grace=0, max_bad_fraction=0.0), pad_id=PAD)
     with pytest.raises(DataError, match="another SentencePiece model"):
         next(iter(loader))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_batches_are_handed_over_pinned_where_a_gpu_copies_them(
+    shard_dir: Path, workers: int
+) -> None:
+    """In page-locked memory on a CUDA machine (so the step's copy to the device does not
+    wait for the device), in ordinary memory elsewhere (there is nothing to pin for)."""
+    loader = ShardLoader(uneven_source(shard_dir), config(num_workers=workers), pad_id=PAD)
+    for batch in take(iter(loader), 3):
+        for tensor in (batch.tokens, batch.lengths, batch.sentence_ids):
+            assert tensor.is_pinned() == torch.cuda.is_available()
