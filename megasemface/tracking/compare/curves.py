@@ -57,7 +57,7 @@ CURVE_METRICS = (
 )
 COLLAPSE_SHARE = 0.1
 """A codeword perplexity under this share of min(tokens, codewords) reads as collapse
-(interfaces/code_usage.py's floor)."""
+(interfaces/vq/code_usage.py's floor)."""
 
 # What the trainer prints every --log-interval steps (training/trainer.py, _Progress):
 # "step 20/200 | 3,512 tok/s | loss 9.102 enc_mlm=8.930 dec_clm=7.115 | lr ... | ETA 51s".
