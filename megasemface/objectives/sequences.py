@@ -47,6 +47,17 @@ class SequenceBatch:
     def mask_BT(self) -> torch.Tensor:
         return lengths_to_mask(self.lengths_B, self.tokens_BT.shape[1])
 
+    @classmethod
+    def from_rows(cls, rows: list[list[int]], pad: int, lang_index: int) -> SequenceBatch:
+        """Token-id sentences of one language, padded to the longest, on the host; no rows
+        give a batch of none (a rank with nothing left still steps in lockstep)."""
+        lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+        width = int(lengths.max()) if rows else 1
+        tokens = torch.full((len(rows), width), pad, dtype=torch.long)
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return cls(tokens, lengths, torch.full((len(rows),), lang_index, dtype=torch.long))
+
 
 def lengths_to_mask(lengths_B: torch.Tensor, length: int) -> torch.Tensor:
     return torch.arange(length, device=lengths_B.device)[None, :] < lengths_B[:, None]

@@ -196,15 +196,6 @@ class _Sums:
     """Encoder outputs at the dictionary words' occurrences."""
 
 
-def _pad(rows: list[list[int]], pad_id: int, lang_index: int) -> SequenceBatch:
-    longest = max(len(r) for r in rows)
-    tokens = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-    for i, row in enumerate(rows):
-        tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    return SequenceBatch(tokens, lengths, torch.full((len(rows),), lang_index, dtype=torch.long))
-
-
 def _encoder_side(
     models: DiagnosticModels,
     batch: SequenceBatch,
@@ -285,7 +276,7 @@ def _language_pass(
     lang_index = models.tokenizer.languages.index(lang)
     encoder_side = {"usage", "cosine", "dictionary"} & set(measures)
     for rows in token_batches([len(s) + 1 for s in ids], batch_tokens):
-        batch = _pad([ids[i] for i in rows], sp.pad, lang_index)
+        batch = SequenceBatch.from_rows([ids[i] for i in rows], sp.pad, lang_index)
         # The encoder reads x </s>, as in the encoder stage and in translation.
         src_BT, src_lengths = append_token(batch.tokens_BT, batch.lengths_B, sp.eos, sp.pad)
         src = (src_BT, lengths_to_mask(src_lengths, src_BT.shape[1]))

@@ -82,14 +82,8 @@ class PretrainingValidation:
             rows = [ids[:max_len] for ids in self.data.tokenizer.encode(lines) if ids]
             for start in range(0, len(rows), BATCH_SENTENCES):
                 chunk = rows[start : start + BATCH_SENTENCES]
-                width = max(len(row) for row in chunk)
-                tokens = torch.full((len(chunk), width), self.data.special.pad)
-                for i, row in enumerate(chunk):
-                    tokens[i, : len(row)] = torch.tensor(row)
-                lengths = torch.tensor([len(row) for row in chunk])
-                batches.append(
-                    SequenceBatch(tokens, lengths, self.data.lang_index(lang, len(chunk)))
-                )
+                index = self.data.languages.index(lang)
+                batches.append(SequenceBatch.from_rows(chunk, self.data.special.pad, index))
         if not batches:
             raise ValueError(f"--valid-prefix {self.config.valid_prefix}: no sentences to read")
         return batches

@@ -145,12 +145,7 @@ class TranslationUnit(TrainUnit):
         """Token-id sentences (no specials) as a padded batch in ``lang``."""
         limit = self.model_config.max_len - 1
         rows = [s[:limit] or [self.data.tokenizer.unk_id] for s in sentences]  # never empty
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-        width = int(lengths.max()) if rows else 1
-        tokens = torch.full((len(rows), width), self.data.special.pad, dtype=torch.long)
-        for i, row in enumerate(rows):
-            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return SequenceBatch(tokens, lengths, self.data.lang_index(lang, len(rows)))
+        return SequenceBatch.from_rows(rows, self.data.special.pad, self.data.languages.index(lang))
 
     def generate(
         self,
