@@ -53,10 +53,10 @@ from megasemface.distributed.groups import ParallelGroups
 from megasemface.flop_count import flop_counter
 from megasemface.host_memory import keep_freed_memory
 from megasemface.interfaces.factory import build_interface
-from megasemface.models.compile import compile_layers
-from megasemface.models.config import PRESETS, build_model_config
+from megasemface.models.semface import SemFaceModel
+from megasemface.nn.compile import compile_layers
+from megasemface.nn.config import PRESETS, build_model_config
 from megasemface.objectives.sequences import SequenceBatch
-from megasemface.objectives.stages import SemFaceModel
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -51,13 +51,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from megasemface.flop_count import flop_counter
 from megasemface.host_memory import keep_freed_memory
 from megasemface.interfaces.factory import build_interface
-from megasemface.models import cpu_gemm
-from megasemface.models.compile import compile_layers
-from megasemface.models.config import build_model_config
-from megasemface.objectives import stages
+from megasemface.models import semface
+from megasemface.models.semface import SemFaceModel
+from megasemface.nn import cpu_gemm
+from megasemface.nn.compile import compile_layers
+from megasemface.nn.config import build_model_config
 from megasemface.objectives.output_loss import OutputLoss
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.objectives.stages import SemFaceModel
 from megasemface.training.options import TrainConfig
 from megasemface.training.units.base import objective_config_from
 
@@ -83,7 +83,7 @@ def _matmul_operands(size: int = PEAK_SIZE) -> Callable[[], None]:
 
     def matmul() -> None:
         # The product the models run: oneDNN's where it is faster than torch's BLAS
-        # (megasemface/models/cpu_gemm.py), so that no share of the peak reads above 100%.
+        # (megasemface/nn/cpu_gemm.py), so that no share of the peak reads above 100%.
         cpu_gemm.mm(a, b)
 
     return matmul
@@ -189,7 +189,7 @@ def bench(preset: str, layout: str, repeats: int, kept_memory: bool = False) -> 
         optimizer.step()
 
     def autograd_step() -> None:
-        with mock.patch.object(stages, "output_cross_entropy", autograd_output_loss):
+        with mock.patch.object(semface, "output_cross_entropy", autograd_output_loss):
             step()
 
     with flop_counter() as counter:

@@ -45,7 +45,8 @@ from bench_model import matmul_peak  # sibling script
 
 from megasemface.flop_count import flop_counter
 from megasemface.host_memory import keep_freed_memory
-from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.models.translation import TranslationModel
+from megasemface.nn.config import ModelConfig, build_model_config
 from megasemface.objectives.sequences import (
     SequenceBatch,
     SpecialTokens,
@@ -53,7 +54,6 @@ from megasemface.objectives.sequences import (
     lengths_to_mask,
     prepend_tokens,
 )
-from megasemface.objectives.translation import TranslationModel
 from megasemface.training.throughput import datasheet_peak
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))

@@ -62,9 +62,9 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
 
     import megasemface
     from megasemface.interfaces.factory import build_interface
-    from megasemface.models.config import build_model_config
+    from megasemface.models.semface import SemFaceModel
+    from megasemface.nn.config import build_model_config
     from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-    from megasemface.objectives.stages import SemFaceModel
 
     where = Path(megasemface.__file__).resolve()
     if args.tree and Path(args.tree).resolve() not in where.parents:
@@ -84,7 +84,7 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
 
     blas_only = contextlib.nullcontext()
     if not args.tree:  # torch's own products, so that its counter sees every one
-        from megasemface.models import cpu_gemm
+        from megasemface.nn import cpu_gemm
 
         blas_only = cpu_gemm.blas_only()
     with FlopCounterMode(display=False) as counter, blas_only:

@@ -29,8 +29,8 @@ import torch
 
 from megasemface.host_memory import keep_freed_memory
 from megasemface.inference.search import Hypothesis, SearchConfig, search
-from megasemface.models.config import build_model_config
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.nn.config import build_model_config
+from megasemface.nn.transformer import Seq2SeqModel
 
 EOS, TAG = 2, 6
 # sentences, source tokens (with </s>), output tokens (without </s>). A decoding step reads

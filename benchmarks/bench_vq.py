@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from megasemface.distributed.groups import ParallelGroups, build_parallel_groups
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.models.config import VQConfig
+from megasemface.nn.config import VQConfig
 
 
 @dataclasses.dataclass(frozen=True)

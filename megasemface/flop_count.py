@@ -5,7 +5,7 @@ count the in-place ``addmm_`` with which the fused output loss
 (:mod:`megasemface.objectives.output_loss`) and the flat VQ layer
 (:mod:`megasemface.interfaces.vq.flat`) accumulate their weights' gradients over chunks, nor
 the CPU attention kernel and its backward, nor oneDNN's products
-(:mod:`megasemface.models.cpu_gemm`): work that autograd's form of the same step runs as
+(:mod:`megasemface.nn.cpu_gemm`): work that autograd's form of the same step runs as
 counted ``mm`` and attention calls. Left out, a fused step's FLOPs, and so its FLOP/s and
 share of a peak, read low: of the paper preset's joint SemFace step
 (``benchmarks/bench_model.py``), the stock count left out 41 of 437 GFLOP.

@@ -77,9 +77,9 @@ def launch_data(
     from megasemface.data.shards.shard_builder import build_shards
     from megasemface.data.text.textio import parse_lang_path, parse_parallel
     from megasemface.data.text.tokenizer import Tokenizer
-    from megasemface.models.config import build_model_config
     from megasemface.models.model_dir import save_model_dir
-    from megasemface.models.transformer import Seq2SeqModel
+    from megasemface.nn.config import build_model_config
+    from megasemface.nn.transformer import Seq2SeqModel
 
     root = tmp_path_factory.mktemp("launch-data")
     config = ShardBuildConfig(tokens_per_sample=4096, samples_per_shard=4, max_tokens=60)

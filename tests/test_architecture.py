@@ -12,9 +12,10 @@ PACKAGE = ROOT / "megasemface"
 LAYERS: list[set[str]] = [
     {"files", "host_memory", "flop_count", "command_line", "stages"},
     {"data", "distributed"},
-    {"models"},
+    {"nn"},
     {"interfaces"},
     {"objectives"},
+    {"models"},
     {"checkpoints", "embeddings", "export", "inference", "tracking"},
     {"evaluation"},
     {"training"},
@@ -86,3 +87,17 @@ def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
     path.write_text("from megasemface.training.trainer import Trainer\nimport megasemface.files\n")
     assert _imports(path) == {"megasemface.training.trainer", "megasemface.files"}
     assert _layer("training") > _layer("models")
+
+
+def test_objectives_hold_losses_not_models() -> None:
+    """Trainable models live in models/; objectives/ holds what their losses are made of."""
+    modules = []
+    for path in sorted((PACKAGE / "objectives").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and any(
+                ast.unparse(base) in ("nn.Module", "torch.nn.Module", "Module")
+                for base in node.bases
+            ):
+                modules.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert not modules, modules
+    assert (PACKAGE / "models" / "semface.py").exists()

@@ -23,7 +23,7 @@ from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.text.textio import parse_lang_path
 from megasemface.interfaces.cross_lingual import CrossLingualInterface, load_embedding_table
 from megasemface.interfaces.factory import build_interface
-from megasemface.models.config import build_model_config
+from megasemface.nn.config import build_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 8000

@@ -8,10 +8,10 @@ import torch
 from test_stages import model_for, random_batch, tiny
 
 from megasemface.inference.search import SearchConfig, search
-from megasemface.models.compile import compile_layers
-from megasemface.models.config import build_model_config
-from megasemface.models.layers import TransformerLayer
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.nn.compile import compile_layers
+from megasemface.nn.config import build_model_config
+from megasemface.nn.layers import TransformerLayer
+from megasemface.nn.transformer import Seq2SeqModel
 
 
 def _train(compiled: bool, steps: int = 4) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megasemface.flop_count import flop_counter
-from megasemface.models import cpu_gemm
+from megasemface.nn import cpu_gemm
 from megasemface.objectives.output_loss import output_cross_entropy
 
 pytestmark = pytest.mark.skipif(not cpu_gemm._have_onednn(), reason="torch built without oneDNN")

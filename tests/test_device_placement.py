@@ -11,11 +11,11 @@ from launch import on_cuda
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.vq import code_usage
 from megasemface.interfaces.vq.code_usage import CodeUsage
-from megasemface.models.config import build_model_config
+from megasemface.models.veco import VecoSeq2Seq
+from megasemface.nn.config import build_model_config
 from megasemface.objectives import noising
+from megasemface.objectives.objective import ObjectiveConfig
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.objectives.stages import ObjectiveConfig
-from megasemface.objectives.veco import VecoSeq2Seq
 
 DEVICES = ["cpu", on_cuda("cuda")]
 

@@ -43,7 +43,7 @@ from megasemface.evaluation.diagnostics import (
 )
 from megasemface.evaluation.diagnostics.dictionary import whole_word_occurrences
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.models.config import VQConfig
+from megasemface.nn.config import VQConfig
 
 SENTENCES = 24
 

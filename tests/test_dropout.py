@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megasemface.models.dropout import Dropout, dropout
+from megasemface.nn.dropout import Dropout, dropout
 
 N = 400_000
 

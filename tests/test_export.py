@@ -23,9 +23,9 @@ from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.evaluation.metrics import evaluate
 from megasemface.inference.search import SearchConfig, max_lengths
 from megasemface.inference.translate import Translator
-from megasemface.models.config import ModelConfig, build_model_config
 from megasemface.models.model_dir import save_model_dir
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.nn.config import ModelConfig, build_model_config
+from megasemface.nn.transformer import Seq2SeqModel
 
 pytestmark = pytest.mark.launcher
 

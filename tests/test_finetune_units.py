@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megasemface.models.config import build_model_config
+from megasemface.models.translation import TranslationModel
+from megasemface.nn.config import build_model_config
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.objectives.translation import TranslationModel
 from megasemface.training.schedules import parse_schedule, schedule_value
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.flop_count import flop_counter
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.models.config import VQConfig
+from megasemface.nn.config import VQConfig
 from megasemface.objectives.output_loss import output_cross_entropy
 
 N, V, D = 37, 50, 16

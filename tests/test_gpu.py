@@ -12,7 +12,7 @@ from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.vq import noise_kernel
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.interfaces.vq.randomness import gumbel_noise
-from megasemface.models.config import VQConfig
+from megasemface.nn.config import VQConfig
 from megasemface.objectives.output_loss import output_cross_entropy
 
 pytestmark = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from megasemface.cli.reproduce import build_parser, config_from_args
-from megasemface.models.config import build_model_config
+from megasemface.nn.config import build_model_config
 from megasemface.pipeline.config import (
     BUDGETS,
     H200_FIXED_SECONDS,

@@ -45,10 +45,10 @@ from megasemface.data.shards.shard_builder import build_shards
 from megasemface.data.text.textio import parse_lang_path
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
-from megasemface.models.bridge import bridge_sources
-from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, load_seq2seq
 from megasemface.models.seq2seq_init import ConnectError
+from megasemface.nn.bridge import bridge_sources
+from megasemface.nn.config import config_from_dict
 
 pytestmark = pytest.mark.launcher
 

@@ -11,21 +11,21 @@ import torch
 
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.models.bridge import CodebookBridge, bridge_state
-from megasemface.models.config import (
+from megasemface.models.seq2seq_init import ConnectError, connect_stages
+from megasemface.nn.bridge import CodebookBridge, bridge_state
+from megasemface.nn.config import (
     PRESETS,
     ModelConfig,
     VQConfig,
     apply_overrides,
     build_model_config,
 )
-from megasemface.models.layers import (
+from megasemface.nn.layers import (
     MultiHeadAttention,
     attention_mask,
     scaled_dot_product_attention,
 )
-from megasemface.models.seq2seq_init import ConnectError, connect_stages
-from megasemface.models.transformer import Seq2SeqModel, TransformerEncoder, parameter_shapes
+from megasemface.nn.transformer import Seq2SeqModel, TransformerEncoder, parameter_shapes
 
 
 def naive_attention(

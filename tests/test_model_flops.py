@@ -12,16 +12,13 @@ import torch
 
 from megasemface.flop_count import flop_counter
 from megasemface.interfaces.factory import build_interface
-from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.models.denoising import DenoisingSeq2Seq
+from megasemface.models.semface import SemFaceModel
+from megasemface.models.translation import TranslationModel
+from megasemface.models.veco import VecoSeq2Seq
+from megasemface.nn.config import ModelConfig, build_model_config
+from megasemface.objectives.objective import ObjectiveConfig, StageOutput
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.objectives.stages import (
-    DenoisingSeq2Seq,
-    ObjectiveConfig,
-    SemFaceModel,
-    StageOutput,
-)
-from megasemface.objectives.translation import TranslationModel
-from megasemface.objectives.veco import VecoSeq2Seq
 from megasemface.training import model_flops
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))

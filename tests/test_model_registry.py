@@ -19,9 +19,9 @@ from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 
 from megasemface.cli.compare_runs import main as compare_main
-from megasemface.models.config import build_model_config
 from megasemface.models.model_dir import save_model_dir
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.nn.config import build_model_config
+from megasemface.nn.transformer import Seq2SeqModel
 from megasemface.pipeline.config import PipelineConfig
 from megasemface.pipeline.pipeline import Pipeline
 from megasemface.tracking.compare import CompareError, select_runs

@@ -52,10 +52,10 @@ def test_the_small_model_is_the_one_its_docstring_costs() -> None:
     import torch
 
     from megasemface.interfaces.factory import build_interface
-    from megasemface.models.config import build_model_config
-    from megasemface.models.transformer import Seq2SeqModel
+    from megasemface.models.semface import SemFaceModel
+    from megasemface.nn.config import build_model_config
+    from megasemface.nn.transformer import Seq2SeqModel
     from megasemface.objectives.sequences import SpecialTokens
-    from megasemface.objectives.stages import SemFaceModel
 
     small = build_model_config("small")
     layers = (small.encoder_layers, small.decoder_layers, small.extractor_layers)

@@ -14,9 +14,10 @@ from megasemface.checkpoints.consolidate import load_stage
 from megasemface.data.text.lines import read_lines
 from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.interfaces.factory import build_interface
-from megasemface.models.config import config_from_dict
+from megasemface.models.semface import SemFaceModel
+from megasemface.nn.config import config_from_dict
+from megasemface.objectives.objective import ObjectiveConfig
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.objectives.stages import ObjectiveConfig, SemFaceModel
 
 MAX_SENTENCES = 40
 

@@ -21,10 +21,11 @@ from megasemface.interfaces.base import (
 )
 from megasemface.interfaces.factory import build_interface
 from megasemface.interfaces.registry import INTERFACES, BuildOptions, Interface, interface_names
-from megasemface.models.config import ModelConfig, build_model_config
-from megasemface.models.transformer import EncoderOutput, TransformerEncoder
+from megasemface.models.semface import SemFaceModel
+from megasemface.nn.config import ModelConfig, build_model_config
+from megasemface.nn.transformer import EncoderOutput, TransformerEncoder
+from megasemface.objectives.objective import ObjectiveConfig
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.objectives.stages import ObjectiveConfig, SemFaceModel
 from megasemface.stages import STAGES, stage_names
 from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig, add_train_arguments, train_config_from_args

@@ -21,8 +21,8 @@ from megasemface.inference.search import (
     min_lengths,
     search,
 )
-from megasemface.models.config import build_model_config
-from megasemface.models.transformer import DecoderCache, EncoderOutput, Seq2SeqModel
+from megasemface.nn.config import build_model_config
+from megasemface.nn.transformer import DecoderCache, EncoderOutput, Seq2SeqModel
 from megasemface.training.units.translation import _EngineScorer
 
 EOS, PAD, TAG = 2, 3, 5

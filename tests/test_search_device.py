@@ -10,8 +10,8 @@ from launch import on_cuda
 from torch import nn
 
 from megasemface.inference.search import SearchConfig, scorer_device, search
-from megasemface.models.config import build_model_config
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.nn.config import build_model_config
+from megasemface.nn.transformer import Seq2SeqModel
 
 DEVICES = ["cpu", on_cuda("cuda")]
 

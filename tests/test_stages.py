@@ -18,20 +18,17 @@ from megasemface.data.text.textio import parse_lang_path
 from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.evaluation.diagnostics.figures import teacher_forced_nll
 from megasemface.interfaces.factory import build_interface
-from megasemface.models.config import ModelConfig, build_model_config
-from megasemface.models.transformer import EncoderOutput
+from megasemface.models.denoising import DenoisingSeq2Seq
+from megasemface.models.semface import SemFaceModel
+from megasemface.nn.config import ModelConfig, build_model_config
+from megasemface.nn.transformer import EncoderOutput
 from megasemface.objectives.noising import drop_and_shuffle, mask_for_mlm
+from megasemface.objectives.objective import ObjectiveConfig, default_mse_weight
 from megasemface.objectives.sequences import (
     SequenceBatch,
     SpecialTokens,
     append_token,
     lengths_to_mask,
-)
-from megasemface.objectives.stages import (
-    DenoisingSeq2Seq,
-    ObjectiveConfig,
-    SemFaceModel,
-    default_mse_weight,
 )
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))

@@ -11,7 +11,7 @@ import torch
 from launch import ROOT, launch, mlflow_run, train_command
 
 from megasemface.checkpoints.consolidate import param_dtype
-from megasemface.models.config import build_model_config
+from megasemface.nn.config import build_model_config
 from megasemface.training.throughput import Throughput, datasheet_peak, measured_matmul_peak
 
 

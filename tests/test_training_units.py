@@ -14,7 +14,7 @@ import torch
 from megasemface.checkpoints.manager import CheckpointManager, DiskFullError
 from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.distributed.engine import load_ds_config, on_device
-from megasemface.models.transformer import DecoderCache
+from megasemface.nn.transformer import DecoderCache
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 from megasemface.training.options import TrainConfig
 from megasemface.training.preflight import check_before_start, lr_schedule_of

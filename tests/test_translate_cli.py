@@ -19,9 +19,9 @@ from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.evaluation.metrics import evaluate
 from megasemface.inference.search import SearchConfig
 from megasemface.inference.translate import Translator, token_batches
-from megasemface.models.config import build_model_config
 from megasemface.models.model_dir import save_model_dir
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.nn.config import build_model_config
+from megasemface.nn.transformer import Seq2SeqModel
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 24  # small position table: a long line must be cropped

@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.models.veco import VecoSeq2Seq
+from megasemface.nn.config import ModelConfig, build_model_config
 from megasemface.objectives.noising import mask_for_mlm
+from megasemface.objectives.objective import ObjectiveConfig
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.objectives.stages import ObjectiveConfig
-from megasemface.objectives.veco import VecoSeq2Seq, split_segments
+from megasemface.objectives.veco import split_segments
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
 

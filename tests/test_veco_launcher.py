@@ -110,8 +110,8 @@ def test_veco_zero3_connects_into_a_translation_model(
     lockstep whichever kind of batch each draws; the gathered model translates: its
     fine-tuning loss starts from the pre-trained decoder's output layer."""
     from megasemface.data.text.tokenizer import Tokenizer
+    from megasemface.models.translation import TranslationModel
     from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-    from megasemface.objectives.translation import TranslationModel
 
     out = tmp_path / "veco"
     result = launch(_veco(mixed_shards, launch_data["spm"], out, "--steps", "2", zero=3))

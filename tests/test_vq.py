@@ -23,8 +23,8 @@ from megasemface.interfaces.vq.gumbel_quantizer import (
     split_codebook,
 )
 from megasemface.interfaces.vq.randomness import gumbel_noise
-from megasemface.models.code_distance import distance_scale
-from megasemface.models.config import VQConfig
+from megasemface.nn.code_distance import distance_scale
+from megasemface.nn.config import VQConfig
 
 D = 8
 

@@ -12,7 +12,7 @@ import torch
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.vq import flat_fused as vq_flat_fused
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.models.config import VQConfig
+from megasemface.nn.config import VQConfig
 
 
 def _step(fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:

@@ -31,7 +31,7 @@ from megasemface.interfaces.vq.gumbel_quantizer import (
     gather_state_dicts,
     shard_state_dict,
 )
-from megasemface.models.config import VQConfig
+from megasemface.nn.config import VQConfig
 
 pytestmark = pytest.mark.launcher
 

@@ -28,7 +28,7 @@ from megasemface.checkpoints.layout import (
     find_checkpoint,
 )
 from megasemface.interfaces.registry import records_codebook
-from megasemface.models.config import config_from_dict
+from megasemface.nn.config import config_from_dict
 
 __all__ = ["average_checkpoints", "last_checkpoints"]
 

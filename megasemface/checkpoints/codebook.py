@@ -30,7 +30,7 @@ from megasemface.interfaces.vq.gumbel_quantizer import (
     split_codebook,
 )
 from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
-from megasemface.models.config import ModelConfig
+from megasemface.nn.config import ModelConfig
 
 __all__ = [
     "QUANTIZER_PREFIX",

@@ -27,9 +27,9 @@ from megasemface.checkpoints.codebook import quantizer_state, vq_fingerprint
 from megasemface.checkpoints.consolidate import DTYPES, load_stage
 from megasemface.checkpoints.layout import CheckpointError
 from megasemface.interfaces.registry import records_codebook
-from megasemface.models.config import ModelConfig, config_from_dict
 from megasemface.models.seq2seq_init import ConnectError, connect_stages
-from megasemface.models.transformer import Seq2SeqModel, parameter_shapes
+from megasemface.nn.config import ModelConfig, config_from_dict
+from megasemface.nn.transformer import Seq2SeqModel, parameter_shapes
 from megasemface.stages import stage_names
 
 __all__ = ["Connected", "connect_mbart", "connect_runs"]
@@ -82,7 +82,7 @@ def connect_runs(
     """Connects an encoder stage with a decoder stage (SemFace), or alone (XLM-style).
 
     ``bridge="codebook"`` keeps a VQ-SemFace encoder stage's VQ layer between the encoder and
-    the cross-attention (:mod:`megasemface.models.bridge`); ``"none"`` removes the interface,
+    the cross-attention (:mod:`megasemface.nn.bridge`); ``"none"`` removes the interface,
     as the paper does.
 
     Each source is a run directory, a checkpoint directory or a ``pretraining`` model

@@ -76,8 +76,8 @@ from megasemface.checkpoints.layout import (
 from megasemface.distributed.engine import UnsafeCheckpointError, consolidated_state
 from megasemface.interfaces.registry import records_codebook
 from megasemface.interfaces.vq.gumbel_quantizer import shard_state_dict
-from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import load_model_dir, read_model_dir_info
+from megasemface.nn.config import config_from_dict
 from megasemface.stages import find_stage
 
 __all__ = [

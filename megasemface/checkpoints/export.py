@@ -25,8 +25,8 @@ from megasemface.checkpoints.connect import Connected
 from megasemface.checkpoints.layout import CheckpointError
 from megasemface.files import replace_directory, write_atomically
 from megasemface.interfaces.registry import records_codebook
-from megasemface.models.config import config_from_dict
 from megasemface.models.model_dir import ModelDirError, save_model_dir
+from megasemface.nn.config import config_from_dict
 
 __all__ = ["resolve_spm_model", "write_pretraining_dir", "write_seq2seq_dir"]
 

@@ -47,7 +47,7 @@ def parse_or_status(parser: argparse.ArgumentParser, argv: list[str] | None) -> 
         # Read by the first matrix product, deep in a run: checked here instead (and torch
         # imported for it only when the variable is set).
         if "MEGASEMFACE_CPU_GEMM" in os.environ:
-            from megasemface.models import cpu_gemm
+            from megasemface.nn import cpu_gemm
 
             try:
                 cpu_gemm.check_setting()

@@ -164,7 +164,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
 
 def run(args: argparse.Namespace) -> int:
     from megasemface.data.demo.demo_corpus import DemoCorpusError
-    from megasemface.models import cpu_gemm
+    from megasemface.nn import cpu_gemm
     from megasemface.pipeline.launcher import LaunchError
     from megasemface.pipeline.pipeline import Pipeline
 

@@ -24,13 +24,13 @@ import torch
 
 from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.inference.translate import banned_ids
-from megasemface.models.config import ModelConfig
 from megasemface.models.model_dir import (
     ModelDirError,
     ModelDirInfo,
     load_seq2seq_state,
     read_model_dir_info,
 )
+from megasemface.nn.config import ModelConfig
 
 __all__ = ["ExportError", "ExportSource", "load_export_source"]
 

@@ -39,7 +39,7 @@ from typing import Protocol
 import torch
 
 from megasemface.data.text.tokenizer import EOS_ID
-from megasemface.models.transformer import DecoderCache, EncoderOutput
+from megasemface.nn.transformer import DecoderCache, EncoderOutput
 
 __all__ = [
     "Hypothesis",

@@ -18,7 +18,7 @@ import torch
 from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.inference.search import Hypothesis, SearchConfig, search
 from megasemface.models.model_dir import ModelDirError, load_seq2seq
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.nn.transformer import Seq2SeqModel
 from megasemface.objectives.sequences import SpecialTokens
 
 __all__ = ["Translator", "banned_ids", "token_batches"]

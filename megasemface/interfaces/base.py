@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from megasemface.models.transformer import EncoderOutput, TransformerEncoder
+from megasemface.nn.transformer import EncoderOutput, TransformerEncoder
 
 __all__ = [
     "EncoderHeadOutput",

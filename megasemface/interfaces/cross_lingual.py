@@ -27,7 +27,7 @@ from megasemface.interfaces.base import (
     select_targets,
     tensor_sha256,
 )
-from megasemface.models.transformer import EncoderOutput, TransformerEncoder
+from megasemface.nn.transformer import EncoderOutput, TransformerEncoder
 
 __all__ = ["CrossLingualInterface", "load_embedding_table"]
 

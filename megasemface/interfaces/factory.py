@@ -9,7 +9,7 @@ import torch
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.base import SemanticInterface
 from megasemface.interfaces.registry import BuildOptions, find_interface, interface_names
-from megasemface.models.config import ModelConfig
+from megasemface.nn.config import ModelConfig
 
 __all__ = ["build_interface"]
 

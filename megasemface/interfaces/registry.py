@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from megasemface.distributed.groups import ParallelGroups
     from megasemface.interfaces.base import SemanticInterface
-    from megasemface.models.config import ModelConfig
+    from megasemface.nn.config import ModelConfig
 
 __all__ = [
     "DEFAULT",

@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megasemface.files import replace_directory, write_atomically
-from megasemface.models.config import ModelConfig, config_from_dict
+from megasemface.nn.config import ModelConfig, config_from_dict
 
 __all__ = [
     "FORMAT",
@@ -223,7 +223,7 @@ def load_seq2seq_state(
     The shapes come from a model built on the meta device (:func:`parameter_shapes`), so a
     damaged config is refused before any memory is spent on it.
     """
-    from megasemface.models.transformer import parameter_shapes
+    from megasemface.nn.transformer import parameter_shapes
 
     state, info = load_model_dir(path, "seq2seq")
     weights = info.path / "model.safetensors"
@@ -244,7 +244,7 @@ def load_seq2seq_state(
 
 def load_seq2seq(path: str | os.PathLike[str]) -> tuple[torch.nn.Module, ModelDirInfo]:
     """A ready ``Seq2SeqModel`` (eval mode, CPU) from a ``seq2seq`` model directory."""
-    from megasemface.models.transformer import Seq2SeqModel
+    from megasemface.nn.transformer import Seq2SeqModel
 
     state, info = load_seq2seq_state(path)
     model = Seq2SeqModel(info.model)

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from megasemface.models.bridge import bridge_sources, bridge_state
-from megasemface.models.config import ModelConfig
-from megasemface.models.transformer import Seq2SeqModel, parameter_shapes
+from megasemface.nn.bridge import bridge_sources, bridge_state
+from megasemface.nn.config import ModelConfig
+from megasemface.nn.transformer import Seq2SeqModel, parameter_shapes
 
 __all__ = ["ConnectError", "connect_stages"]
 

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from megasemface.models import cpu_gemm
+from megasemface.nn import cpu_gemm
 
 __all__ = ["CHUNK_LOGITS", "CHUNK_LOGITS_GPU", "OutputLoss", "output_cross_entropy"]
 

@@ -17,7 +17,7 @@ from megasemface.data.text.lines import read_lines, write_lines
 from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.text.textio import parse_lang_path, parse_parallel
 from megasemface.data.text.tokenizer import Tokenizer
-from megasemface.models.config import build_model_config
+from megasemface.nn.config import build_model_config
 from megasemface.pipeline.config import PipelineConfig
 from megasemface.pipeline.launcher import ROOT, run_logged
 

@@ -34,7 +34,7 @@ from megasemface.evaluation.metrics import evaluate
 from megasemface.inference.search import SearchConfig
 from megasemface.inference.translate import Translator
 from megasemface.interfaces.registry import interface
-from megasemface.models.config import build_model_config
+from megasemface.nn.config import build_model_config
 from megasemface.pipeline import data_steps
 from megasemface.pipeline.config import PipelineConfig, cuda_devices, seeded
 from megasemface.pipeline.launcher import (

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.interfaces.registry import NONE
-from megasemface.models.config import model_option
+from megasemface.nn.config import model_option
 from megasemface.stages import stage
 from megasemface.training.options import TrainConfig, typed_overrides
 

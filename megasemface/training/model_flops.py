@@ -24,7 +24,7 @@ from typing import Literal
 
 from megasemface import stages
 from megasemface.interfaces import registry
-from megasemface.models.config import ModelConfig, VQConfig
+from megasemface.nn.config import ModelConfig, VQConfig
 
 __all__ = [
     "ATTENTION_BACKWARD",

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.interfaces.registry import DEFAULT, NONE, interface, interface_names
-from megasemface.models.config import ModelConfig, build_model_config
+from megasemface.nn.config import ModelConfig, build_model_config
 from megasemface.stages import stage, stage_names
 from megasemface.training.schedules import parse_schedule
 
@@ -58,7 +58,7 @@ class TrainConfig:
     output_dir: Path
     """Checkpoints, logs, metrics.jsonl and (without a tracking URI) the MLflow store."""
     preset: str = "tiny"
-    """Model preset: tiny, small or paper (megasemface/models/config.py)."""
+    """Model preset: tiny, small or paper (megasemface/nn/config.py)."""
     model_options: list[str] = dataclasses.field(default_factory=list)
     """Model option overrides KEY=VALUE, dotted for the interface's options, e.g.
     d_model=128 or vq.layout=product (ModelConfig's fields); applied after the preset and
@@ -92,7 +92,7 @@ class TrainConfig:
     mse_weight: float | None = None
     """CL-SemFace: weight of the MSE term of Eq. 1; 0: off (the 'w/o MSE' ablation).
     Default: 1 up to d_model 128, 0.01 wider, where the term, summed over the dimensions,
-    outweighs the MLM (objectives/stages.py, default_mse_weight)."""
+    outweighs the MLM (objectives/objective.py, default_mse_weight)."""
     diversity_weight: float = 2.0
     """VQ: weight of the diversity loss (the paper's losses: 1)."""
     l2_weight: float = 1.0

@@ -11,7 +11,7 @@ from typing import Any
 from megasemface.checkpoints.manager import CheckpointManager
 from megasemface.checkpoints.universal import check_parallel_sizes
 from megasemface.interfaces.registry import interface
-from megasemface.models import cpu_gemm
+from megasemface.nn import cpu_gemm
 from megasemface.training.options import TrainConfig, user_model_config
 from megasemface.training.units import UNITS, unit_name
 

@@ -6,7 +6,7 @@ over the device's dense peak in the training dtype. The peak is the datasheet's 
 in :data:`DATASHEET_PEAKS` (found by a part of the name torch reports) and otherwise
 measured: the fastest of a quarter second of large matrix products in that dtype when the
 loop starts and of one more at every logging step (on a CPU through oneDNN where the models'
-products go, :mod:`megasemface.models.cpu_gemm`), so a CPU run shows its share of what this
+products go, :mod:`megasemface.nn.cpu_gemm`), so a CPU run shows its share of what this
 machine's products reach.
 
 The memory peak is the device's: ``torch.cuda.max_memory_allocated`` on a GPU (tensors
@@ -70,7 +70,7 @@ class MatmulProbe:
     product is the models' own (oneDNN where they use it)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, size: int | None = None) -> None:
-        from megasemface.models.cpu_gemm import mm
+        from megasemface.nn.cpu_gemm import mm
 
         self.device = device
         self.size = size or (8192 if device.type == "cuda" else 1024)

@@ -42,7 +42,7 @@ from megasemface.distributed import collectives
 from megasemface.distributed.collectives import any_rank
 from megasemface.distributed.engine import DeepSpeedEngine, loading_universal
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.models.compile import compile_layers
+from megasemface.nn.compile import compile_layers
 from megasemface.tracking.mlflow_tracker import MLflowTracker
 from megasemface.tracking.tracker import NullTracker, Tracker
 from megasemface.training.options import TrainConfig

@@ -52,7 +52,7 @@ from megasemface.inference.translate import token_batches
 from megasemface.interfaces.cross_lingual import CrossLingualInterface
 from megasemface.interfaces.registry import find_interface
 from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
-from megasemface.models.transformer import EncoderOutput
+from megasemface.nn.transformer import EncoderOutput
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
 
 __all__ = ["MEASURES", "DiagnosticsConfig", "diagnose_interface"]

@@ -22,7 +22,7 @@ from megasemface.embeddings.gold import gold_languages, load_gold_dictionary
 from megasemface.evaluation.diagnostics.figures import WordCodes, code_log_probs, word_codes
 from megasemface.evaluation.diagnostics.sources import DiagnosticsError
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.models.config import VQConfig
+from megasemface.nn.config import VQConfig
 
 __all__ = [
     "GoldPairs",

@@ -21,10 +21,10 @@ from torch import Tensor, nn
 
 from megasemface.interfaces.vq.code_usage import usage_figures
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.models.config import VQConfig
-from megasemface.models.transformer import TransformerDecoder
+from megasemface.nn.config import VQConfig
+from megasemface.nn.transformer import TransformerDecoder
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.objectives.stages import teacher_forced_logits
+from megasemface.objectives.teacher_forcing import teacher_forced_logits
 
 __all__ = [
     "CodeAgreement",

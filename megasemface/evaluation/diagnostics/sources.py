@@ -18,7 +18,7 @@ Which part plays which role:
   bridge when it has one), else the encoder of a joint stage (the one ``connect`` takes
   from it);
 - the *bridge* of a VQ encoder or joint stage is its VQ layer as the codebook bridge
-  (:mod:`megasemface.models.bridge`): the encoder's output through it is what a model
+  (:mod:`megasemface.nn.bridge`): the encoder's output through it is what a model
   connected with ``--bridge codebook`` feeds the cross-attention.
 """
 
@@ -36,12 +36,12 @@ from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.interfaces.base import SemanticInterface
 from megasemface.interfaces.factory import build_interface
 from megasemface.interfaces.registry import find_interface, recorded_interface, records_codebook
-from megasemface.models.bridge import CodebookBridge, bridge_state
-from megasemface.models.config import ModelConfig, config_from_dict
 from megasemface.models.model_dir import load_seq2seq
-from megasemface.models.transformer import EncoderOutput, TransformerDecoder, TransformerEncoder
+from megasemface.models.semface import SemFaceModel
+from megasemface.nn.bridge import CodebookBridge, bridge_state
+from megasemface.nn.config import ModelConfig, config_from_dict
+from megasemface.nn.transformer import EncoderOutput, TransformerDecoder, TransformerEncoder
 from megasemface.objectives.sequences import SpecialTokens
-from megasemface.objectives.stages import SemFaceModel
 from megasemface.stages import find_stage, stage_names
 
 __all__ = ["DiagnosticModels", "DiagnosticsError", "load_models"]

@@ -23,7 +23,7 @@ from megasemface.distributed.groups import ParallelGroups, all_reduce_model_para
 from megasemface.interfaces.vq import flat_fused as fused
 from megasemface.interfaces.vq import flat_passes as passes
 from megasemface.interfaces.vq.randomness import gumbel_noise, noise_hashes
-from megasemface.models import cpu_gemm
+from megasemface.nn import cpu_gemm
 
 __all__ = ["FlatQuantize", "FlatSpec", "owned_codes"]
 

@@ -115,8 +115,8 @@ from megasemface.interfaces.vq.shards import (
     shard_state_dict,
     split_codebook,
 )
-from megasemface.models.code_distance import distance_logit_weights, distance_scale
-from megasemface.models.config import VQConfig
+from megasemface.nn.code_distance import distance_logit_weights, distance_scale
+from megasemface.nn.config import VQConfig
 
 __all__ = [
     "SPLIT_PARAMETERS",

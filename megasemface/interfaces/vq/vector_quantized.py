@@ -30,9 +30,9 @@ from megasemface.interfaces.base import (
 )
 from megasemface.interfaces.vq.code_usage import CodeUsage
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer, VQOutput
-from megasemface.models.config import ModelConfig
-from megasemface.models.layers import positions
-from megasemface.models.transformer import EncoderOutput, TransformerEncoder
+from megasemface.nn.config import ModelConfig
+from megasemface.nn.layers import positions
+from megasemface.nn.transformer import EncoderOutput, TransformerEncoder
 
 __all__ = ["VectorQuantizedInterface"]
 

@@ -20,9 +20,9 @@ from megasemface.data.loading.loader import TokenBatch
 from megasemface.data.text.ras import RandomAlignedSubstitution, RasDictionary
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.models.config import ModelConfig, apply_overrides
+from megasemface.nn.config import ModelConfig, apply_overrides
+from megasemface.objectives.objective import ObjectiveConfig, StageOutput
 from megasemface.objectives.sequences import SequenceBatch
-from megasemface.objectives.stages import ObjectiveConfig, StageOutput
 from megasemface.tracking.tracker import Tracker
 from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig, user_model_config, user_model_keys

@@ -16,9 +16,11 @@ from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces import registry
 from megasemface.interfaces.factory import build_interface
 from megasemface.interfaces.vq.code_usage import collapse_warning
+from megasemface.models.denoising import DenoisingSeq2Seq
+from megasemface.models.semface import SemFaceModel
 from megasemface.objectives.noising import sentence_boundary_ids
+from megasemface.objectives.objective import StageOutput
 from megasemface.objectives.sequences import SequenceBatch
-from megasemface.objectives.stages import DenoisingSeq2Seq, SemFaceModel, StageOutput
 from megasemface.stages import stage
 from megasemface.tracking.tracker import Tracker
 from megasemface.training import model_flops

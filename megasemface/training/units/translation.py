@@ -25,12 +25,12 @@ from megasemface.distributed.engine import DeepSpeedEngine, on_device
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.inference.search import SearchConfig, search
 from megasemface.interfaces.registry import NONE, find_interface
-from megasemface.models.config import ModelConfig, apply_overrides
 from megasemface.models.model_dir import ModelDirInfo, load_seq2seq_state
 from megasemface.models.seq2seq_init import ConnectError
+from megasemface.models.translation import TranslationModel
+from megasemface.nn.config import ModelConfig, apply_overrides
+from megasemface.objectives.objective import StageOutput
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
-from megasemface.objectives.stages import StageOutput
-from megasemface.objectives.translation import TranslationModel
 from megasemface.tracking.tracker import Tracker
 from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig

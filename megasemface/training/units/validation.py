@@ -19,8 +19,8 @@ from megasemface.distributed.collectives import all_gather_objects, rank, sum_or
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.evaluation.metrics import evaluate
-from megasemface.models.config import ModelConfig
 from megasemface.models.model_dir import save_model_dir
+from megasemface.nn.config import ModelConfig
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.tracking.mlflow_names import describe_error
 from megasemface.tracking.model_registry import register_best_model

@@ -23,9 +23,10 @@ from megasemface.data.loading.loader import TokenBatch
 from megasemface.data.loading.pairs import split_pairs
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
+from megasemface.models.veco import VecoSeq2Seq
+from megasemface.objectives.objective import StageOutput
 from megasemface.objectives.sequences import SequenceBatch
-from megasemface.objectives.stages import StageOutput
-from megasemface.objectives.veco import VecoSeq2Seq, split_segments
+from megasemface.objectives.veco import split_segments
 from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megasemface.models.layers import TransformerLayer
+from megasemface.nn.layers import TransformerLayer
 
 __all__ = ["compile_layers"]
 

@@ -10,9 +10,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from megasemface.models.bridge import CodebookBridge
-from megasemface.models.config import ModelConfig
-from megasemface.models.layers import Embeddings, KVCache, TransformerLayer, attention_mask
+from megasemface.nn.bridge import CodebookBridge
+from megasemface.nn.config import ModelConfig
+from megasemface.nn.layers import Embeddings, KVCache, TransformerLayer, attention_mask
 
 __all__ = [
     "DecoderCache",

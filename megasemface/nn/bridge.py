@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from megasemface.models.code_distance import distance_logit_weights, distance_scale
-from megasemface.models.config import ModelConfig
+from megasemface.nn.code_distance import distance_logit_weights, distance_scale
+from megasemface.nn.config import ModelConfig
 
 __all__ = ["BRIDGE_SOURCES", "CodebookBridge", "bridge_sources", "bridge_state"]
 

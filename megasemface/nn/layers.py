@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megasemface.models.config import ModelConfig
-from megasemface.models.cpu_gemm import Linear
-from megasemface.models.dropout import Dropout, dropout
+from megasemface.nn.config import ModelConfig
+from megasemface.nn.cpu_gemm import Linear
+from megasemface.nn.dropout import Dropout, dropout
 
 __all__ = [
     "Embeddings",
@@ -189,7 +189,7 @@ class TransformerLayer(nn.Module):
         self.dropout = Dropout(config.dropout)
         self.compiled_block: Callable[..., torch.Tensor] | None = None
         """``block`` through torch.compile, for the uncached forward
-        (:func:`megasemface.models.compile.compile_layers`); None: eager."""
+        (:func:`megasemface.nn.compile.compile_layers`); None: eager."""
 
     def forward(
         self,

@@ -19,19 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from megasemface.models.config import ModelConfig
-from megasemface.models.transformer import Seq2SeqModel
+from megasemface.nn.config import ModelConfig
+from megasemface.nn.transformer import Seq2SeqModel
 from megasemface.objectives.noising import drop_and_shuffle
+from megasemface.objectives.objective import StageOutput, check_languages
 from megasemface.objectives.output_loss import output_cross_entropy
 from megasemface.objectives.sequences import (
     SequenceBatch,
     SpecialTokens,
 )
-from megasemface.objectives.stages import (
-    StageOutput,
-    check_languages,
-    teacher_forced_hidden,
-)
+from megasemface.objectives.teacher_forcing import teacher_forced_hidden
 
 __all__ = ["TASKS", "TranslationModel"]
 

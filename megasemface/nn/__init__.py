@@ -1,0 +1,1 @@
+"""Transformer encoder and decoder, their configuration and presets."""
