@@ -69,20 +69,24 @@ class TransformerEncoder(nn.Module):
         self.final_norm = nn.LayerNorm(config.d_model)
 
     def forward(
-        self,
-        tokens_BT: torch.Tensor,
-        mask_BT: torch.Tensor,
-        langs_B: torch.Tensor,
-        layer_outputs: list[torch.Tensor] | None = None,
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
     ) -> EncoderOutput:
-        """``layer_outputs``, when given, receives every layer's output (deep fusion)."""
+        return self.with_layers(tokens_BT, mask_BT, langs_B)[0]
+
+    def with_layers(
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
+    ) -> tuple[EncoderOutput, list[torch.Tensor]]:
+        """The output and every layer's output, first layer first (deep fusion reads them).
+
+        Not the forward, yet safe under ZeRO-3: the stack has no parameters of its own, and
+        each submodule it calls gathers its own."""
         x = self.embed(tokens_BT, langs_B)
         self_mask = attention_mask(mask_BT, tokens_BT.shape[1], causal=False)
+        layers = []
         for layer in self.layers:
             x = layer(x, self_mask)
-            if layer_outputs is not None:
-                layer_outputs.append(x)
-        return EncoderOutput(self.final_norm(x), x, mask_BT)
+            layers.append(x)
+        return EncoderOutput(self.final_norm(x), x, mask_BT), layers
 
 
 class TransformerDecoder(nn.Module):
@@ -166,8 +170,7 @@ class Seq2SeqModel(nn.Module):
         when the model has one, or every decoder layer's memory from the deep-fusion
         coordinator, [B, N, S, D] (``hidden_BTD``; ``pre_norm_BTD`` stays the encoder's)."""
         if self.coordinator is not None:
-            layers: list[torch.Tensor] = []
-            encoded = self.encoder(src_BS, src_mask_BS, src_langs_B, layers)
+            encoded, layers = self.encoder.with_layers(src_BS, src_mask_BS, src_langs_B)
             memories = self.coordinator(layers, src_mask_BS)
             return dataclasses.replace(encoded, hidden_BTD=memories)
         encoded = self.encoder(src_BS, src_mask_BS, src_langs_B)

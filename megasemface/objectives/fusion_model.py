@@ -156,8 +156,7 @@ class FusionTranslationModel(TranslationModel):
         sp = self.special
         tokens, lengths = append_token(side.tokens_BT, side.lengths_B, sp.eos, sp.pad)
         mask = lengths_to_mask(lengths, tokens.shape[1])
-        layers: list[torch.Tensor] = []
-        self.model.encoder(tokens, mask, side.langs_B, layers)
+        _, layers = self.model.encoder.with_layers(tokens, mask, side.langs_B)
         return layers, mask
 
     def pooled_top(self, layers: list[torch.Tensor], mask_BS: torch.Tensor) -> torch.Tensor:
