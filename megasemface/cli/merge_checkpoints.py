@@ -151,8 +151,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         summary["averaged_steps"] = meta["averaged"]["steps"]
         return summary
     if args.mbart is not None:
-        if args.encoder is not None or args.decoder is not None:
-            raise ValueError("--mbart connects one run: leave out --encoder and --decoder")
+        if args.encoder is not None or args.decoder is not None or args.fusion != "none":
+            raise ValueError(
+                "--mbart connects one run: leave out --encoder, --decoder and --fusion"
+            )
         connected = ckpt.connect_mbart(args.mbart)
     elif args.encoder is None:
         raise ValueError("connect needs --encoder (and --decoder), or --mbart")
