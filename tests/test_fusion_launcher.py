@@ -106,6 +106,10 @@ def test_connect_fusion_command_line(
     assert merge_main([*bad, str(tmp_path / "m2"), "--part-layers", "3"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "do not split into parts of 3 layers" in error[0]
+    for wrong in (["--mbart", str(encoders["xlm"])], ["--decoder", str(encoders["xlm"])]):
+        assert merge_main([*bad, str(tmp_path / "m3"), *wrong]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and "--fusion" in error[0]
 
 
 def _finetune(
@@ -154,10 +158,11 @@ def test_fusion_finetune_logs_each_loss_resumes_exactly_and_translates(
     runs = {
         "zero3": ("--steps", "4", "--save-interval", "2", *valid),
         "zero1": ("--steps", "2", "--fusion-weights", "1,0.5,0.5,0.5"),
+        "zero2": ("--steps", "2", "--fusion-weights", "1,1,1,0"),
     }
-    zeros = {"zero3": 3, "zero1": 1}
+    zeros = {"zero3": 3, "zero1": 1, "zero2": 2}
     launch_chains(
-        [["zero3"], ["zero1"]],
+        [["zero3"], ["zero1", "zero2"]],
         lambda name: _finetune(
             launch_data, init, tmp_path / name, *runs[name], zero=zeros[name], tracking=True
         ),
@@ -166,7 +171,10 @@ def test_fusion_finetune_logs_each_loss_resumes_exactly_and_translates(
     reference = tmp_path / "zero3"
     for name in runs:
         logged = _logged(tmp_path / name)
-        assert all(sorted(logged[key]) == list(range(1, len(logged["mt"]) + 1)) for key in LOGGED)
+        left_out = {"mlm", "mlm_accuracy"} if name == "zero2" else set()  # weight 0
+        assert set(logged) == set(LOGGED) - left_out
+        assert all(sorted(history) == list(range(1, len(logged["mt"]) + 1))
+                   for history in logged.values())  # fmt: skip
     # Exact resume from the checkpoint of step 2 under ZeRO-3.
     resumed = tmp_path / "resumed"
     rewind(reference, resumed, 2)
