@@ -238,3 +238,22 @@ def test_weights_are_checked() -> None:
 def test_the_config_checks_the_parts() -> None:
     with pytest.raises(ValueError, match="one part of"):
         dataclasses.replace(tiny_fusion(), encoder_layers=3)
+
+
+def test_the_unit_corrupts_half_the_targets() -> None:
+    """TSP's synthetic negatives: ceil(B/2) targets picked by the step's generator, each
+    corrupted, in the target language."""
+    from megasemface.training.units.fusion import synthetic_negatives
+
+    targets = batch([[20, 21, 22, 23], [24, 25], [26, 27, 28], [29, 30, 31], [32, 33]], 1)
+
+    def made(seed: int) -> SequenceBatch:
+        return synthetic_negatives(
+            targets, torch.Generator().manual_seed(seed), vocab_size=40,
+            special=SPECIAL.all, pad=SPECIAL.pad,
+        )  # fmt: skip
+
+    negatives = made(0)
+    assert negatives.tokens_BT.shape[0] == 3 and (negatives.langs_B == 1).all()
+    torch.testing.assert_close(negatives.tokens_BT, made(0).tokens_BT)
+    assert any(not torch.equal(made(0).tokens_BT, made(seed).tokens_BT) for seed in (1, 2, 3))
