@@ -273,7 +273,7 @@ def test_mrasp_pretrains_on_the_parallel_pairs_with_the_pipeline_s_dictionary(
     and the dictionary, its fine-tuning is everyone's; RAS fine-tuning has no unsupervised
     run."""
     assert _config("--systems", "paper").systems == tuple(SYSTEMS) and "mrasp" not in SYSTEMS
-    related = ("mrasp", "veco", "transformer")
+    related = ("mrasp", "veco", "xlm-fusion", "cl-fusion", "vq-fusion", "transformer")
     assert _config("--systems", "related,transformer").systems == related
     pipeline = _pipeline(tmp_path, (0,))
     mrasp = RELATED["mrasp"]
@@ -296,6 +296,27 @@ def test_mrasp_pretrains_on_the_parallel_pairs_with_the_pipeline_s_dictionary(
     assert pipeline.pretrain_config(ABLATIONS["vq-ras-ft"], 0) == pipeline.pretrain_config(
         SYSTEMS["vq"], 0
     )
+
+
+@pytest.mark.parametrize("key", ["xlm-fusion", "cl-fusion", "vq-fusion"])
+def test_deep_fusion_shares_its_encoders_run_and_fine_tunes_with_four_losses(
+    key: str, tmp_path: Path
+) -> None:
+    """Deep fusion connects the pre-training run of XLM, CL- or VQ-SemFace (trained once,
+    shared) through the coordinator and fine-tunes in the fusion mode, supervised only."""
+    assert key in _config("--systems", "related").systems and key not in SYSTEMS
+    pipeline = _pipeline(tmp_path, (0,))
+    fusion = RELATED[key]
+    base = SYSTEMS[key.split("-")[0]]
+    assert fusion.connect == "fusion" and fusion.pretraining == base.key
+    assert pipeline.pretrain_config(fusion, 0) == pipeline.pretrain_config(base, 0)
+    init = tmp_path / "models" / key
+    finetune = pipeline.finetune_config(fusion, "supervised", init, 0)
+    plain = pipeline.finetune_config(base, "supervised", init, 0)
+    assert finetune.finetune_mode == "fusion" and finetune.fusion_weights == "1,1,1,1"
+    same = {"tags": plain.tags, "run_name": plain.run_name, "output_dir": plain.output_dir}
+    assert dataclasses.replace(finetune, **same, finetune_mode="supervised") == plain
+    assert fusion.runs_in("supervised") and not fusion.runs_in("unsupervised")
 
 
 def test_veco_pretrains_on_the_mixed_shards_and_connects_as_it_is(tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ def test_every_option_survives_the_command_line() -> None:
         finetune_mode="unsupervised",
         directions=["en-de", "de-en"],
         label_smoothing=0.0,
+        fusion_weights="1,0.5,0,2",
         denoise_schedule="0:1,5:0",
         valid_prefix=Path("corpus/valid"),
         valid_interval=5,
@@ -233,6 +234,9 @@ def test_options_the_units_read_are_checked_up_front() -> None:
         TrainConfig(denoise_schedule="5:1,0:0", **base)
     with pytest.raises(ValueError, match="--num-workers must be >= 0"):
         TrainConfig(num_workers=-1, **base)
+    for weights in ("1,1,1", "1,-1,1,1", "0,0,0,0", "1,x,1,1"):
+        with pytest.raises(ValueError, match="--fusion-weights takes four weights >= 0"):
+            TrainConfig(fusion_weights=weights, finetune_mode="fusion", **base)
     with pytest.raises(ValueError, match="--no-repeat-ngram-size must be >= 0"):
         TrainConfig(no_repeat_ngram_size=-1, **base)
     with pytest.raises(ValueError, match="--bt-min-len-a must be in"):

@@ -7,7 +7,8 @@
   another model-parallel size and put back together; :func:`codebook_state_for_rank`: the
   VQ layer one model-parallel rank of a decoder stage loads from an encoder stage.
 - :func:`average_checkpoints`: the exact fp32 mean of checkpoints of one stage.
-- :func:`connect_runs`, :func:`connect_mbart`: sequence-to-sequence initialisations.
+- :func:`connect_runs`, :func:`connect_mbart`, :func:`connect_fusion`: sequence-to-sequence
+  initialisations (deep fusion: an encoder stage through the layer-wise coordinator).
 - :func:`write_pretraining_dir`, :func:`write_seq2seq_dir`: self-contained model directories.
 
 ``tools/merge_checkpoints.py`` is the command line over these.
@@ -20,7 +21,12 @@ from megasemface.checkpoints.codebook import (
     resplit_codebook,
     vq_fingerprint,
 )
-from megasemface.checkpoints.connect import Connected, connect_mbart, connect_runs
+from megasemface.checkpoints.connect import (
+    Connected,
+    connect_fusion,
+    connect_mbart,
+    connect_runs,
+)
 from megasemface.checkpoints.consolidate import (
     Codebook,
     codebook_state_for_rank,
@@ -49,6 +55,7 @@ __all__ = [
     "average_checkpoints",
     "codebook_state_for_rank",
     "complete_checkpoints",
+    "connect_fusion",
     "connect_mbart",
     "connect_runs",
     "consolidate_checkpoint",

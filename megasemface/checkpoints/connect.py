@@ -32,7 +32,7 @@ from megasemface.nn.config import ModelConfig, config_from_dict
 from megasemface.nn.transformer import Seq2SeqModel, parameter_shapes
 from megasemface.stages import stage_names
 
-__all__ = ["Connected", "connect_mbart", "connect_runs"]
+__all__ = ["Connected", "connect_fusion", "connect_mbart", "connect_runs"]
 
 
 @dataclasses.dataclass
@@ -43,7 +43,7 @@ class Connected:
     """``Seq2SeqModel`` state dict."""
     config: ModelConfig
     mode: str
-    """semface, xlm, mbart, mrasp or veco."""
+    """semface, xlm, fusion, mbart, mrasp or veco."""
     sources: dict[str, dict[str, Any]]
     """Per role (encoder, decoder, mbart, mrasp, veco): the stage's meta (with ``source``)."""
     parameters: dict[str, str]
@@ -151,3 +151,38 @@ def connect_mbart(source: str | Path) -> Connected:
     model.load_state_dict(seq2seq)
     parameters = {k: f"{stage}:{prefix}{k}" for k in model.state_dict()}
     return Connected(model.state_dict(), config, stage, {stage: meta}, parameters)
+
+
+def connect_fusion(
+    encoder: str | Path, *, part_layers: int | None = None, seed: int = 0
+) -> Connected:
+    """Deep fusion: the encoder stage's encoder (XLM, CL- or VQ-SemFace; the interface
+    dropped) as the PTM, its layers split into parts of ``part_layers`` (M) layers, one per
+    decoder layer, joined to a random decoder through a random layer-wise coordinator
+    (nn/fusion_coordinator.py). M defaults to the encoder's depth over the run's decoder
+    depth, so the decoder keeps the depth the other connections have."""
+    enc_state, meta = _stage(encoder, "encoder", stage_names(lambda spec: spec.encoder))
+    config = config_from_dict(meta["model"])
+    layers = config.encoder_layers
+    m = part_layers if part_layers is not None else max(1, layers // config.decoder_layers)
+    if m < 1 or layers % m:
+        raise ConnectError(
+            f"cannot connect {encoder}: its {layers} encoder layers do not split into parts of "
+            f"{m} layers (--part-layers must divide {layers})"
+        )
+    config = dataclasses.replace(
+        config, bridge="none", fusion="deep", fusion_part_layers=m, decoder_layers=layers // m
+    )
+    torch.manual_seed(seed)  # the decoder and the coordinator start random
+    model = Seq2SeqModel(config)
+    state = model.state_dict()
+    parameters = dict.fromkeys(state, "random")
+    for key, value in state.items():
+        if not key.startswith("encoder."):
+            continue
+        source = enc_state.get(key)
+        if source is None or source.shape != value.shape:
+            raise ConnectError(f"cannot connect {encoder}: its encoder stage lacks {key} as shaped")
+        state[key] = source.to(value.dtype)
+        parameters[key] = f"encoder-stage:{key}"
+    return Connected(state, config, "fusion", {"encoder": meta}, parameters)

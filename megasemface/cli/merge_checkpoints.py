@@ -7,6 +7,7 @@ Examples::
     python tools/merge_checkpoints.py connect --encoder runs/vq-encoder \\
         --decoder runs/vq-decoder --out models/vq-semface
     python tools/merge_checkpoints.py connect --encoder runs/xlm --out models/xlm
+    python tools/merge_checkpoints.py connect --encoder runs/xlm --fusion deep --out models/fusion
     python tools/merge_checkpoints.py connect --mbart runs/mbart --out models/mbart
     python tools/merge_checkpoints.py connect --mbart runs/mrasp --out models/mrasp
     python tools/merge_checkpoints.py connect --mbart runs/veco --out models/veco
@@ -85,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="VQ-SemFace: keep the encoder stage's codebook between the encoder and the "
         "cross-attention (codebook), or remove the interface as the paper does (default: none)",
     )
+    connect.add_argument(
+        "--fusion",
+        choices=("none", "deep"),
+        default="none",
+        help="deep: the --encoder stage's encoder fused into a random decoder through the "
+        "layer-wise coordinator of deep fusion (fine-tune with --finetune-mode fusion)",
+    )
+    connect.add_argument(
+        "--part-layers",
+        type=int,
+        help="deep fusion: encoder layers per part, one part per decoder layer (default: the "
+        "encoder's depth over the run's decoder depth)",
+    )
     common(connect)
 
     average = commands.add_parser(
@@ -137,11 +151,17 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         summary["averaged_steps"] = meta["averaged"]["steps"]
         return summary
     if args.mbart is not None:
-        if args.encoder is not None or args.decoder is not None:
-            raise ValueError("--mbart connects one run: leave out --encoder and --decoder")
+        if args.encoder is not None or args.decoder is not None or args.fusion != "none":
+            raise ValueError(
+                "--mbart connects one run: leave out --encoder, --decoder and --fusion"
+            )
         connected = ckpt.connect_mbart(args.mbart)
     elif args.encoder is None:
         raise ValueError("connect needs --encoder (and --decoder), or --mbart")
+    elif args.fusion == "deep":
+        if args.decoder is not None or args.bridge != "none":
+            raise ValueError("--fusion deep connects an --encoder alone, without --bridge")
+        connected = ckpt.connect_fusion(args.encoder, part_layers=args.part_layers, seed=args.seed)
     else:
         connected = ckpt.connect_runs(
             args.encoder, args.decoder, seed=args.seed, bridge=args.bridge

@@ -102,6 +102,14 @@ def load_export_source(
             "which transformers and CTranslate2 have no layer for; export a model connected "
             "without --bridge"
         )
+    if info.model.fusion != "none":
+        # Every decoder layer cross-attends to its own memory, which the coordinator mixes
+        # from all the encoder's layers: no transformers class or CTranslate2 spec has that.
+        raise ExportError(
+            f"{info.path} is a deep-fusion model (a layer-wise coordinator between encoder and "
+            "decoder), which transformers and CTranslate2 have no layer for; translate with "
+            "megasemface (tools/translate.py --model-dir)"
+        )
     for lang in (src_lang, tgt_lang):
         if lang not in info.languages:
             raise ExportError(

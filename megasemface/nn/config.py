@@ -159,12 +159,30 @@ class ModelConfig:
     memory its decoder was pre-trained on (not in the paper; see models/bridge.py)."""
     bridge_temperature: float = 1.0
     """Softmax temperature of the codebook bridge."""
+    fusion: Literal["none", "deep"] = "none"
+    """deep: the decoder reads the encoder through the layer-wise coordinator of deep fusion
+    (nn/fusion_coordinator.py): the encoder's layers in ``decoder_layers`` parts of
+    ``fusion_part_layers`` layers, each decoder layer cross-attending to its own memory."""
+    fusion_part_layers: int = 1
+    """M, the encoder layers a deep-fusion part aggregates (encoder_layers = N x M)."""
 
     def __post_init__(self) -> None:
         if self.bridge not in ("none", "codebook"):
             raise ValueError(f"bridge must be 'none' or 'codebook', got {self.bridge!r}")
         if self.bridge_temperature <= 0:
             raise ValueError(f"bridge_temperature must be > 0, got {self.bridge_temperature}")
+        if self.fusion not in ("none", "deep"):
+            raise ValueError(f"fusion must be 'none' or 'deep', got {self.fusion!r}")
+        if self.fusion == "deep" and (
+            self.bridge != "none"
+            or self.fusion_part_layers < 1
+            or self.encoder_layers != self.decoder_layers * self.fusion_part_layers
+        ):
+            raise ValueError(
+                f"deep fusion splits the encoder's {self.encoder_layers} layers into one part of "
+                f"fusion_part_layers={self.fusion_part_layers} layers per decoder layer "
+                f"({self.decoder_layers}), without a bridge"
+            )
         for name in ("vocab_size", "num_langs", "d_model", "num_heads", "ffn_dim", "max_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -12,6 +12,7 @@ from torch import nn
 
 from megasemface.nn.bridge import CodebookBridge
 from megasemface.nn.config import ModelConfig
+from megasemface.nn.fusion_coordinator import LayerCoordinator
 from megasemface.nn.layers import Embeddings, KVCache, TransformerLayer, attention_mask
 
 __all__ = [
@@ -27,7 +28,8 @@ __all__ = [
 @dataclasses.dataclass
 class EncoderOutput:
     hidden_BTD: torch.Tensor
-    """After the final LayerNorm: what cross-attention and output heads read."""
+    """After the final LayerNorm: what cross-attention and output heads read. From a
+    deep-fusion model's ``encode``, every decoder layer's memory instead, [B, N, T, D]."""
     pre_norm_BTD: torch.Tensor
     """The last layer's activation before the final LayerNorm (the paper's h_i in Eq. 1)."""
     mask_BT: torch.Tensor
@@ -69,11 +71,22 @@ class TransformerEncoder(nn.Module):
     def forward(
         self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
     ) -> EncoderOutput:
+        return self.with_layers(tokens_BT, mask_BT, langs_B)[0]
+
+    def with_layers(
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
+    ) -> tuple[EncoderOutput, list[torch.Tensor]]:
+        """The output and every layer's output, first layer first (deep fusion reads them).
+
+        Not the forward, yet safe under ZeRO-3: the stack has no parameters of its own, and
+        each submodule it calls gathers its own."""
         x = self.embed(tokens_BT, langs_B)
         self_mask = attention_mask(mask_BT, tokens_BT.shape[1], causal=False)
+        layers = []
         for layer in self.layers:
             x = layer(x, self_mask)
-        return EncoderOutput(self.final_norm(x), x, mask_BT)
+            layers.append(x)
+        return EncoderOutput(self.final_norm(x), x, mask_BT), layers
 
 
 class TransformerDecoder(nn.Module):
@@ -100,6 +113,9 @@ class TransformerDecoder(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states [B, T, D]; ``logits`` projects them.
 
+        ``memory_BSD`` [B, S, D] serves every layer; a deep-fusion memory [B, N, S, D] gives
+        layer n its own, ``memory[:, n]``.
+
         With a ``cache`` (causal, unpadded rows only), ``tokens_BT`` are the positions after
         the cached ones; the cache takes their keys and values.
         """
@@ -117,10 +133,10 @@ class TransformerDecoder(nn.Module):
         x = self.embed(tokens_BT, langs_B, start)
         self_mask = attention_mask(mask_BT, length, causal=causal)
         cross_mask = attention_mask(memory_mask_BS, length, causal=False)
+        layer_wise = memory_BSD.dim() == 4
         for i, layer in enumerate(self.layers):
-            x = layer(
-                x, self_mask, memory_BSD, cross_mask, None if cache is None else cache.layers[i]
-            )
+            memory = memory_BSD[:, i] if layer_wise else memory_BSD
+            x = layer(x, self_mask, memory, cross_mask, None if cache is None else cache.layers[i])
         if cache is not None:
             cache.length = start + length
         return self.final_norm(x)
@@ -144,13 +160,19 @@ class Seq2SeqModel(nn.Module):
         self.config = config
         self.encoder = TransformerEncoder(config)
         self.bridge = CodebookBridge(config) if config.bridge == "codebook" else None
+        self.coordinator = LayerCoordinator(config) if config.fusion == "deep" else None
         self.decoder = TransformerDecoder(config)
 
     def encode(
         self, src_BS: torch.Tensor, src_mask_BS: torch.Tensor, src_langs_B: torch.Tensor
     ) -> EncoderOutput:
         """The memory the decoder cross-attends to: the encoder's output, through the bridge
-        when the model has one (``hidden_BTD``; ``pre_norm_BTD`` stays the encoder's)."""
+        when the model has one, or every decoder layer's memory from the deep-fusion
+        coordinator, [B, N, S, D] (``hidden_BTD``; ``pre_norm_BTD`` stays the encoder's)."""
+        if self.coordinator is not None:
+            encoded, layers = self.encoder.with_layers(src_BS, src_mask_BS, src_langs_B)
+            memories = self.coordinator(layers, src_mask_BS)
+            return dataclasses.replace(encoded, hidden_BTD=memories)
         encoded = self.encoder(src_BS, src_mask_BS, src_langs_B)
         if self.bridge is not None:
             encoded = dataclasses.replace(encoded, hidden_BTD=self.bridge(encoded.hidden_BTD))

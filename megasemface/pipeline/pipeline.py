@@ -25,7 +25,12 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from megasemface.checkpoints import connect_mbart, connect_runs, write_seq2seq_dir
+from megasemface.checkpoints import (
+    connect_fusion,
+    connect_mbart,
+    connect_runs,
+    write_seq2seq_dir,
+)
 from megasemface.checkpoints.connect import SEQ2SEQ_STAGES
 from megasemface.checkpoints.layout import is_model_dir, newest_complete_step
 from megasemface.data.text.lines import read_lines, write_lines
@@ -405,6 +410,8 @@ class Pipeline:
             connected = connect_mbart(run_dir)
         elif system.connect == "xlm":
             connected = connect_runs(run_dir)
+        elif system.fusion:  # the run's encoder as deep fusion's pre-trained model
+            connected = connect_fusion(run_dir)
         else:  # the joint stage trained both: its encoder and decoder, minus the interface
             connected = connect_runs(run_dir, run_dir, bridge=system.bridge)
         write_seq2seq_dir(out, connected, spm_model=self.spm)
@@ -435,7 +442,7 @@ class Pipeline:
             tags,
             stage="finetune",
             interface="none",
-            finetune_mode=setting,
+            finetune_mode=system.finetune_mode(setting),
             data=parallel if setting == "supervised" else self.mono,
             model_options=list(cfg.model_options),
             valid_prefix=valid,

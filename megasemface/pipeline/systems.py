@@ -82,8 +82,10 @@ class System:
     """Model options of the pre-training run, dotted as ``--model`` names them, e.g.
     ``{"vq.diversity_loss": "eq6"}``; after the pipeline's own."""
     connect: str = "semface"
-    """semface (encoder and decoder of the run), xlm (encoder into both), mbart, mrasp or
-    veco (the run's sequence-to-sequence model as it is)."""
+    """semface (encoder and decoder of the run), xlm (encoder into both), fusion (the run's
+    encoder through deep fusion's layer-wise coordinator into a random decoder, fine-tuned
+    with ``--finetune-mode fusion``), mbart, mrasp or veco (the run's sequence-to-sequence
+    model as it is)."""
     bridge: str = "none"
     """semface: how the encoder reaches the cross-attention (``ModelConfig.bridge``)."""
     pretraining: str | None = None
@@ -124,10 +126,21 @@ class System:
         """Its pre-training reads parallel pairs (mRASP's, VECO's)."""
         return self.pretraining_data not in (None, "monolingual")
 
+    @property
+    def fusion(self) -> bool:
+        """Connected by deep fusion, and fine-tuned with its four losses on parallel pairs."""
+        return self.connect == "fusion"
+
+    def finetune_mode(self, setting: str) -> str:
+        """``--finetune-mode`` of its runs in ``setting``."""
+        return "fusion" if self.fusion else setting
+
     def runs_in(self, setting: str) -> bool:
         """Whether it has a run in ``setting``: one that trains on parallel pairs (mRASP's
-        and VECO's pre-training, RAS in fine-tuning) has no unsupervised setting."""
-        return setting == "supervised" or not (self.pretraining_pairs or self.finetuning_ras)
+        and VECO's pre-training, RAS or deep fusion's losses in fine-tuning) has no
+        unsupervised setting."""
+        pairs = self.pretraining_pairs or self.finetuning_ras or self.fusion
+        return setting == "supervised" or not pairs
 
     def _checked_options(self) -> dict[str, Any]:
         if self.stage is None:
@@ -364,6 +377,25 @@ RELATED: dict[str, System] = {
     for s in (
         System("mrasp", "mRASP", "mrasp", "none", connect="mrasp"),
         System("veco", "VECO", "veco", "none", connect="veco"),
+        System(
+            "xlm-fusion", "XLM, deep fusion", "encoder", "none", connect="fusion", pretraining="xlm"
+        ),
+        System(
+            "cl-fusion",
+            "CL-SemFace, deep fusion",
+            "joint",
+            "cl",
+            connect="fusion",
+            pretraining="cl",
+        ),
+        System(
+            "vq-fusion",
+            "VQ-SemFace, deep fusion",
+            "joint",
+            "vq",
+            connect="fusion",
+            pretraining="vq",
+        ),
     )
 }
 """Related work beside the paper's systems (``--systems related``), not in ``--systems
@@ -371,6 +403,10 @@ paper``: mRASP pre-trains the whole sequence-to-sequence model on the parallel p
 random aligned substitution; VECO pre-trains it with in-sequence and cross-sequence MLM on
 the monolingual text and the parallel pairs together. Both are then fine-tuned as the others
 (docs/pretraining.md says how they differ from the papers) and have no unsupervised
-setting."""
+setting. Deep fusion (``*-fusion``) takes the encoder of XLM's, CL-SemFace's or
+VQ-SemFace's pre-training run (the same run as ``xlm``, ``cl``, ``vq``) as its pre-trained
+model, feeds each layer of a random decoder its own mix of the encoder's layers through the
+layer-wise coordinator, and fine-tunes with translation, target-words, target-sentence and
+MLM losses, each on its partition of the model (docs/finetuning.md); supervised only."""
 
 SETTINGS = ("supervised", "unsupervised")

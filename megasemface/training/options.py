@@ -19,6 +19,7 @@ from typing import Any
 from megasemface.interfaces.registry import DEFAULT, NONE, interface, interface_names
 from megasemface.nn.config import ModelConfig, build_model_config
 from megasemface.stages import stage, stage_names
+from megasemface.training.fusion_options import parse_fusion_weights
 from megasemface.training.schedules import parse_schedule
 
 # ObjectiveConfig.decoder_codes's values, repeated so that parsing options imports no torch.
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 LR_SCHEDULES = ("deepspeed", "inverse_sqrt")
-FINETUNE_MODES = ("supervised", "unsupervised")
+FINETUNE_MODES = ("supervised", "unsupervised", "fusion")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -166,8 +167,12 @@ class TrainConfig:
     """Warm-up steps of the inverse_sqrt schedule."""
     # Fine-tuning ---------------------------------------------------------------------------
     finetune_mode: str = "supervised"
-    """supervised (parallel shards) or unsupervised (monolingual shards: denoising plus
-    online back-translation)."""
+    """supervised (parallel shards), unsupervised (monolingual shards: denoising plus
+    online back-translation) or fusion (parallel shards, a deep-fusion model: translation,
+    target words, target sentence and MLM losses, each on its partition of the model)."""
+    fusion_weights: str = "1,1,1,1"
+    """--finetune-mode fusion: the weights of the translation, target-words, target-sentence
+    and MLM losses (Eq. 18 of deep fusion: all 1)."""
     directions: list[str] = dataclasses.field(default_factory=list)
     """Translation directions SRC-TGT to train (default: both directions of every pair)."""
     label_smoothing: float = 0.1
@@ -255,17 +260,12 @@ class TrainConfig:
         if not 0 <= self.label_smoothing < 1:
             raise ValueError("--label-smoothing must be in [0, 1)")
         self._check_interface_options()
-        for name in (
-            "mse_weight",
-            "diversity_weight",
-            "l2_weight",
-            "commitment_weight",
-            "token_entropy_weight",
-        ):
-            # A negative weight would maximise the term it names.
+        weights = ("mse_weight", "diversity_weight", "l2_weight", "commitment_weight")
+        for name in (*weights, "token_entropy_weight"):  # < 0 would maximise its term
             if (getattr(self, name) or 0.0) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         self.tag_dict()  # validates KEY=VALUE
+        parse_fusion_weights(self.fusion_weights)
         for text in self.directions:
             src, sep, tgt = text.partition("-")
             if not (sep and src and tgt):
@@ -485,6 +485,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--finetune-mode", default=d.finetune_mode, choices=FINETUNE_MODES)
     add("--direction", dest="directions", action="append", default=[], metavar="SRC-TGT")
     add("--label-smoothing", type=float, default=d.label_smoothing)
+    add("--fusion-weights", default=d.fusion_weights, metavar="T,TWP,TSP,MLM")
     add("--denoise-schedule", default=d.denoise_schedule, metavar="STEP:WEIGHT,...")
     add("--valid-prefix", type=Path, metavar="PREFIX")
     add("--valid-interval", type=int, default=d.valid_interval)

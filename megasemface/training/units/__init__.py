@@ -13,6 +13,7 @@ from megasemface.stages import stage
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.units.base import TrainUnit
+from megasemface.training.units.fusion import FusionUnit
 from megasemface.training.units.mrasp import MraspUnit
 from megasemface.training.units.pretraining import DenoisingUnit, SemFaceUnit
 from megasemface.training.units.translation import SupervisedUnit, UnsupervisedUnit
@@ -31,6 +32,7 @@ UNITS: dict[str, UnitFactory] = {
     "veco": VecoUnit,
     "finetune-supervised": SupervisedUnit,
     "finetune-unsupervised": UnsupervisedUnit,
+    "finetune-fusion": FusionUnit,
 }
 
 

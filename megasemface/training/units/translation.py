@@ -74,9 +74,7 @@ class TranslationUnit(TrainUnit):
         self.model_config = (
             model_config_from(config, data) if init is None else self._init_config(init)
         )
-        model = TranslationModel(
-            self.model_config, data.special, label_smoothing=config.label_smoothing
-        )
+        model = self.build_model(self.model_config)
         if init is not None and state is not None:
             model.model.load_state_dict(state)
             sources = init.meta.get("parent_runs") or {}
@@ -85,6 +83,12 @@ class TranslationUnit(TrainUnit):
         self.model = model
         self.directions = self._directions()
         self.validation = Validation(config, data, self.directions, self.model_config.max_len - 1)
+
+    def build_model(self, model_config: ModelConfig) -> TranslationModel:
+        """The model the unit trains (a subclass's hook: deep fusion's has more losses)."""
+        return TranslationModel(
+            model_config, self.data.special, label_smoothing=self.config.label_smoothing
+        )
 
     def run_tags(self) -> dict[str, str]:
         """The interface of the pre-training the model starts from (``none`` for XLM, mBART,
@@ -263,9 +267,19 @@ class SupervisedUnit(TranslationUnit):
             src, figures = substitute(self.ras, src, direction[0], generator, limit)
         (rows, source), target = src.tokens_BT.shape, tgt.tokens_BT.shape[1]
         self.body_flops = model_flops.seq2seq_body(self.model_config, rows, source, target)
-        out = engine.forward("supervised", src, tgt)
+        out = self.pair_loss(engine, src, tgt, generator)
         out.metrics.update(figures)
         return out
+
+    def pair_loss(
+        self,
+        engine: DeepSpeedEngine,
+        src: SequenceBatch,
+        tgt: SequenceBatch,
+        generator: torch.Generator,
+    ) -> StageOutput:
+        """The step's loss on the direction's pairs (a subclass's hook)."""
+        return engine.forward("supervised", src, tgt)
 
 
 class UnsupervisedUnit(TranslationUnit):
