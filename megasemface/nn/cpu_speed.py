@@ -52,15 +52,7 @@ class CpuAttention(MultiHeadAttention):
     """:class:`~megasemface.nn.layers.MultiHeadAttention` whose attention dropout draws its
     mask as :func:`~megasemface.nn.dropout.dropout` does."""
 
-    def attend(
-        self,
-        q_BHTK: torch.Tensor,
-        k_BHSK: torch.Tensor,
-        v_BHSK: torch.Tensor,
-        mask_B1TS: torch.Tensor | None,
-        dropout_p: float,
-    ) -> torch.Tensor:
-        return dropout.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, mask_B1TS, dropout_p)
+    attend = staticmethod(dropout.scaled_dot_product_attention)  # type: ignore[assignment]
 
 
 def apply_cpu_speed(model: nn.Module, device: torch.device | str) -> bool:

@@ -40,7 +40,7 @@ from megasemface.checkpoints.universal import ResumePoint, resume_point
 from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.distributed import collectives
 from megasemface.distributed.collectives import any_rank
-from megasemface.distributed.engine import DeepSpeedEngine, loading_universal
+from megasemface.distributed.engine import DeepSpeedEngine, accelerator_device, loading_universal
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.nn.compile import compile_layers
 from megasemface.nn.cpu_speed import apply_cpu_speed
@@ -120,8 +120,8 @@ class Trainer:
         self.data = RunData.load(config)
         torch.manual_seed(config.seed)  # the model's initialisation
         self.unit = build_unit(config, self.data, groups)
-        # DeepSpeed's accelerator, which the engine below moves the model to.
-        apply_cpu_speed(self.unit.model, "cuda" if torch.cuda.is_available() else "cpu")
+        # Before compiling and the engine: the device is the one the engine moves it to.
+        apply_cpu_speed(self.unit.model, accelerator_device())
         if config.compile:  # preflight refused it under ZeRO-3
             compile_layers(self.unit.model)
         self.checkpoints = CheckpointManager(config.output_dir, config.keep_last, self.rank)
