@@ -51,11 +51,11 @@ from megasemface.distributed import zero_grad_checks
 from megasemface.distributed.engine import DeepSpeedEngine, init_distributed, load_ds_config
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.flop_count import flop_counter
-from megasemface.host_memory import keep_freed_memory
 from megasemface.interfaces.factory import build_interface
 from megasemface.models.semface import SemFaceModel
 from megasemface.nn.compile import compile_layers
 from megasemface.nn.config import PRESETS, build_model_config
+from megasemface.nn.cpu_speed import prepare_process
 from megasemface.objectives.sequences import SequenceBatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps({"skipped": "no CUDA device"}) + "\n")
         return 0
-    keep_freed_memory()
+    prepare_process()
 
     def save(results: dict[str, Any]) -> None:
         if args.json:

@@ -14,7 +14,7 @@ same step with the output layer and its cross-entropy through autograd (logits,
 (``train.py --compile``), with the seconds its first call spends compiling (into a fresh
 inductor cache: what a run on a new machine pays), after the first eager step, whose time
 is reported too: at the paper preset it compiles the flat VQ layer's passes
-(``interfaces/vq/flat_passes.py``). The step, the peak matmul, the VQ calls,
+(``nn/cpu_passes.py``). The step, the peak matmul, the VQ calls,
 the autograd step and the compiled step take turns, and each share or ratio is the median of
 per-round ratios, so load from other processes cancels out. A round in which a call grew
 the process's heap (the kernel zero-filling fresh pages, which a training run pays in its
@@ -56,6 +56,7 @@ from megasemface.models.semface import SemFaceModel
 from megasemface.nn import cpu_gemm
 from megasemface.nn.compile import compile_layers
 from megasemface.nn.config import build_model_config
+from megasemface.nn.cpu_speed import apply_cpu_speed, prepare_process
 from megasemface.objectives.output_loss import OutputLoss
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 from megasemface.training.options import TrainConfig
@@ -179,6 +180,7 @@ def bench(preset: str, layout: str, repeats: int, kept_memory: bool = False) -> 
     config = build_model_config(preset, [f"vq.layout={layout}"])
     torch.manual_seed(0)
     model = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
+    apply_cpu_speed(model, "cpu")  # as the trainer builds it
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
     batch = _batch(config.vocab_size, *SHAPES[preset])
     generator = torch.Generator().manual_seed(0)
@@ -202,13 +204,14 @@ def bench(preset: str, layout: str, repeats: int, kept_memory: bool = False) -> 
         model.joint_loss(batch, generator).loss.backward()
     stock = counter.get_total_flops()
     # The first step outside FLOP counting: at the paper preset it compiles the VQ layer's
-    # passes (interfaces/vq/flat_passes.py), which every run pays once.
+    # passes (nn/cpu_passes.py), which every run pays once.
     started = time.perf_counter()
     step()
     first_step = time.perf_counter() - started
 
     torch.manual_seed(0)
     compiled = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
+    apply_cpu_speed(compiled, "cpu")
     compile_layers(compiled)
     compiled_optimizer = torch.optim.Adam(compiled.parameters(), lr=1e-4, fused=True)
 
@@ -290,6 +293,7 @@ def allocator_child(mode: str, steps: int) -> dict[str, object]:
     config = build_model_config("tiny", [])
     torch.manual_seed(0)
     model = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
+    apply_cpu_speed(model, "cpu")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
     shapes = random.Random(0)
     batches = [_batch(config.vocab_size, 64, shapes.randint(20, 45)) for _ in range(steps + 2)]
@@ -397,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.allocator_child:
         print(json.dumps(allocator_child(args.allocator_child, args.steps)))
         return 0
-    kept_memory = keep_freed_memory()  # as train.py
+    kept_memory = prepare_process()  # as train.py
     # An empty kernel cache: the first compile pays what a run on a new machine pays; later
     # rows reuse the graphs of layers of the same shapes, as a pipeline's later runs do.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))

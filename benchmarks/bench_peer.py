@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from bench_model import matmul_peak  # sibling script
 
 from megasemface.flop_count import flop_counter
-from megasemface.host_memory import keep_freed_memory
 from megasemface.models.translation import TranslationModel
 from megasemface.nn.config import ModelConfig, build_model_config
+from megasemface.nn.cpu_speed import apply_cpu_speed, prepare_process
 from megasemface.objectives.sequences import (
     SequenceBatch,
     SpecialTokens,
@@ -244,7 +244,9 @@ def build_runners(shape: Shape, device: torch.device) -> tuple[ModelConfig, list
     config = build_model_config(shape.preset, list(shape.overrides))
     src, tgt = make_batches(shape, config.vocab_size, device)
     torch.manual_seed(0)
-    ours = TranslationModel(config, SPECIAL).to(device).train()
+    ours = TranslationModel(config, SPECIAL)
+    apply_cpu_speed(ours, device)  # as the trainer builds it
+    ours = ours.to(device).train()
     torch.manual_seed(0)
     bart = BartForConditionalGeneration(bart_config(config)).to(device).train()
     inputs = bart_inputs(src, tgt)
@@ -418,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    keep_freed_memory()  # as train.py and translate.py run
+    prepare_process()  # as train.py and translate.py run
     if args.threads:
         torch.set_num_threads(args.threads)
     default = "mid,paper" if torch.cuda.is_available() else "tiny,mid"

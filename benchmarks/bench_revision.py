@@ -76,6 +76,10 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     special = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
     model = SemFaceModel(config, build_interface("vq", config), special)
+    if not args.tree:  # this revision's CPU speed code, as its trainer applies it
+        from megasemface.nn.cpu_speed import apply_cpu_speed
+
+        apply_cpu_speed(model, "cpu")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=args.current_settings)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(7, config.vocab_size, (32, 32), generator=g)

@@ -37,7 +37,7 @@ from megasemface.data.shards.shard_builder import build_shards
 from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.text.textio import parse_lang_path
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.host_memory import keep_freed_memory
+from megasemface.nn.cpu_speed import apply_cpu_speed, prepare_process
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
@@ -110,7 +110,9 @@ def _train_config(shards: Path, spm_model: Path, max_tokens: int) -> TrainConfig
 def _unit(config: TrainConfig) -> TrainUnit:
     """train.py's unit of one process: its model, as its trainer initialises it."""
     torch.manual_seed(config.seed)
-    return build_unit(config, RunData.load(config), ParallelGroups.single())
+    unit = build_unit(config, RunData.load(config), ParallelGroups.single())
+    apply_cpu_speed(unit.model, "cpu")  # as the trainer does on a CPU
+    return unit
 
 
 def _loader_batches(config: TrainConfig, count: int) -> list[SequenceBatch]:
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps <= WARMUP_STEPS + 1:
         parser.error(f"--steps must be above {WARMUP_STEPS + 1} (the warm-up steps and one)")
-    keep_freed_memory()  # as train.py and translate.py run
+    prepare_process()  # as train.py and translate.py run
     results = run(args.steps, args.locale_dir)
     print(report(results))
     if args.json:

@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from megasemface.host_memory import keep_freed_memory
 from megasemface.inference.search import Hypothesis, SearchConfig, search
 from megasemface.nn.config import build_model_config
+from megasemface.nn.cpu_speed import apply_cpu_speed, prepare_process
 from megasemface.nn.transformer import Seq2SeqModel
 
 EOS, TAG = 2, 6
@@ -62,6 +62,7 @@ def bench(preset: str, repeats: int | None = None) -> dict[str, dict[str, float]
     config = build_model_config(preset, ["vocab_size=8000"])
     torch.manual_seed(0)
     model = Seq2SeqModel(config).eval()
+    apply_cpu_speed(model, "cpu")  # as the translator builds it
     g = torch.Generator().manual_seed(0)
     src_BS = torch.randint(7, config.vocab_size, (sentences, src_len), generator=g)
     src_BS[:, -1] = EOS
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    keep_freed_memory()  # as train.py and translate.py run
+    prepare_process()  # as train.py and translate.py run
     if args.threads:
         torch.set_num_threads(args.threads)
     results = run(args.presets.split(","), args.repeats)

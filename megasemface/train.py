@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_or_status(build_parser(), argv)
     if isinstance(args, int):
         return args
-    from megasemface.host_memory import keep_freed_memory
+    from megasemface.nn.cpu_speed import prepare_process
 
-    keep_freed_memory()  # the logits buffers outgrow glibc's reuse (see host_memory.py)
+    prepare_process()  # the logits buffers outgrow glibc's reuse (see nn/cpu_speed.py)
     from megasemface.distributed.engine import exit_now, init_distributed, load_ds_config
     from megasemface.training.options import train_config_from_args
     from megasemface.training.preflight import check_before_start

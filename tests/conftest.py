@@ -16,6 +16,17 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 LOCALE_DIR = Path(os.environ.get("MEGASEMFACE_LOCALE_DIR", "/usr/share/locale"))
 
 
+@pytest.fixture(autouse=True)
+def _process_kernels() -> Iterator[None]:
+    """The process's kernels as they were before each test: a test that applies the CPU
+    speed code to a model (nn/cpu_speed.py) installs them for the whole process."""
+    from megasemface.nn import kernels
+
+    before = kernels.installed()
+    yield
+    kernels.install(before)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks ``unit`` every test that is neither ``launcher`` nor ``gpu``, so that each
     test is in one tier: ``-m unit``, ``-m launcher``, ``-m gpu``."""

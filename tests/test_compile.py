@@ -10,6 +10,7 @@ from test_stages import model_for, random_batch, tiny
 from megasemface.inference.search import SearchConfig, search
 from megasemface.nn.compile import compile_layers
 from megasemface.nn.config import build_model_config
+from megasemface.nn.cpu_speed import apply_cpu_speed
 from megasemface.nn.layers import TransformerLayer
 from megasemface.nn.transformer import Seq2SeqModel
 
@@ -18,6 +19,7 @@ def _train(compiled: bool, steps: int = 4) -> tuple[list[float], dict[str, torch
     """A few VQ-SemFace joint steps with dropout, batches of changing shapes."""
     config = tiny(dropout=0.1, attention_dropout=0.1)
     model = model_for("vq", config).train()
+    apply_cpu_speed(model, "cpu")  # as the trainer builds it, before compiling
     names = list(model.state_dict())
     if compiled:
         layers = sum(isinstance(m, TransformerLayer) for m in model.modules())

@@ -20,11 +20,8 @@ from megasemface.nn.config import (
     apply_overrides,
     build_model_config,
 )
-from megasemface.nn.layers import (
-    MultiHeadAttention,
-    attention_mask,
-    scaled_dot_product_attention,
-)
+from megasemface.nn.dropout import scaled_dot_product_attention
+from megasemface.nn.layers import MultiHeadAttention, attention_mask
 from megasemface.nn.transformer import Seq2SeqModel, TransformerEncoder, parameter_shapes
 
 
@@ -62,7 +59,7 @@ def test_attention_matches_the_formula(causal: bool) -> None:
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_cpu_attention_with_dropout_is_the_formula_and_its_gradient(causal: bool) -> None:
-    """With dropout on a CPU, attention runs its own unfused path (models/layers.py); at a
+    """With dropout on a CPU, attention runs its own unfused path (nn/dropout.py); at a
     rate that rounds to no drop it must be SDPA's values and gradients."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 4, 5, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")

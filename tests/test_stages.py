@@ -478,5 +478,5 @@ def test_joint_step_waits_for_the_device_only_where_its_sizes_depend_on_the_data
 
     waits = _waits(step)
     noising = waits.pop("noising.py", 0)
-    assert waits == {"layers.py": 3, "stages.py": 1, "vector_quantized.py": 1, "backward": 1}
+    assert waits == {"layers.py": 3, "semface.py": 1, "vector_quantized.py": 1, "backward": 1}
     assert noising > 0  # still there: a change that removes them updates this test

@@ -12,7 +12,6 @@ from torch.profiler import ProfilerActivity, profile
 from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups
 from megasemface.evaluation.diagnostics.figures import code_log_probs
 from megasemface.flop_count import flop_counter
-from megasemface.interfaces.vq import flat_passes as vq_flat_passes
 from megasemface.interfaces.vq import randomness as vq_random
 from megasemface.interfaces.vq.gumbel_quantizer import (
     SPLIT_PARAMETERS,
@@ -23,6 +22,7 @@ from megasemface.interfaces.vq.gumbel_quantizer import (
     split_codebook,
 )
 from megasemface.interfaces.vq.randomness import gumbel_noise
+from megasemface.nn import cpu_passes, cpu_speed, kernels
 from megasemface.nn.code_distance import distance_scale
 from megasemface.nn.config import VQConfig
 
@@ -154,7 +154,8 @@ def test_compiled_passes_match_dense_reference(
     """The flat layer's passes through torch.compile, as a CPU runs them from 4M logits a
     chunk (here every chunk): the dense reference's values, with every pass compiled. Under
     a dispatch mode (FLOP counting) they run eagerly, which leaves them compiled after."""
-    monkeypatch.setattr(vq_flat_passes, "MIN_COMPILED_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_passes, "MIN_COMPILED_ELEMENTS", 0)
+    monkeypatch.setattr(kernels, "_installed", cpu_speed.CPU_KERNELS)  # as a CPU run installs
     with flop_counter():
         make_vq(logits=logits)(features(13), noise_key=7).quantized.sum().backward()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -165,7 +166,7 @@ def test_compiled_passes_match_dense_reference(
     # 13 tokens in chunks of 5: per chunk the noise and the exponentials in forward, the
     # two backward passes, and without kept buffers the forward's two again.
     assert len(regions) == 3 * (4 if keep_mib else 6)
-    assert not vq_flat_passes._failed
+    assert not cpu_passes._failed
 
 
 def test_passes_that_do_not_compile_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,11 +179,12 @@ def test_passes_that_do_not_compile_run_eagerly(monkeypatch: pytest.MonkeyPatch)
         (out.quantized.square().sum() + out.diversity_loss + out.token_entropy).backward()
         return out.codes, out.quantized, h.grad, *grads_of(vq).values()
 
+    monkeypatch.setattr(kernels, "_installed", cpu_speed.CPU_KERNELS)  # as a CPU run installs
     eager = step()
-    monkeypatch.setattr(vq_flat_passes, "MIN_COMPILED_ELEMENTS", 0)
-    monkeypatch.setattr(vq_flat_passes, "_compiled", {})
-    monkeypatch.setattr(vq_flat_passes, "_failed", [])
-    monkeypatch.setattr(vq_flat_passes, "_built", set())
+    monkeypatch.setattr(cpu_passes, "MIN_COMPILED_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_passes, "_compiled", {})
+    monkeypatch.setattr(cpu_passes, "_failed", [])
+    monkeypatch.setattr(cpu_passes, "_built", set())
 
     def no_compiler(fn: object, **_options: object) -> object:
         def broken(*_args: object) -> None:
@@ -193,7 +195,7 @@ def test_passes_that_do_not_compile_run_eagerly(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch, "compile", no_compiler)
     with pytest.warns(UserWarning, match=r"compiled passes did not build \(RuntimeError: C\+\+"):
         failed = step()
-    assert vq_flat_passes._failed == ["RuntimeError: C++ compile error"]
+    assert cpu_passes._failed == ["RuntimeError: C++ compile error"]
     assert all(torch.equal(a, b) for a, b in zip(failed, eager, strict=True))
 
 

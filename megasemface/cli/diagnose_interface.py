@@ -40,7 +40,7 @@ from megasemface.evaluation.diagnostics import (
     load_models,
     log_to_run,
 )
-from megasemface.host_memory import keep_freed_memory
+from megasemface.nn.cpu_speed import prepare_process
 from megasemface.tracking.compare import resolve_tracking_uri
 
 PROG = "diagnose_interface"
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(max(1, args.threads))
-    keep_freed_memory()
+    prepare_process()
     try:
         config = _config(args)
         models = load_models(config.checkpoint, config.model_dir, config.spm_model)

@@ -25,7 +25,6 @@ import typing
 from pathlib import Path
 
 from megasemface.cli.parsing import CommandParser
-from megasemface.host_memory import keep_freed_memory
 from megasemface.pipeline.config import BUDGETS, PipelineConfig, parse_languages, parse_seeds
 from megasemface.pipeline.systems import ABLATIONS, PAPER_SCALE, RELATED, SETTINGS, SYSTEMS
 
@@ -165,10 +164,11 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
 def run(args: argparse.Namespace) -> int:
     from megasemface.data.demo.demo_corpus import DemoCorpusError
     from megasemface.nn import cpu_gemm
+    from megasemface.nn.cpu_speed import prepare_process
     from megasemface.pipeline.launcher import LaunchError
     from megasemface.pipeline.pipeline import Pipeline
 
-    keep_freed_memory()  # for the test translations, which run in this process
+    prepare_process()  # for the test translations, which run in this process
     try:
         cpu_gemm.check_setting()  # before the data steps, not at the first training launch
         config = config_from_args(args)

@@ -36,10 +36,10 @@ from megasemface.data.text.lines import (
     write_lines,
 )
 from megasemface.evaluation.metrics import evaluate, log_to_mlflow
-from megasemface.host_memory import keep_freed_memory
 from megasemface.inference.search import SearchConfig
 from megasemface.inference.translate import Translator
 from megasemface.models.model_dir import ModelDirError
+from megasemface.nn.cpu_speed import prepare_process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print("translate: error: --tracking-uri needs --reference", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    keep_freed_memory()
+    prepare_process()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     try:

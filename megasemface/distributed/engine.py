@@ -35,6 +35,7 @@ from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups, build_p
 __all__ = [
     "DeepSpeedEngine",
     "UnsafeCheckpointError",
+    "accelerator_device",
     "check_safe_to_load",
     "consolidated_state",
     "convert_to_universal",
@@ -116,6 +117,14 @@ def end_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def accelerator_device() -> torch.device:
+    """The device DeepSpeed's accelerator runs the model on (``DS_ACCELERATOR``; by default
+    CUDA where torch sees a GPU), before an engine moves the model there."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().device_name())
 
 
 def load_ds_config(path: str | Path, *, accumulation: int | None = None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.inference.search import Hypothesis, SearchConfig, search
 from megasemface.models.model_dir import ModelDirError, load_seq2seq
+from megasemface.nn.cpu_speed import apply_cpu_speed
 from megasemface.nn.transformer import Seq2SeqModel
 from megasemface.objectives.sequences import SpecialTokens
 
@@ -84,6 +85,7 @@ class Translator:
                 f"({', '.join(tokenizer.languages)}), the model {config.num_langs}"
             )
         self.device = torch.device(device)
+        apply_cpu_speed(model, self.device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_positions = config.max_len

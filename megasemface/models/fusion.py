@@ -37,7 +37,6 @@ from torch import nn
 
 from megasemface.models.translation import TranslationModel
 from megasemface.nn.config import ModelConfig
-from megasemface.nn.cpu_gemm import Linear
 from megasemface.nn.fusion_coordinator import LayerCoordinator, masked_mean
 from megasemface.nn.layers import positions
 from megasemface.objectives.fusion_losses import bag_of_words_loss, contrastive_loss
@@ -77,7 +76,7 @@ class FusionHeads(nn.Module):
         super().__init__()
         self.words_bias = nn.Parameter(torch.zeros(config.vocab_size))
         """TWP's output bias (coordinator partition); its weights are the PTM's embeddings."""
-        self.sentence = Linear(config.d_model, config.d_model)
+        self.sentence = nn.Linear(config.d_model, config.d_model)
         """TSP's projection g (coordinator partition), a linear layer as in SimCLR."""
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         """MLM's output bias (PTM partition), tied weights as in pre-training."""

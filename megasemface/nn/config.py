@@ -78,7 +78,7 @@ class VQConfig:
     fused_kernels: bool = True
     """On a GPU with Triton, the flat layer's passes over each chunk's [tokens, codes] logits
     run as fused kernels (interfaces/vq/flat_fused.py); on a CPU, from 4M logits a chunk
-    (the paper's codebook), compiled by torch.compile (interfaces/vq/flat_passes.py). The
+    (the paper's codebook), compiled by torch.compile (nn/cpu_passes.py). The
     same values up to float rounding; False runs them as eager PyTorch operations."""
     diversity_loss: Literal["perplexity", "eq6", "entropy"] = "perplexity"
     """perplexity: wav2vec 2.0's ``(K - exp(H(pbar))) / K``, whose pull does not fade with K

@@ -11,7 +11,9 @@ so the expectation stays exact. Backward keeps the mask in x's dtype (4 bytes an
 fp32 where a boolean one takes 1) for a faster step. The draws are one out-of-place
 ``torch.randint``, which ``torch.compile`` keeps in its graph (an in-place ``random_`` would
 break it). On other devices dropout is ``F.dropout``, whose mask comes from a fused
-counter-based generator.
+counter-based generator. :func:`scaled_dot_product_attention` is SDPA with its attention
+dropout's mask drawn the same way on a CPU. A CPU process puts both in its model's place
+(:mod:`megasemface.nn.cpu_speed`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Dropout", "dropout"]
+__all__ = ["Dropout", "dropout", "scaled_dot_product_attention"]
 
 _BITS = 16
 """Random bits per element: an int16 quarter of a 64-bit draw."""
@@ -45,18 +47,43 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     return x * keep.to(x.dtype).mul_(2**_BITS / (2**_BITS - threshold))
 
 
+def scaled_dot_product_attention(
+    q_BHTK: torch.Tensor,
+    k_BHSK: torch.Tensor,
+    v_BHSK: torch.Tensor,
+    mask_B1TS: torch.Tensor | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, except with dropout on a CPU.
+
+    There SDPA falls back to its unfused path and draws the dropout mask of the [B, H, T, S]
+    probabilities with ``bernoulli_``, one Mersenne-Twister number per element: a quarter of
+    the attention's time at d 512. The same path written out uses :func:`dropout` instead
+    (a quarter of the draws). A query with no key to attend to gets the mean of the values
+    rather than SDPA's zeros: such rows are padding, which nothing reads.
+    """
+    if dropout_p == 0.0 or q_BHTK.device.type != "cpu":
+        return F.scaled_dot_product_attention(
+            q_BHTK, k_BHSK, v_BHSK, attn_mask=mask_B1TS, dropout_p=dropout_p
+        )
+    scores_BHTS = (q_BHTK * q_BHTK.shape[-1] ** -0.5) @ k_BHSK.transpose(-1, -2)
+    if mask_B1TS is not None:
+        # The dtype's lowest finite value, not -inf: a row with every key masked stays finite.
+        scores_BHTS = scores_BHTS.masked_fill(~mask_B1TS, torch.finfo(scores_BHTS.dtype).min)
+    return dropout(scores_BHTS.softmax(dim=-1), dropout_p) @ v_BHSK
+
+
 def _check_probability(p: float) -> None:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
 
 
-class Dropout(nn.Module):
+class Dropout(nn.Dropout):
     """``nn.Dropout`` with :func:`dropout` in training mode."""
 
     def __init__(self, p: float) -> None:
-        super().__init__()
         _check_probability(p)
-        self.p = p
+        super().__init__(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p) if self.training else x

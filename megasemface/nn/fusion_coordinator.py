@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megasemface.nn.config import ModelConfig
-from megasemface.nn.layers import FeedForward, Linear
+from megasemface.nn.layers import FeedForward
 
 __all__ = ["LayerCoordinator", "masked_mean"]
 
@@ -47,8 +47,8 @@ class LayerCoordinator(nn.Module):
         self.part_layers = config.fusion_part_layers
         self.aggregate = FeedForward(d, config.ffn_dim, config.dropout)
         self.aggregate_norm = nn.LayerNorm(d)
-        self.score_hidden = Linear(d, d)
-        self.score_out = Linear(d, 1)
+        self.score_hidden = nn.Linear(d, d)
+        self.score_out = nn.Linear(d, 1)
         self.mapping = FeedForward(d, config.ffn_dim, config.dropout)
 
     def aggregated(self, layers: list[torch.Tensor]) -> torch.Tensor:

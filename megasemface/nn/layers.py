@@ -2,6 +2,10 @@
 
 Shapes: B batch, T query length, S key length, D model size, H heads, K head size.
 Masks are boolean with True for real tokens.
+
+Written with torch's own modules and functions (``nn.Linear``, ``nn.Dropout``, SDPA), as
+any device runs them; a CPU process swaps in faster equivalents from outside when it builds
+a model (:mod:`megasemface.nn.cpu_speed`).
 """
 
 from __future__ import annotations
@@ -14,8 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megasemface.nn.config import ModelConfig
-from megasemface.nn.cpu_gemm import Linear
-from megasemface.nn.dropout import Dropout, dropout
 
 __all__ = [
     "Embeddings",
@@ -25,7 +27,6 @@ __all__ = [
     "TransformerLayer",
     "attention_mask",
     "positions",
-    "scaled_dot_product_attention",
 ]
 
 
@@ -88,33 +89,6 @@ class KVCache:
         )
 
 
-def scaled_dot_product_attention(
-    q_BHTK: torch.Tensor,
-    k_BHSK: torch.Tensor,
-    v_BHSK: torch.Tensor,
-    mask_B1TS: torch.Tensor | None,
-    dropout_p: float,
-) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``, except with dropout on a CPU.
-
-    There SDPA falls back to its unfused path and draws the dropout mask of the [B, H, T, S]
-    probabilities with ``bernoulli_``, one Mersenne-Twister number per element: a quarter of
-    the attention's time at d 512. The same path written out uses :func:`dropout` instead
-    (a quarter of the draws; ``models/dropout.py``). A query with no key to attend to gets
-    the mean of the values rather than SDPA's zeros: such rows are padding, which nothing
-    reads.
-    """
-    if dropout_p == 0.0 or q_BHTK.device.type != "cpu":
-        return F.scaled_dot_product_attention(
-            q_BHTK, k_BHSK, v_BHSK, attn_mask=mask_B1TS, dropout_p=dropout_p
-        )
-    scores_BHTS = (q_BHTK * q_BHTK.shape[-1] ** -0.5) @ k_BHSK.transpose(-1, -2)
-    if mask_B1TS is not None:
-        # The dtype's lowest finite value, not -inf: a row with every key masked stays finite.
-        scores_BHTS = scores_BHTS.masked_fill(~mask_B1TS, torch.finfo(scores_BHTS.dtype).min)
-    return dropout(scores_BHTS.softmax(dim=-1), dropout_p) @ v_BHSK
-
-
 class MultiHeadAttention(nn.Module):
     """Multi-head attention over all heads at once with F.scaled_dot_product_attention."""
 
@@ -122,9 +96,9 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.dropout = dropout
-        self.q_proj = Linear(d_model, d_model)
-        self.kv_proj = Linear(d_model, 2 * d_model)
-        self.out_proj = Linear(d_model, d_model)
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
 
     def forward(
         self,
@@ -151,18 +125,31 @@ class MultiHeadAttention(nn.Module):
             k_BHSK, v_BHSK = kv.permute(2, 0, 3, 1, 4).unbind(0)
             if cache is not None:
                 k_BHSK, v_BHSK = cache.update(k_BHSK, v_BHSK)
-        out_BHTK = scaled_dot_product_attention(
+        out_BHTK = self.attend(
             q_BHTK, k_BHSK, v_BHSK, mask_B1TS, self.dropout if self.training else 0.0
         )
         return self.out_proj(out_BHTK.transpose(1, 2).reshape(batch, length, dim))
+
+    def attend(
+        self,
+        q_BHTK: torch.Tensor,
+        k_BHSK: torch.Tensor,
+        v_BHSK: torch.Tensor,
+        mask_B1TS: torch.Tensor | None,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        """The heads' attention itself (a subclass may compute it otherwise)."""
+        return F.scaled_dot_product_attention(
+            q_BHTK, k_BHSK, v_BHSK, attn_mask=mask_B1TS, dropout_p=dropout_p
+        )
 
 
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, ffn_dim: int, dropout: float) -> None:
         super().__init__()
-        self.fc1 = Linear(d_model, ffn_dim)
-        self.fc2 = Linear(ffn_dim, d_model)
-        self.dropout = Dropout(dropout)
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.dropout(F.gelu(self.fc1(x))))
@@ -186,7 +173,7 @@ class TransformerLayer(nn.Module):
         )
         self.ffn_norm = nn.LayerNorm(d)
         self.ffn = FeedForward(d, config.ffn_dim, config.dropout)
-        self.dropout = Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.dropout)
         self.compiled_block: Callable[..., torch.Tensor] | None = None
         """``block`` through torch.compile, for the uncached forward
         (:func:`megasemface.nn.compile.compile_layers`); None: eager."""
@@ -235,7 +222,7 @@ class Embeddings(nn.Module):
         self.languages = nn.Embedding(config.num_langs, config.d_model)
         self.positions = nn.Embedding(config.max_len, config.d_model)
         self.norm = nn.LayerNorm(config.d_model)
-        self.dropout = Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.dropout)
         self.max_len = config.max_len
         nn.init.normal_(self.tokens.weight, std=config.d_model**-0.5)
         nn.init.normal_(self.positions.weight, std=config.d_model**-0.5)

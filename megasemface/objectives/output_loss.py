@@ -23,7 +23,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from megasemface.nn import cpu_gemm
+from megasemface.nn import kernels
 
 __all__ = ["CHUNK_LOGITS", "CHUNK_LOGITS_GPU", "OutputLoss", "output_cross_entropy"]
 
@@ -120,11 +120,11 @@ class _OutputCrossEntropy(torch.autograd.Function):
             t_C = targets_N[start : start + rows]
             if h_CD.is_cuda:
                 z_CV = F.linear(h_CD, weight_VD, bias_V).float()
-            elif cpu_gemm.enabled(h_CD):  # oneDNN adds the bias in the product's own pass
-                z_CV = cpu_gemm.linear(h_CD, weight_VD, bias_V).float()
+            elif kernels.takes(h_CD):  # the installed product adds the bias in its own pass
+                z_CV = kernels.linear(h_CD, weight_VD, bias_V).float()
             else:  # addmm's broadcast copy of the bias into its [C, V] output can take as
                 # long as the product itself on a CPU; an add afterwards is one pass.
-                z_CV = cpu_gemm.mm(h_CD, weight_VD.t()).float()
+                z_CV = kernels.mm(h_CD, weight_VD.t()).float()
                 if bias_V is not None:
                     z_CV.add_(bias_V)
             target_C = z_CV.gather(1, t_C[:, None]).squeeze(1)
@@ -154,18 +154,18 @@ class _OutputCrossEntropy(torch.autograd.Function):
             g_CV = e_CV.to(grad_dtype)
             scaled_h_CD = h_CD * scale_C[:, None].to(h_CD.dtype)
             rows_h = grad_h[start : start + rows]
-            if g_CV.dtype == hidden_ND.dtype and cpu_gemm.enabled(g_CV):
-                rows_h.copy_(cpu_gemm.mm(g_CV, weight_VD))
+            if g_CV.dtype == hidden_ND.dtype and kernels.takes(g_CV):
+                rows_h.copy_(kernels.mm(g_CV, weight_VD))
             elif g_CV.dtype == hidden_ND.dtype:
                 torch.mm(g_CV, weight_VD, out=rows_h)
             else:  # half operands into fp32 states (CUDA autocast)
                 rows_h.copy_(torch.mm(g_CV, half_weight_VD, out_dtype=torch.float32))
             rows_h.mul_(scale_C[:, None].to(rows_h.dtype))
             product = None
-            if grad_w is not None and g_CV.dtype == torch.float32 and not cpu_gemm.enabled(g_CV):
+            if grad_w is not None and g_CV.dtype == torch.float32 and not kernels.takes(g_CV):
                 grad_w.addmm_(g_CV.t(), scaled_h_CD)  # accumulated in the product's own pass
             elif g_CV.dtype == torch.float32:
-                product = cpu_gemm.mm(g_CV.t(), scaled_h_CD)
+                product = kernels.mm(g_CV.t(), scaled_h_CD)
             elif g_CV.is_cuda:  # half operands, fp32 accumulation and result (CUDA only)
                 product = torch.mm(g_CV.t(), scaled_h_CD.to(grad_dtype), out_dtype=torch.float32)
             else:

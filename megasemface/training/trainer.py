@@ -40,9 +40,10 @@ from megasemface.checkpoints.universal import ResumePoint, resume_point
 from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.distributed import collectives
 from megasemface.distributed.collectives import any_rank
-from megasemface.distributed.engine import DeepSpeedEngine, loading_universal
+from megasemface.distributed.engine import DeepSpeedEngine, accelerator_device, loading_universal
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.nn.compile import compile_layers
+from megasemface.nn.cpu_speed import apply_cpu_speed
 from megasemface.tracking.mlflow_tracker import MLflowTracker
 from megasemface.tracking.tracker import NullTracker, Tracker
 from megasemface.training.options import TrainConfig
@@ -119,6 +120,8 @@ class Trainer:
         self.data = RunData.load(config)
         torch.manual_seed(config.seed)  # the model's initialisation
         self.unit = build_unit(config, self.data, groups)
+        # Before compiling and the engine: the device is the one the engine moves it to.
+        apply_cpu_speed(self.unit.model, accelerator_device())
         if config.compile:  # preflight refused it under ZeRO-3
             compile_layers(self.unit.model)
         self.checkpoints = CheckpointManager(config.output_dir, config.keep_last, self.rank)

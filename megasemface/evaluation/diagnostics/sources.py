@@ -40,6 +40,7 @@ from megasemface.models.model_dir import load_seq2seq
 from megasemface.models.semface import SemFaceModel
 from megasemface.nn.bridge import CodebookBridge, bridge_state
 from megasemface.nn.config import ModelConfig, config_from_dict
+from megasemface.nn.cpu_speed import apply_cpu_speed
 from megasemface.nn.transformer import EncoderOutput, TransformerDecoder, TransformerEncoder
 from megasemface.objectives.sequences import SpecialTokens
 from megasemface.stages import find_stage, stage_names
@@ -198,6 +199,9 @@ def load_models(
     decoder = interface_decoder
     if decoder is None and seq2seq is not None:
         decoder = seq2seq.decoder
+    for model in (stage_model, seq2seq, bridge):
+        if model is not None:  # the diagnostics run on the host
+            apply_cpu_speed(model, "cpu")
     source = meta.get("source", {})
     if source.get("kind") == "model_dir":  # a pretraining directory: its checkpoint's step
         source = source.get("from") or {}

@@ -23,7 +23,7 @@ from megasemface.distributed.groups import ParallelGroups, all_reduce_model_para
 from megasemface.interfaces.vq import flat_fused as fused
 from megasemface.interfaces.vq import flat_passes as passes
 from megasemface.interfaces.vq.randomness import gumbel_noise, noise_hashes
-from megasemface.nn import cpu_gemm
+from megasemface.nn import kernels
 
 __all__ = ["FlatQuantize", "FlatSpec", "owned_codes"]
 
@@ -62,9 +62,10 @@ class FlatSpec:
     then keeps no buffers for backward, whose recomputation costs one product and two fused
     passes. Elsewhere, the eager passes compiled where :attr:`compiled` says."""
     compiled: bool = False
-    """The eager passes through ``torch.compile``
-    (:mod:`~megasemface.interfaces.vq.flat_passes`): set by :class:`FlatQuantize` from
-    ``fused`` where the fused kernels do not run, for a CPU and large chunks."""
+    """The eager passes (:mod:`~megasemface.interfaces.vq.flat_passes`) compiled by the
+    process's :func:`~megasemface.nn.kernels.run_pass`: set by :class:`FlatQuantize` from
+    ``fused`` where the fused kernels do not run and the installed passes compile chunks
+    of this size."""
 
 
 def matmul_dtype(weight: Tensor) -> torch.dtype:
@@ -79,7 +80,7 @@ def matmul_dtype(weight: Tensor) -> torch.dtype:
 def _mm(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
     """``x @ y`` in fp32, from operands of ``dtype`` (see :func:`matmul_dtype`)."""
     if dtype == torch.float32:
-        return cpu_gemm.mm(x.float(), y.float())
+        return kernels.mm(x.float(), y.float())
     return torch.mm(x.to(dtype), y.to(dtype), out_dtype=torch.float32)
 
 
@@ -109,7 +110,7 @@ def _chunk_logits(
     """Local logits l [n, Kl] and selection scores s = l + v (training) or l itself (eval).
     ``wm``: the logit weights in ``spec.matmul_dtype``."""
     if spec.matmul_dtype == torch.float32:
-        logits = cpu_gemm.linear(a.float(), wm, b32)  # the bias added in the product's pass
+        logits = kernels.linear(a.float(), wm, b32)  # the bias added in the product's pass
     else:
         logits = _mm(a, wm.t(), spec.matmul_dtype).add_(b32)
     if not spec.sample:
@@ -118,7 +119,7 @@ def _chunk_logits(
     if spec.compiled:  # hashed and added in one pass, no int64 [n, Kl] temporaries
         codes = range(spec.code_offset, spec.code_offset + n_local)
         rows, cols = noise_hashes(spec.noise_key, range(t0, t0 + n_tok), codes, a.device)
-        return logits, passes.run(passes.noisy_scores, True, logits, rows, cols)
+        return logits, kernels.run_pass(passes.noisy_scores, True, logits, rows, cols)
     noise = gumbel_noise(spec.noise_key, t0, n_tok, spec.code_offset, n_local, device=a.device)
     return logits, noise.add_(logits)
 
@@ -156,7 +157,7 @@ class FlatQuantize(torch.autograd.Function):
         device = a.device
         if spec.fused and not fused.available(device):
             elements = min(n_tok, spec.chunk_tokens) * n_local
-            compiled = passes.use_compiled(elements, device)
+            compiled = kernels.compiled_passes(elements, device)
             spec = dataclasses.replace(spec, fused=False, compiled=compiled)
         codes = torch.empty(n_tok, dtype=torch.int64, device=device)
         greedy = torch.empty(n_tok, dtype=torch.int64, device=device)
@@ -197,7 +198,7 @@ class FlatQuantize(torch.autograd.Function):
                 )
                 codes[t0:t1], greedy[t0:t1] = chosen[:, 0], chosen[:, 1]
                 # fl(max(s) / tau) == max(fl(s / tau)): rounding is monotone.
-                soft, centered, plain, sums = passes.run(
+                soft, centered, plain, sums = kernels.run_pass(
                     passes.exponentials, spec.compiled, scores, logits, maxes, tau,
                     spec.sample, spec.need_soft,
                 )  # fmt: skip
@@ -399,10 +400,11 @@ def _flat_logit_backward(
         g_div = None if g_div is None else g_div.contiguous()
         g_ent = None if grad_entropy is None else grad_entropy.float()
     product_dtype = dtype if grad_a is not None or need_w else torch.float32
-    # The compiled passes also write the gradient transposed for the weight's product:
-    # oneDNN would otherwise copy the [n, Kl] gradient transposed itself, a strided read
-    # that is slowest where the buffer starts on a page boundary (cache-set conflicts).
-    transposed = spec.compiled and need_w and dtype == torch.float32 and cpu_gemm.enabled(a)
+    # The compiled passes also write the gradient transposed for the weight's product: the
+    # installed product would otherwise copy the [n, Kl] gradient transposed itself, a
+    # strided read that is slowest where the buffer starts on a page boundary (cache-set
+    # conflicts).
+    transposed = spec.compiled and need_w and dtype == torch.float32 and kernels.takes(a)
     for chunk, t0 in enumerate(starts):
         t1 = min(n_tok, t0 + spec.chunk_tokens)
         g_soft = None
@@ -430,9 +432,9 @@ def _flat_logit_backward(
         if grad_a is not None:
             grad_a[t0:t1] = _mm(grad_logits_mm, wm, dtype).to(a.dtype)
         if need_w:  # no zero-filled [Kl, d] buffer to add the first product to
-            if dtype == torch.float32 and cpu_gemm.enabled(a):
+            if dtype == torch.float32 and kernels.takes(a):
                 left = grad_logits.float().t() if grad_logits_t is None else grad_logits_t
-                product = cpu_gemm.mm(left, a[t0:t1].float())
+                product = kernels.mm(left, a[t0:t1].float())
                 grad_w = product if grad_w is None else grad_w.add_(product)
             elif dtype == torch.float32:
                 if grad_w is None:
@@ -497,17 +499,17 @@ def _eager_grad_logits(
         soft = kept[2] if soft_used else None
     else:
         logits, scores = _chunk_logits(a, wm, b32, spec, t0)
-        soft, centered, plain, _ = passes.run(
+        soft, centered, plain, _ = kernels.run_pass(
             passes.exponentials, spec.compiled, scores, logits, st[:, :2], spec.temperature,
             spec.sample, soft_used,
         )  # fmt: skip
     if not plain_used:
         plain = centered = None
-    dots, grad_soft = passes.run(
+    dots, grad_soft = kernels.run_pass(
         passes.gradient_dots, spec.compiled, soft, plain, st, grad_soft, g_div, spec.from_gumbel
     )
     all_reduce_model_parallel(dots, spec.groups, "sum")
-    grad_logits, grad_logits_t, column_sums = passes.run(
+    grad_logits, grad_logits_t, column_sums = kernels.run_pass(
         passes.logits_gradient, spec.compiled, soft, plain, centered, st, grad_soft, g_div,
         dots, grad_entropy, spec.temperature, spec.from_gumbel, grad_b is not None, transposed,
     )  # fmt: skip
