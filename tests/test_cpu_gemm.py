@@ -1,4 +1,4 @@
-"""models/cpu_gemm.py: oneDNN's products against torch's, values, gradients and FLOP count."""
+"""nn/cpu_gemm.py: oneDNN's products against torch's, values, gradients and FLOP count."""
 
 from __future__ import annotations
 

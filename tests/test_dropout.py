@@ -1,4 +1,4 @@
-"""The CPU dropout of models/dropout.py: its rate, its expectation, its gradient, its seed."""
+"""The CPU dropout of nn/dropout.py: its rate, its expectation, its gradient, its seed."""
 
 from __future__ import annotations
 

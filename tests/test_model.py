@@ -110,7 +110,7 @@ def test_presets_and_overrides() -> None:
         8,
     )
     assert (paper.ffn_dim, paper.max_len, paper.vocab_size) == (4096, 256, 60_000)
-    # The paper's 102,400 codes as wav2vec 2.0's 2 x 320 (models/config.py says why).
+    # The paper's 102,400 codes as wav2vec 2.0's 2 x 320 (nn/config.py says why).
     assert (paper.vq.layout, paper.vq.groups, paper.vq.entries) == ("product", 2, 320)
     assert paper.vq.combinations == 102_400
     assert (paper.vq.diversity_loss, paper.vq.copy_gradient) == ("entropy", 1.0)

@@ -3,7 +3,7 @@
 SemFace: the encoder comes from the encoder stage and the decoder, with its pre-trained
 cross-attention, from the decoder stage; the interface (CL table, VQ layer, extractor) and
 the MLM head are dropped, unless the model has the codebook bridge, which takes the encoder
-stage's VQ layer (models/bridge.py). XLM-style baseline: the encoder stage's weights initialise both
+stage's VQ layer (nn/bridge.py). XLM-style baseline: the encoder stage's weights initialise both
 the encoder and the decoder (embeddings, self-attention, feed-forward, final norm, and the
 MLM bias as the output bias), and the cross-attention starts random. Every parameter of the
 result is accounted for in a provenance report.

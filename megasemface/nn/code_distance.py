@@ -4,7 +4,7 @@
 up to the per-token constant ``s ||h||^2``, which no softmax or argmax sees: one GEMM, which
 the flat VQ layer chunks and splits (computing ``(2 s h) z^T`` from the table itself:
 ``interfaces/vq/flat.py``). The scale s is 1 / sqrt(w) for codes of width w up to
-``vq.distance_width``, and sqrt(distance_width) / w beyond (``models/config.py``).
+``vq.distance_width``, and sqrt(distance_width) / w beyond (``nn/config.py``).
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ class ModelConfig:
     """The translation model's path from encoder to cross-attention. none: the encoder's
     output, as the paper connects the stages; codebook: through the VQ-SemFace encoder
     stage's code distribution, ``softmax(l(h) / bridge_temperature) @ codebook``, the kind of
-    memory its decoder was pre-trained on (not in the paper; see models/bridge.py)."""
+    memory its decoder was pre-trained on (not in the paper; see nn/bridge.py)."""
     bridge_temperature: float = 1.0
     """Softmax temperature of the codebook bridge."""
     fusion: Literal["none", "deep"] = "none"

@@ -24,7 +24,7 @@ anywhere relative to its code (cosine under 0.1 at the demo budget); when the st
 connected without the interface, the pre-trained decoder reads ``h`` in place of the codes
 it was trained on. ``distance`` (the default) takes Eq. 4 literally: ``l_k = -s ||h -
 z_k||^2`` (s = 1 / sqrt(w) for codes of width w up to ``vq.distance_width``, sqrt(that) / w
-beyond: ``models/code_distance.py``), so the noise-free code is the nearest one, the
+beyond: ``nn/code_distance.py``), so the noise-free code is the nearest one, the
 straight-through gradient moves ``h`` towards the codes that lower the loss and away from
 the others (cosine about 0.6), and the layer has no weights but the codebook; it measured
 1.8 BLEU better on validation (docs/reproduce.md). Both are the GEMM ``a W^T + b`` of the
@@ -367,7 +367,7 @@ class GumbelVectorQuantizer(nn.Module):
         sqrt(w) the logits spread by about 3 at any width, as the MLP's do, so the temperature
         schedule and the Gumbel noise act alike. Wider than ``vq.distance_width``, s falls as
         1 / w, so that a partial alignment of h with one code does not saturate the softmax
-        (``models/config.py``). The flat layer's training forward computes the same logits
+        (``nn/config.py``). The flat layer's training forward computes the same logits
         from the table itself (``FlatSpec.distance_scale``).
         """
         x = self._input(h)
