@@ -73,6 +73,27 @@ def spm_model(demo_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="session")
+def mixed_shards(
+    tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path
+) -> Path:
+    """Monolingual en and de text and en-de pairs in one shard directory, as VECO's
+    pre-training and deep fusion's fine-tuning read them (small samples, so that two ranks
+    get shards of each)."""
+    from megasemface.data.shards.shard_build_config import ShardBuildConfig
+    from megasemface.data.shards.shard_builder import build_shards
+    from megasemface.data.text.textio import parse_lang_path, parse_parallel
+
+    out = tmp_path_factory.mktemp("mixed-shards")
+    parallel = demo_corpus / "parallel" / "en-de"
+    corpora = parse_lang_path(
+        [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
+    ) + parse_parallel([f"en-de:{parallel / 'train.en'},{parallel / 'train.de'}"])
+    config = ShardBuildConfig(tokens_per_sample=4096, samples_per_shard=4, max_tokens=60)
+    build_shards(corpora, spm_model, out, config)
+    return out
+
+
+@pytest.fixture(scope="session")
 def launch_data(
     tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path
 ) -> dict:

@@ -113,11 +113,12 @@ def test_connect_fusion_command_line(
 
 
 def _finetune(
-    data: dict, init: Path, out: Path, *args: str, zero: int, **launch: bool
+    data: dict, init: Path, out: Path, *args: str, zero: int, shards: str = "mixed", **launch: bool
 ) -> list[str]:
+    """A fusion fine-tuning on the pairs and monolingual text of ``data[shards]``."""
     return train_command(
         data,
-        "parallel",
+        shards,
         out,
         "--stage",
         "finetune",
@@ -148,8 +149,12 @@ def _logged(out: Path) -> dict[str, dict[int, float]]:
 
 
 def test_fusion_finetune_logs_each_loss_resumes_exactly_and_translates(
-    launch_data: dict, encoders: dict[str, Path], tmp_path: Path
+    launch_data: dict, mixed_shards: Path, encoders: dict[str, Path], tmp_path: Path
 ) -> None:
+    """ZeRO-3 with validation, resumed exactly from its step-2 checkpoint (the monolingual
+    loader's position included); ZeRO-1 with other weights; ZeRO-2 without MLM on parallel
+    shards alone."""
+    data = {**launch_data, "mixed": mixed_shards}
     init = write_seq2seq_dir(tmp_path / "init", connect_fusion(encoders["vq"]))
     valid = (
         "--valid-prefix", str(launch_data["valid"]), "--valid-max-sentences", "8",
@@ -161,10 +166,17 @@ def test_fusion_finetune_logs_each_loss_resumes_exactly_and_translates(
         "zero2": ("--steps", "2", "--fusion-weights", "1,1,1,0"),
     }
     zeros = {"zero3": 3, "zero1": 1, "zero2": 2}
+    shards = {"zero3": "mixed", "zero1": "mixed", "zero2": "parallel"}
     launch_chains(
         [["zero3"], ["zero1", "zero2"]],
         lambda name: _finetune(
-            launch_data, init, tmp_path / name, *runs[name], zero=zeros[name], tracking=True
+            data,
+            init,
+            tmp_path / name,
+            *runs[name],
+            zero=zeros[name],
+            shards=shards[name],
+            tracking=True,
         ),
         lambda name: (tmp_path / name, int(runs[name][1])),
     )
@@ -178,7 +190,7 @@ def test_fusion_finetune_logs_each_loss_resumes_exactly_and_translates(
     # Exact resume from the checkpoint of step 2 under ZeRO-3.
     resumed = tmp_path / "resumed"
     rewind(reference, resumed, 2)
-    command = _finetune(launch_data, init, resumed, *runs["zero3"], zero=3, tracking=True)
+    command = _finetune(data, init, resumed, *runs["zero3"], zero=3, tracking=True)
     result = launch(command, timeout=400)
     check_finished(result, resumed, 4)
     assert "resuming from" in result.stdout
@@ -203,7 +215,11 @@ def test_fusion_finetune_logs_each_loss_resumes_exactly_and_translates(
 
 
 def test_fusion_refusals_are_one_line(
-    launch_data: dict, encoders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+    launch_data: dict,
+    mixed_shards: Path,
+    encoders: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
 ) -> None:
     fused = write_seq2seq_dir(tmp_path / "fused", connect_fusion(encoders["xlm"]))
     args = ["--src-lang", "en", "--tgt-lang", "de", "--model-dir", str(fused)]
@@ -212,9 +228,19 @@ def test_fusion_refusals_are_one_line(
     assert len(error) == 1 and "deep-fusion model" in error[0] and "translate.py" in error[0]
     # Fusion fine-tuning of a model without the coordinator
     plain = launch_data["init"]
-    result = launch(
-        _finetune(launch_data, plain, tmp_path / "p", "--steps", "1", zero=2, live=False)
-    )
+    data = {**launch_data, "mixed": mixed_shards}
+    result = launch(_finetune(data, plain, tmp_path / "p", "--steps", "1", zero=2, live=False))
     assert result.returncode != 0
     assert "--finetune-mode fusion fine-tunes a deep-fusion model" in result.stderr
+    assert "Traceback" not in result.stderr
+    # MLM without monolingual text in the shards
+    result = launch(
+        _finetune(
+            launch_data, fused, tmp_path / "m", "--steps", "1", zero=2, shards="parallel",
+            live=False,
+        )
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "holds no monolingual text of de, en for deep fusion's MLM loss" in result.stderr
+    assert "--fusion-weights T,TWP,TSP,0" in result.stderr
     assert "Traceback" not in result.stderr

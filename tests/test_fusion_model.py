@@ -18,6 +18,7 @@ from megasemface.objectives.fusion_losses import (
     contrastive_loss,
     corrupt_sentences,
 )
+from megasemface.objectives.noising import IGNORE_INDEX, mask_for_mlm
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 
 SPECIAL = SpecialTokens(pad=3, bos=0, eos=2, mask=4, lang_tags=(5, 6))
@@ -45,6 +46,8 @@ def batch(rows: list[list[int]], lang: int) -> SequenceBatch:
 
 SRC = batch([[10, 11, 12, 13], [14, 15], [16, 17, 18]], 0)
 TGT = batch([[20, 21, 22], [23, 24, 25, 26, 27], [28, 29]], 1)
+MONO = batch([[30, 31, 32, 33, 34, 35], [36, 37, 38, 39], [11, 12, 13, 14, 15]], 0)
+"""MLM's monolingual sentences: not the pairs' sides."""
 
 
 def ffn(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +198,7 @@ def test_each_loss_updates_only_its_partition(loss: str, partitions: set[str]) -
     only = {field.name: 0.0 for field in dataclasses.fields(FusionWeights)}
     only[loss] = 1.0
     model = fusion_model(FusionWeights(**only))
-    out = model("fusion", SRC, TGT, negatives(), torch.Generator().manual_seed(1))
+    out = model("fusion", SRC, TGT, negatives(), MONO, torch.Generator().manual_seed(1))
     out.loss.backward()
     groups = model.partitions()
     owner = {id(p): name for name, params in groups.items() for p in params}
@@ -211,12 +214,15 @@ def test_the_sum_is_the_weighted_direct_losses() -> None:
     translation component against the plain model's loss on the same inputs."""
     weights = FusionWeights(translation=1.0, words=0.5, sentence=2.0, mlm=0.25)
     model = fusion_model(weights)
-    out = model("fusion", SRC, TGT, negatives(), torch.Generator().manual_seed(1))
+    out = model("fusion", SRC, TGT, negatives(), MONO, torch.Generator().manual_seed(1))
     parts = out.components
     expected = parts["mt"] + 0.5 * parts["twp"] + 2.0 * parts["tsp"] + 0.25 * parts["mlm"]
     torch.testing.assert_close(out.loss.detach(), expected)
     plain = model("supervised", SRC, TGT)
     torch.testing.assert_close(parts["mt"], plain.components["mt"])
+    # MLM's term is MLM on the monolingual batch (the step's generator draws only its masks).
+    mlm, _ = model.mlm_loss(MONO, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(parts["mlm"], mlm.detach())
     # TWP against Eq. 15-16 computed from the model's pieces
     layers, mask = model.ptm_layers(SRC)
     top = model.coordinator.aggregated(layers)[:, -1]
@@ -226,6 +232,35 @@ def test_the_sum_is_the_weighted_direct_losses() -> None:
     words = [set(r) for r in ([20, 21, 22], [23, 24, 25, 26, 27], [28, 29])]
     direct = -sum(log_p[b, w] for b, bag in enumerate(words) for w in bag) / 10
     torch.testing.assert_close(parts["twp"], direct)
+
+
+def test_mlm_reads_the_monolingual_batch_against_a_direct_computation() -> None:
+    """BERT's masking of the monolingual sentences with </s> appended, the PTM's hidden
+    states at the masked positions against the tied word outputs plus MLM's bias."""
+    model = fusion_model()
+    with torch.no_grad():
+        model.heads.mlm_bias.normal_()
+    loss, _ = model.mlm_loss(MONO, torch.Generator().manual_seed(7))
+    inputs, targets = mask_for_mlm(
+        MONO.tokens_BT, MONO.lengths_B, mask_id=SPECIAL.mask, vocab_size=40,
+        special_ids=SPECIAL.all, generator=torch.Generator().manual_seed(7), prob=0.15,
+    )  # fmt: skip
+    rows, total, count = MONO.tokens_BT.shape[0], 0.0, 0
+    encoder = model.model.encoder
+    for b in range(rows):
+        n = int(MONO.lengths_B[b])
+        tokens = torch.cat([inputs[b, :n], torch.tensor([SPECIAL.eos])])[None]
+        hidden = encoder(tokens, torch.ones_like(tokens, dtype=torch.bool), MONO.langs_B[b : b + 1])
+        logits = hidden.hidden_BTD[0] @ encoder.embed.tokens.weight.T + model.heads.mlm_bias
+        for t in range(n):
+            if targets[b, t] != IGNORE_INDEX:
+                total = total - torch.log_softmax(logits[t], -1)[targets[b, t]]
+                count += 1
+    assert count > 0
+    torch.testing.assert_close(loss, total / count)
+    # The MLM term of the sum is this loss on the monolingual batch, not on the pairs.
+    with pytest.raises(ValueError, match="monolingual sentences"):
+        model("fusion", SRC, TGT, negatives(), None, torch.Generator().manual_seed(1))
 
 
 def test_weights_are_checked() -> None:

@@ -303,7 +303,8 @@ def test_deep_fusion_shares_its_encoders_run_and_fine_tunes_with_four_losses(
     key: str, tmp_path: Path
 ) -> None:
     """Deep fusion connects the pre-training run of XLM, CL- or VQ-SemFace (trained once,
-    shared) through the coordinator and fine-tunes in the fusion mode, supervised only."""
+    shared) through the coordinator and fine-tunes in the fusion mode, supervised only, on
+    the pairs and their languages' monolingual text (its MLM loss reads the text)."""
     assert key in _config("--systems", "related").systems and key not in SYSTEMS
     pipeline = _pipeline(tmp_path, (0,))
     fusion = RELATED[key]
@@ -314,8 +315,10 @@ def test_deep_fusion_shares_its_encoders_run_and_fine_tunes_with_four_losses(
     finetune = pipeline.finetune_config(fusion, "supervised", init, 0)
     plain = pipeline.finetune_config(base, "supervised", init, 0)
     assert finetune.finetune_mode == "fusion" and finetune.fusion_weights == "1,1,1,1"
+    assert finetune.data == pipeline.mixed and plain.data == pipeline.parallel
     same = {"tags": plain.tags, "run_name": plain.run_name, "output_dir": plain.output_dir}
-    assert dataclasses.replace(finetune, **same, finetune_mode="supervised") == plain
+    changed = {"finetune_mode": "supervised", "data": plain.data}
+    assert dataclasses.replace(finetune, **same, **changed) == plain
     assert fusion.runs_in("supervised") and not fusion.runs_in("unsupervised")
 
 

@@ -20,26 +20,6 @@ from megasemface.models.model_dir import load_seq2seq_state
 pytestmark = pytest.mark.launcher
 
 
-@pytest.fixture(scope="module")
-def mixed_shards(
-    tmp_path_factory: pytest.TempPathFactory, demo_corpus: Path, spm_model: Path
-) -> Path:
-    """Monolingual en and de text and en-de pairs in one shard directory, as VECO reads
-    them (small samples, so that two ranks get shards of each)."""
-    from megasemface.data.shards.shard_build_config import ShardBuildConfig
-    from megasemface.data.shards.shard_builder import build_shards
-    from megasemface.data.text.textio import parse_lang_path, parse_parallel
-
-    out = tmp_path_factory.mktemp("veco-shards")
-    parallel = demo_corpus / "parallel" / "en-de"
-    corpora = parse_lang_path(
-        [f"{lang}:{demo_corpus / 'mono' / f'{lang}.txt'}" for lang in ("en", "de")]
-    ) + parse_parallel([f"en-de:{parallel / 'train.en'},{parallel / 'train.de'}"])
-    config = ShardBuildConfig(tokens_per_sample=4096, samples_per_shard=4, max_tokens=60)
-    build_shards(corpora, spm_model, out, config)
-    return out
-
-
 def _veco(shards: Path, spm: Path, out: Path, *args: str, zero: int) -> list[str]:
     return train_command(
         {"shards": shards, "spm": spm},

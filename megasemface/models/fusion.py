@@ -21,7 +21,8 @@ MLM reads the PTM alone. The heads the intermediate losses add (TWP's bias, TSP'
 parameters: checkpoints keep them for resuming, the model directory (``Seq2SeqModel`` keys)
 does not.
 
-MLM reads both sides of each parallel batch, as monolingual sentences of their languages.
+MLM reads a batch of monolingual sentences of the pair's languages, beside the parallel
+batch the other three read (``training/units/fusion.py`` draws both every step).
 
 Shapes: B batch, K synthetic negatives, S source length, T target length, D model size.
 """
@@ -122,7 +123,7 @@ class FusionTranslationModel(TranslationModel):
         return self.model.coordinator
 
     def forward(self, task: str, *args: Any) -> Any:
-        """``fusion(src, tgt, negatives, generator)``, or a translation model's task."""
+        """``fusion(src, tgt, negatives, mono, generator)``, or a translation model's task."""
         if task == "fusion":
             return self.fusion_loss(*args)
         return super().forward(task, *args)
@@ -204,11 +205,10 @@ class FusionTranslationModel(TranslationModel):
         return contrastive_loss(self.heads.sentence(pooled_BD), projected[:rows], projected[rows:])
 
     def mlm_loss(
-        self, src: SequenceBatch, tgt: SequenceBatch, generator: torch.Generator
+        self, side: SequenceBatch, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLM on both sides' sentences (BERT's masking), through the PTM alone."""
+        """MLM on monolingual sentences (BERT's masking), through the PTM alone."""
         sp = self.special
-        side = join_rows(src, tgt, sp.pad)
         inputs, targets = mask_for_mlm(
             side.tokens_BT,
             side.lengths_B,
@@ -234,11 +234,13 @@ class FusionTranslationModel(TranslationModel):
         src: SequenceBatch,
         tgt: SequenceBatch,
         negatives: SequenceBatch,
+        mono: SequenceBatch | None,
         generator: torch.Generator,
     ) -> StageOutput:
         """Eq. 18 with the weights: L_T + L_TWP + L_TSP + L_MLM, each on its partition;
         ``negatives`` are TSP's synthetic targets (:func:`~.fusion_losses.corrupt_sentences`)
-        in the target language."""
+        in the target language, ``mono`` MLM's monolingual sentences (needed when its weight
+        is not 0)."""
         w = self.weights
         layers, mask = self.ptm_layers(src)
         total = self.translation_part(layers, mask, tgt)
@@ -255,7 +257,9 @@ class FusionTranslationModel(TranslationModel):
             total.components["tsp"] = sentence.detach()
             total.metrics["tsp_accuracy"] = accuracy
         if w.mlm:
-            mlm, accuracy = self.mlm_loss(src, tgt, generator)
+            if mono is None:
+                raise ValueError("the MLM loss has weight > 0 and needs monolingual sentences")
+            mlm, accuracy = self.mlm_loss(mono, generator)
             total.loss = total.loss + w.mlm * mlm
             total.components["mlm"] = mlm.detach()
             total.metrics["mlm_accuracy"] = accuracy

@@ -164,15 +164,19 @@ def _cl_embeddings_command(
     return cmd
 
 
-def build_mixed_shards(config: PipelineConfig, corpus: Path, spm: Path) -> Path:
-    """The monolingual text and the low-resource slice of the training pairs in one shard
-    directory (VECO's pre-training reads both; the loader draws each batch's language or
-    pair by temperature sampling)."""
-    prefix = slice_parallel(config, corpus, "train", config.train_pairs)
-    src, tgt = config.langs
-    out = config.workdir / "shards" / f"mono-parallel-{config.train_pairs}"
-    mono = [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in config.langs]
-    pairs = [f"{config.pair}:{prefix}.{src},{prefix}.{tgt}"]
+def build_mixed_shards(
+    config: PipelineConfig, corpus: Path, spm: Path, pair: str | None = None
+) -> Path:
+    """The monolingual text of ``pair``'s languages (default: ``config.pair``) and the
+    low-resource slice of its training pairs in one shard directory (VECO's pre-training
+    and deep fusion's fine-tuning read both; the loader draws each batch's language or pair
+    by temperature sampling)."""
+    prefix = slice_parallel(config, corpus, "train", config.train_pairs, pair)
+    src, tgt = pair.split("-") if pair else config.langs
+    name = "mono-parallel" if pair is None else f"mono-parallel-{pair}"
+    out = config.workdir / "shards" / f"{name}-{config.train_pairs}"
+    mono = [f"{lang}:{corpus / 'mono' / f'{lang}.txt'}" for lang in (src, tgt)]
+    pairs = [f"{src}-{tgt}:{prefix}.{src},{prefix}.{tgt}"]
     corpora = parse_lang_path(mono) + parse_parallel(pairs)
     manifest = build_shards(corpora, spm, out, _shard_config(config), overwrite=True)
     _report(manifest, out)

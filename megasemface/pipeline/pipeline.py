@@ -76,6 +76,9 @@ class PairData(NamedTuple):
     """Validation set prefix (``<prefix>.<lang>``)."""
     test: Path
     """Test set prefix."""
+    mixed: Path | None = None
+    """Its pairs and its languages' monolingual text in one directory (deep fusion's
+    fine-tuning data), when a system needs them."""
 
 
 class Pipeline:
@@ -94,7 +97,8 @@ class Pipeline:
         self.ras_dictionary: Path | None = None
         """The word dictionary of the runs that substitute (random aligned substitution)."""
         self.mixed: Path | None = None
-        """Monolingual and parallel shards in one directory, VECO's pre-training data."""
+        """Monolingual and parallel shards in one directory: VECO's pre-training data, deep
+        fusion's fine-tuning data."""
         self.diagnostics: list[tuple[str, int, dict[str, Any]]] = []
         """(system, seed, figures) of every SemFace pre-training, for the report."""
         self.by_pair: dict[str, PairData] = {}
@@ -168,9 +172,15 @@ class Pipeline:
                 cfg, self.mono, self.spm, self.model_config.d_model, self.corpus
             )
         self.mixed = None
-        if any(s.pretraining_data == "mixed" for s in systems):
-            self._step("monolingual and parallel shards in one directory (VECO)")
+        fusion = any(s.fusion for s in systems)
+        if any(s.pretraining_data == "mixed" for s in systems) or (fusion and not cfg.multilingual):
+            self._step("monolingual and parallel shards in one directory (VECO, deep fusion)")
             self.mixed = data_steps.build_mixed_shards(cfg, self.corpus, self.spm)
+        if fusion and cfg.multilingual:
+            for pair, data in self.by_pair.items():
+                self._step(f"{pair}: monolingual and parallel shards in one directory (fusion)")
+                mixed = data_steps.build_mixed_shards(cfg, self.corpus, self.spm, pair)
+                self.by_pair[pair] = data._replace(mixed=mixed)
         self.ras_dictionary = None
         if any(s.pretraining_ras or s.finetuning_ras for s in systems):
             self._step("word dictionary of random aligned substitution (mRASP)")
@@ -178,7 +188,8 @@ class Pipeline:
                 cfg, self.mono, self.spm, self.model_config.d_model, self.corpus
             )
         if cfg.multilingual:
-            self.valid, self.test = self.by_pair[cfg.pairs[0]][1:]
+            first = self.by_pair[cfg.pairs[0]]
+            self.valid, self.test = first.valid, first.test
         else:
             self.valid = data_steps.slice_parallel(cfg, self.corpus, "valid", cfg.valid_sentences)
             self.test = data_steps.slice_parallel(cfg, self.corpus, "test", cfg.test_sentences)
@@ -430,11 +441,14 @@ class Pipeline:
         run_dir = self.workdir / "runs" / seeded(name, seed)
         tags = [f"system={system.display}", f"system_key={system.key}", f"setting={setting}"]
         tags += [f"pair={pair}"] if pair is not None else []
+        # Deep fusion's MLM reads the pair's monolingual text beside its pairs.
         if pair is not None:
-            parallel, valid = self.by_pair[pair][:2]
+            data = self.by_pair[pair]
+            parallel, valid = (data.mixed if system.fusion else data.parallel), data.valid
+        elif setting == "supervised":
+            parallel, valid = (self.mixed if system.fusion else self.parallel), self.valid
         else:  # a pipeline of unsupervised runs only builds no parallel shards
-            parallel = self.parallel if setting == "supervised" else None
-            valid = self.valid
+            parallel, valid = None, self.valid
         return self._run_config(
             run_dir,
             cfg.finetune_steps,

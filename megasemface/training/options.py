@@ -168,8 +168,8 @@ class TrainConfig:
     # Fine-tuning ---------------------------------------------------------------------------
     finetune_mode: str = "supervised"
     """supervised (parallel shards), unsupervised (monolingual shards: denoising plus
-    online back-translation) or fusion (parallel shards, a deep-fusion model: translation,
-    target words, target sentence and MLM losses, each on its partition of the model)."""
+    online back-translation) or fusion (a deep-fusion model; shards of pairs and monolingual
+    text: translation, target words, target sentence and MLM losses, each on its partition)."""
     fusion_weights: str = "1,1,1,1"
     """--finetune-mode fusion: the weights of the translation, target-words, target-sentence
     and MLM losses (Eq. 18 of deep fusion: all 1)."""

@@ -37,7 +37,7 @@ import torch
 from megasemface.checkpoints.consolidate import param_dtype
 from megasemface.checkpoints.manager import CheckpointManager
 from megasemface.checkpoints.universal import ResumePoint, resume_point
-from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSource
+from megasemface.data.loading.loader import ShardLoader
 from megasemface.distributed import collectives
 from megasemface.distributed.collectives import any_rank
 from megasemface.distributed.engine import DeepSpeedEngine, accelerator_device, loading_universal
@@ -54,7 +54,7 @@ from megasemface.training.signals import StopRequest
 from megasemface.training.step_ledger import StepLedger, StepRecord
 from megasemface.training.throughput import Throughput
 from megasemface.training.units import build_unit
-from megasemface.training.units.base import TrainUnit
+from megasemface.training.units.base import TrainUnit, rank_loader
 
 __all__ = ["NonFiniteError", "Trainer", "build_loader"]
 
@@ -93,18 +93,13 @@ def build_loader(
 ) -> ShardLoader:
     """The run's batches for this data-parallel rank, cropped and mixed as ``unit`` reads
     them."""
-    return ShardLoader(
-        ShardSource.from_manifest(data.manifest),
-        LoaderConfig(
-            max_tokens=config.max_tokens,
-            max_len=unit.loader_max_len(),
-            pair_share=unit.loader_pair_share(),
-            seed=config.seed,
-            num_workers=config.num_workers,
-        ),
-        pad_id=data.tokenizer.pad_id,
-        rank=groups.dp_rank,
-        world_size=groups.dp_size,
+    return rank_loader(
+        config,
+        data,
+        groups,
+        max_len=unit.loader_max_len(),
+        languages=unit.loader_languages(),
+        pair_share=unit.loader_pair_share(),
     )
 
 
@@ -182,6 +177,7 @@ class Trainer:
         rank_state = {
             "step": self.step,
             "loader": self.loader.state_dict(),
+            **self.unit.rank_state(),
             # Every step reseeds Python, numpy and torch from (seed, step, rank), so the step
             # number restores all random state; the scheme is recorded for audits.
             "rng": {"scheme": "per-step", "seed": self.config.seed, "rank": self.rank},
@@ -233,6 +229,7 @@ class Trainer:
         # now were read by others.
         states = self.checkpoints.rank_states(point.tag)
         self.loader.load_states([state["loader"] for state in states])
+        self.unit.load_rank_states(states)
         self.step = int(client_state.get("step", point.step))
         self.skipped = int(client_state.get("skipped", 0))
         self.samples_seen = int(client_state.get("samples_seen", 0))

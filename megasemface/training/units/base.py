@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from megasemface.data.loading.loader import TokenBatch
+from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSource, TokenBatch
 from megasemface.data.text.ras import RandomAlignedSubstitution, RasDictionary
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
@@ -28,7 +28,14 @@ from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig, user_model_config, user_model_keys
 from megasemface.training.run_data import RunData
 
-__all__ = ["TrainUnit", "model_config_from", "objective_config_from", "ras_from", "substitute"]
+__all__ = [
+    "TrainUnit",
+    "model_config_from",
+    "objective_config_from",
+    "rank_loader",
+    "ras_from",
+    "substitute",
+]
 
 
 def model_config_from(config: TrainConfig, data: RunData) -> ModelConfig:
@@ -50,6 +57,33 @@ def model_config_from(config: TrainConfig, data: RunData) -> ModelConfig:
                 f"{key} is {value}; leave it out: the tokenizer sets it"
             )
     return apply_overrides(user, list(sizes.items()))
+
+
+def rank_loader(
+    config: TrainConfig,
+    data: RunData,
+    groups: ParallelGroups,
+    *,
+    max_len: int,
+    languages: tuple[str, ...] = (),
+    pair_share: float | None = None,
+) -> ShardLoader:
+    """Batches of ``languages`` of the run's shards (empty: all) for this data-parallel
+    rank, of ``--max-tokens`` tokens each, in the order the run's seed decides."""
+    return ShardLoader(
+        ShardSource.from_manifest(data.manifest),
+        LoaderConfig(
+            max_tokens=config.max_tokens,
+            max_len=max_len,
+            pair_share=pair_share,
+            languages=languages,
+            seed=config.seed,
+            num_workers=config.num_workers,
+        ),
+        pad_id=data.tokenizer.pad_id,
+        rank=groups.dp_rank,
+        world_size=groups.dp_size,
+    )
 
 
 def objective_config_from(config: TrainConfig) -> ObjectiveConfig:
@@ -135,6 +169,10 @@ class TrainUnit(abc.ABC):
         """The longest sample the loader yields: room for ``</s>`` and the language tag."""
         return self.model_config.max_len - 2
 
+    def loader_languages(self) -> tuple[str, ...]:
+        """The languages and pairs of the shards the run's loader reads (empty: all)."""
+        return ()
+
     def loader_pair_share(self) -> float | None:
         """The share of batches drawn from language pairs when the shards hold pairs and
         single languages (None: the loader's temperature over all; ``LoaderConfig``)."""
@@ -180,3 +218,12 @@ class TrainUnit(abc.ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 (optional)
         """Restores :meth:`state_dict` from a checkpoint's client state."""
+
+    def rank_state(self) -> dict[str, Any]:
+        """What the stage keeps per rank in checkpoints (JSON values): the positions of
+        loaders of its own besides the run's."""
+        return {}
+
+    def load_rank_states(self, states: list[dict[str, Any]]) -> None:  # noqa: B027 (optional)
+        """Restores :meth:`rank_state` from the states of all the run's ranks (on another
+        number of ranks, this one continues what others read)."""
