@@ -4,7 +4,7 @@ SentencePiece -> shards -> cross-lingual embeddings -> CL-SemFace and VQ-SemFace
 pre-training (``megasemface/train.py`` on 2 ranks) -> connect -> supervised
 fine-tuning on a low-resource slice of the parallel data -> translation of the held-out test
 set -> BLEU and chrF -> an MLflow comparison table and plot against the same pipeline with
-no pre-training. Meant to finish in about 20 minutes on 2 idle CPU cores, the install
+no pre-training. Meant to finish within 40 minutes on 2 CPU cores, the install
 included (what it took, by machine: docs/results.md); run again, it reuses what is built.
 Each step's wall time goes to ``<workdir>/timings.json``.
 

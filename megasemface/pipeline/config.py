@@ -372,7 +372,7 @@ BUDGETS: dict[str, dict[str, object]] = {
         "shard_jobs": 16,
     },
 }
-"""Named budgets: demo (the README's main command, made to finish within 20 minutes on 2 CPU
+"""Named budgets: demo (the README's main command, made to finish within 40 minutes on 2 CPU
 cores, the install included; what it took: docs/results.md), smoke (the test suite's reduced
 end-to-end run), study (below), gpu (below) and paper (the paper's scale, on GPUs). A budget
 may name its systems and settings; ``--systems`` and ``--settings`` override them.
