@@ -236,6 +236,33 @@ def test_unknown_run_id_starts_a_new_run(tmp_path: Path, template_db: Path) -> N
     assert MlflowClient(tracker.tracking_uri).get_run(tracker.run_id).info.status == "FINISHED"
 
 
+def test_a_record_naming_the_run_waits_for_a_store_slow_to_create_it(
+    tmp_path: Path, template_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A store that creates the run only after the constructor stopped waiting (a fresh
+    # SQLite database on a busy machine): a checkpoint or best model written then would name
+    # no run. wait_for_run is what they ask, and it answers once the run exists.
+    from megasemface.tracking.mlflow_run import MLflowRun
+
+    gate = threading.Event()
+    establish = MLflowRun.establish
+
+    def slow_establish(run: MLflowRun) -> None:
+        gate.wait(60)
+        establish(run)
+
+    monkeypatch.setattr(MLflowRun, "establish", slow_establish)
+    out = _output_dir(tmp_path, template_db)
+    tracker = MLflowTracker(None, out, "nmt", "slow", system_metrics=False, start_timeout=0.05)
+    assert tracker.run_id is None and tracker.wait_for_run(timeout=0.05) is None
+    threading.Timer(0.2, gate.set).start()
+    run_id = tracker.wait_for_run()
+    assert run_id is not None and run_id == tracker.run_id
+    tracker.end()
+    assert MlflowClient(tracker.tracking_uri).get_run(run_id).info.run_name == "slow"
+    assert NullTracker().wait_for_run() is None
+
+
 def test_system_metrics_follow_the_training_step(tmp_path: Path, template_db: Path) -> None:
     pytest.importorskip("psutil")
     out = _output_dir(tmp_path, template_db)
@@ -295,6 +322,9 @@ def test_unreachable_server_never_blocks_and_warns_once(
     outage = warnings()
     assert len(outage) == 1
     assert not tracker.reachable  # so the trainer does not wait for it at checkpoints
+    start = time.monotonic()
+    assert tracker.wait_for_run(timeout=30) is None  # the first attempt failed: no wait
+    assert time.monotonic() - start < 10
     assert uri in outage[0].getMessage() and "500 metric points" in outage[0].getMessage()
 
     start = time.monotonic()

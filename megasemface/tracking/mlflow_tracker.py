@@ -97,7 +97,13 @@ from megasemface.tracking.mlflow_names import (
     truncate,
 )
 from megasemface.tracking.mlflow_run import MLflowRun, Op, Point, now_ms
-from megasemface.tracking.tracker import RUN_STATUSES, RunStatus, Tracker, flatten_params
+from megasemface.tracking.tracker import (
+    RUN_START_WAIT_S,
+    RUN_STATUSES,
+    RunStatus,
+    Tracker,
+    flatten_params,
+)
 
 __all__ = ["MLflowTracker"]
 
@@ -218,6 +224,13 @@ class MLflowTracker(Tracker):
     def run_id(self) -> str | None:
         """The MLflow run id, once the run exists (or the id being reattached to)."""
         return self._run.run_id
+
+    def wait_for_run(self, timeout: float = RUN_START_WAIT_S) -> str | None:
+        """:attr:`run_id` after the worker's first attempt to create or reattach the run,
+        waiting at most ``timeout`` s for it (at once when it was made already, or failed)."""
+        if not self._closed and self._worker.is_alive():
+            self._worker.started.wait(max(0.0, timeout))
+        return self.run_id
 
     @property
     def reachable(self) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, SupportsFloat
 
 __all__ = [
+    "RUN_START_WAIT_S",
     "RUN_STATUSES",
     "NullTracker",
     "RunKilled",
@@ -33,6 +34,12 @@ class RunKilled(Exception):
     The trainer's signal handler typically sets a flag; the training loop saves a checkpoint,
     then raises ``RunKilled("SIGTERM")``. :func:`tracked_run` re-raises it after ending the run.
     """
+
+
+RUN_START_WAIT_S = 60.0
+"""How long a record that names the run waits for the store to create it: a fresh SQLite
+store on a busy machine takes tens of seconds, and a short run would otherwise write its
+checkpoints and best model before the run exists, naming none (no lineage, no registration)."""
 
 
 class Tracker:
@@ -74,6 +81,12 @@ class Tracker:
         """Record a dataset the run read (MLflow's dataset input): ``source`` where it lies,
         ``digest`` what identifies its content, ``profile`` its counts, ``context`` its use
         (``training``, ``validation``)."""
+
+    def wait_for_run(self, timeout: float = RUN_START_WAIT_S) -> str | None:
+        """:attr:`run_id`, once the store has first answered on the run (waiting at most
+        ``timeout`` s): what a record that names the run (a checkpoint, the best model) asks.
+        None when tracking is off, the store failed, or the time ran out."""
+        return self.run_id
 
     @property
     def reachable(self) -> bool:

@@ -389,8 +389,8 @@ class Trainer:
                 self._settle(ledger, window)  # the counters a checkpoint keeps
                 blocked = self._flush_tracker(tracker)
                 # A store slow to start (a fresh SQLite database on a busy machine) creates
-                # the run after training began: checkpoints name it once it exists.
-                self.run_id = self.run_id or tracker.run_id
+                # the run after training began: a checkpoint waits for it, once, to name it.
+                self.run_id = self.run_id or tracker.wait_for_run()
                 blocked += self.save()
                 if self._metrics_log is not None:
                     self._metrics_log.write({"step": step, "checkpoint_seconds": blocked})

@@ -136,7 +136,8 @@ class Validation:
         improved = bleu > self.best_bleu
         if improved:
             self.best_bleu, self.best_step = bleu, step
-            self._save_best(engine, model_config, step, scores, tracker.run_id, parent_runs)
+            run_id = tracker.wait_for_run()  # the best model names its run
+            self._save_best(engine, model_config, step, scores, run_id, parent_runs)
         scores["best_valid_bleu"] = self.best_bleu
         tracker.log_metrics(scores, step)
         if rank() == 0:
