@@ -31,7 +31,8 @@ from megasemface.models.model_dir import load_seq2seq
 
 pytestmark = pytest.mark.launcher
 
-ENCODERS = {"xlm": "none", "cl": "cl", "vq": "vq"}
+ENCODERS = {"xlm": "none", "cl": "cl", "vq": "vq", "veco": "none"}
+"""The encoder stages and their interfaces, and VECO's pre-training (its model's encoder)."""
 
 
 def train_command(
@@ -56,16 +57,23 @@ def train_command(
 
 
 @pytest.fixture(scope="module")
-def encoders(launch_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One-step encoder stages of the three kinds, in two launches side by side."""
+def encoders(
+    launch_data: dict, mixed_shards: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """One-step pre-trainings of the four kinds of encoder, in two launches side by side."""
     root = tmp_path_factory.mktemp("fusion-encoders")
 
     def command(name: str) -> list[str]:
+        if name == "veco":
+            data = {**launch_data, "mixed": mixed_shards}
+            return train_command(
+                data, "mixed", root / name, "--stage", "veco", "--steps", "1", zero=2
+            )
         args = ("--stage", "encoder", "--interface", ENCODERS[name], "--steps", "1")
         cl = ("--cl-table", str(launch_data["cl"])) if name == "cl" else ()
         return train_command(launch_data, "mono", root / name, *args, *cl, zero=2)
 
-    launch_chains([["xlm", "cl"], ["vq"]], command, lambda name: (root / name, 1))
+    launch_chains([["xlm", "cl"], ["vq", "veco"]], command, lambda name: (root / name, 1))
     return {name: root / name for name in ENCODERS}
 
 
@@ -80,7 +88,10 @@ def test_connect_fusion_from_each_kind_of_encoder(
     stage_state, meta = load_stage(encoders[kind])
     for key, value in connected.state.items():
         origin = connected.parameters[key]
-        if key.startswith("encoder."):
+        if key.startswith("encoder.") and kind == "veco":  # the whole model was trained
+            assert origin == f"veco:model.{key}"
+            assert torch.equal(value, stage_state[f"model.{key}"])
+        elif key.startswith("encoder."):
             assert origin == f"encoder-stage:{key}"
             assert torch.equal(value, stage_state[key])
         else:

@@ -156,12 +156,18 @@ def connect_mbart(source: str | Path) -> Connected:
 def connect_fusion(
     encoder: str | Path, *, part_layers: int | None = None, seed: int = 0
 ) -> Connected:
-    """Deep fusion: the encoder stage's encoder (XLM, CL- or VQ-SemFace; the interface
-    dropped) as the PTM, its layers split into parts of ``part_layers`` (M) layers, one per
-    decoder layer, joined to a random decoder through a random layer-wise coordinator
+    """Deep fusion: a pre-trained encoder as the PTM - an encoder stage's (XLM, CL- or
+    VQ-SemFace; the interface dropped) or the encoder of an mBART, mRASP or VECO pre-training
+    - its layers split into parts of ``part_layers`` (M) layers, one per decoder layer,
+    joined to a random decoder through a random layer-wise coordinator
     (nn/fusion_coordinator.py). M defaults to the encoder's depth over the run's decoder
     depth, so the decoder keeps the depth the other connections have."""
-    enc_state, meta = _stage(encoder, "encoder", stage_names(lambda spec: spec.encoder))
+    stages = (*stage_names(lambda spec: spec.encoder), *SEQ2SEQ_STAGES)
+    enc_state, meta = _stage(encoder, "encoder", stages)
+    origin = "encoder-stage:"
+    if meta["stage"] in SEQ2SEQ_STAGES:  # the whole model was trained: keep its encoder
+        origin = f"{meta['stage']}:model."
+        enc_state = {k[len("model.") :]: v for k, v in enc_state.items() if k.startswith("model.")}
     config = config_from_dict(meta["model"])
     layers = config.encoder_layers
     m = part_layers if part_layers is not None else max(1, layers // config.decoder_layers)
@@ -182,7 +188,7 @@ def connect_fusion(
             continue
         source = enc_state.get(key)
         if source is None or source.shape != value.shape:
-            raise ConnectError(f"cannot connect {encoder}: its encoder stage lacks {key} as shaped")
+            raise ConnectError(f"cannot connect {encoder}: its encoder lacks {key} as shaped")
         state[key] = source.to(value.dtype)
-        parameters[key] = f"encoder-stage:{key}"
+        parameters[key] = f"{origin}{key}"
     return Connected(state, config, "fusion", {"encoder": meta}, parameters)

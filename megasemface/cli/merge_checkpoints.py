@@ -69,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     connect = commands.add_parser(
         "connect", help="pre-training stages -> a seq2seq model directory"
     )
-    connect.add_argument("--encoder", type=Path, help="encoder-stage source")
+    connect.add_argument(
+        "--encoder",
+        type=Path,
+        help="encoder-stage source (with --fusion deep also an mBART, mRASP or VECO run)",
+    )
     connect.add_argument(
         "--decoder", type=Path, help="decoder-stage source (none: XLM-style, from the encoder)"
     )
