@@ -243,6 +243,9 @@ def _direct(models: DiagnosticModels, lang: str, ids: list[list[int]]) -> dict:
             else:
                 own = interface.table[x[0]]
                 cosines.append(F.cosine_similarity(encoded.pre_norm_BTD[0, :n], own, dim=-1))
+                if models.memory_norm:  # the joint CL stage's decoder reads LN(E(x))
+                    norm = encoder.final_norm
+                    own = F.layer_norm(own, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
             memories = {
                 "interface": (own[None], ones),
                 "encoder": (encoded.hidden_BTD, src_mask),
@@ -334,6 +337,7 @@ def test_a_decoder_pretrained_on_the_encoders_codes_reads_them_as_its_interface(
 @pytest.mark.launcher
 def test_cl_figures_equal_the_direct_computation(cl_run: Path, data: dict) -> None:
     models = load_models(cl_run)
+    assert models.memory_norm  # the joint CL stage's default: its decoder read LN(E(x))
     result = diagnose_interface(_config(data), models)
     assert result.measures == ["cosine", "nll"]
     assert all(x.encoder_codes is None for x in result.languages)

@@ -5,6 +5,7 @@ settings."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,11 @@ from launch import parse_train_argv
 from megasemface.checkpoints.layout import MARKER, checkpoint_tag
 from megasemface.cli.reproduce import build_parser, config_from_args, main
 from megasemface.pipeline import pipeline as pipeline_module
-from megasemface.pipeline.config import BUDGETS, PipelineConfig, seeded
+from megasemface.pipeline.config import BUDGETS, PipelineConfig, parse_finetune_grid, seeded
 from megasemface.pipeline.launcher import TRAIN_SCRIPT, LaunchError
 from megasemface.pipeline.pipeline import PairData, Pipeline
+from megasemface.pipeline.report import grid_table
+from megasemface.pipeline.scores import best_valid_bleu
 from megasemface.pipeline.systems import (
     ABLATIONS,
     PAPER_SCALE,
@@ -602,3 +605,66 @@ def test_each_training_rank_has_a_gpu_of_its_own(monkeypatch: pytest.MonkeyPatch
     assert PipelineConfig(procs=2, hostfile=Path("hosts")).procs == 2
     monkeypatch.setattr(config_module, "cuda_devices", lambda: 0)
     assert PipelineConfig(procs=4).procs == 4  # CPU processes
+
+
+def test_the_finetune_grid_is_parsed_and_bad_items_are_refused_in_one_line() -> None:
+    """``--finetune-grid LR[:WARMUP],...``: a warm-up left out is --warmup-steps; --lr or
+    --warmup-steps alone ask for that one setting instead of the budget's grid."""
+    assert parse_finetune_grid("1e-3:400, 4e-3") == ((1e-3, 400), (4e-3, None))
+    config = _config("--finetune-grid", "1e-3:400,4e-3", "--warmup-steps", "50")
+    assert config.finetune_choices == ((1e-3, 400), (4e-3, 50))
+    lowres = _config("--budget", "lowres")
+    assert lowres.finetune_choices == ((1e-3, 100), (2e-3, 100), (4e-3, 100))
+    assert _config("--budget", "lowres", "--lr", "3e-3").finetune_choices == ((3e-3, 100),)
+    assert lowres.train_pairs * 10 <= 24_256  # at most a tenth of the monolingual German
+    assert lowres.pretrain_steps >= lowres.finetune_steps
+    for text in ("1e-3:x", "fast", "1e-3:400:2"):
+        with pytest.raises(ValueError, match="--finetune-grid takes LR or LR:WARMUP"):
+            parse_finetune_grid(text)
+    for grid, message in (
+        (((0.0, 10),), "learning rates must be > 0"),
+        (((1e-3, 0),), "warm-ups >= 1"),
+        (((1e-3, 10), (1e-3, 10)), "more than once"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            PipelineConfig(finetune_grid=grid)
+
+
+def test_the_grid_tests_the_fine_tuning_best_on_validation(tmp_path: Path) -> None:
+    """With a grid, each setting is fine-tuned in a run of its own (its learning rate and
+    warm-up in the run's config), the one whose best model scores highest on validation is
+    the run tested, and every setting's score reaches the report's table."""
+    valid = {1e-3: 3.5, 2e-3: 7.25, 4e-3: 6.0}
+    trained: list[TrainConfig] = []
+
+    class Recording(Pipeline):
+        def _train(self, config: TrainConfig) -> None:
+            trained.append(config)
+            best = config.output_dir / "best"
+            best.mkdir(parents=True)
+            meta = {"meta": {"valid_bleu": valid[config.lr], "step": 2}}
+            (best / "config.json").write_text(json.dumps(meta))
+
+        def test_scores(self, run_dir: Path, pair: str | None = None) -> dict:
+            return {"run": run_dir.name}
+
+        def register(self, *args: object) -> None:
+            pass
+
+    config = PipelineConfig(
+        workdir=tmp_path, systems=("transformer",), finetune_grid=tuple((lr, 20) for lr in valid)
+    )
+    pipeline = Recording(config)
+    pipeline.spm, pipeline.parallel, pipeline.valid = Path("s.model"), Path("p"), Path("v")
+    chosen = pipeline.finetune_chosen(config.system("transformer"), "supervised", None, 0)
+    assert chosen.name == "supervised-transformer-lr0.002-w20"
+    assert [(c.lr, c.warmup_steps, c.output_dir.name) for c in trained] == [
+        (lr, 20, f"supervised-transformer-lr{lr:g}-w20") for lr in valid
+    ]
+    (row,) = pipeline.grid
+    assert row.chosen == (2e-3, 20) and row.scores == {(lr, 20): v for lr, v in valid.items()}
+    table = grid_table(pipeline.grid)
+    assert "| Transformer | supervised | 0 | 3.50 | **7.25** | 6.00 |" in table
+    (tmp_path / "runs" / "supervised-transformer-lr0.001-w20" / "best" / "config.json").unlink()
+    with pytest.raises(LaunchError, match="no best model with a validation BLEU"):
+        best_valid_bleu(tmp_path / "runs" / "supervised-transformer-lr0.001-w20")

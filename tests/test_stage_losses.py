@@ -44,7 +44,26 @@ RUNS: dict[str, tuple[int, str, tuple[str, ...], str | None]] = {
         ("--stage", "joint", "--interface", "cl", "--no-cl-trainable"),
         None,
     ),
+    "cl-joint-table-rows": (
+        2,
+        "mono",
+        (
+            "--stage",
+            "joint",
+            "--interface",
+            "cl",
+            "--no-cl-unit-mse",
+            "--no-decoder-memory-norm",
+        ),
+        None,
+    ),
     "vq-joint": (3, "mono", ("--stage", "joint", "--interface", "vq"), None),
+    "vq-joint-continuous": (
+        3,
+        "mono",
+        ("--stage", "joint", "--interface", "vq", "--decoder-continuous", "0.5"),
+        None,
+    ),
     "vq-joint-extractor": (
         3,
         "mono",

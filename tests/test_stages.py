@@ -48,12 +48,18 @@ def random_batch(config: ModelConfig, seed: int = 0, batch: int = 6, length: int
 
 
 def model_for(
-    kind: str, config: ModelConfig, cl_unit_logits: bool = False, **objective: object
+    kind: str,
+    config: ModelConfig,
+    cl_unit_logits: bool = False,
+    cl_unit_mse: bool = False,
+    **objective: object,
 ) -> SemFaceModel:
     torch.manual_seed(0)
     table = torch.randn(config.vocab_size, config.d_model) * 0.3
     cl_table = table if kind == "cl" else None
-    interface = build_interface(kind, config, cl_table=cl_table, cl_unit_logits=cl_unit_logits)
+    interface = build_interface(
+        kind, config, cl_table=cl_table, cl_unit_logits=cl_unit_logits, cl_unit_mse=cl_unit_mse
+    )
     return SemFaceModel(config, interface, SPECIAL, ObjectiveConfig(**objective))  # type: ignore[arg-type]
 
 
@@ -72,12 +78,13 @@ def test_mse_weight_follows_the_width_unless_given() -> None:
     assert model_for("cl", tiny()).objective.weight_of("mse") == 1.0
 
 
-@pytest.mark.parametrize("unit_logits", [False, True])
-def test_cl_encoder_loss_is_eq_1(unit_logits: bool) -> None:
+@pytest.mark.parametrize(("unit_logits", "unit_mse"), [(False, False), (True, False), (True, True)])
+def test_cl_encoder_loss_is_eq_1(unit_logits: bool, unit_mse: bool) -> None:
     """MLM on LN(h) with the tied table (divided by sqrt(d) with --cl-unit-logits), plus the
-    MSE between h (before LN) and W_target, the table's own row."""
+    MSE between h (before LN) and W_target, the table's own row (divided by sqrt(d), a unit
+    vector at the VecMap scale, with --cl-unit-mse)."""
     config = tiny()
-    model = model_for("cl", config, cl_unit_logits=unit_logits).eval()
+    model = model_for("cl", config, cl_unit_logits=unit_logits, cl_unit_mse=unit_mse).eval()
     batch = random_batch(config)
     out = model.encoder_loss(batch, torch.Generator().manual_seed(5))
 
@@ -100,7 +107,8 @@ def test_cl_encoder_loss_is_eq_1(unit_logits: bool) -> None:
         output = table / math.sqrt(config.d_model) if unit_logits else table
         logits = encoded.hidden_BTD[b, t] @ output.t() + model.mlm_bias
         nll += -torch.log_softmax(logits, -1)[x]
-        sq += ((table[x] - encoded.pre_norm_BTD[b, t]) ** 2).sum()  # Eq. 1: over dimensions
+        wanted = table[x] / math.sqrt(config.d_model) if unit_mse else table[x]
+        sq += ((wanted - encoded.pre_norm_BTD[b, t]) ** 2).sum()  # Eq. 1: over dimensions
         count += 1
     torch.testing.assert_close(out.components["enc_mlm"], nll / count)
     torch.testing.assert_close(out.components["enc_mse"], sq / count)
@@ -277,6 +285,69 @@ def test_cl_decoder_stage_can_read_the_encoders_output() -> None:
         assert any(_grads(list(model.encoder.parameters()))) == (codes == "encoder-trained")
         assert model.interface.table.grad is None
         assert any(_grads(list(model.decoder.parameters())))
+
+
+def test_the_memory_norm_feeds_the_decoder_stage_the_table_rows_through_the_encoders_norm() -> None:
+    """--decoder-memory-norm: the decoder stage reads LN(E(C(x))) with the encoder's final
+    LayerNorm (a direct computation), the normalisation the connected decoder's memory comes
+    through; its loss trains neither that norm nor the table."""
+    config, batch = tiny(), random_batch(tiny(), batch=3)
+    model = model_for("cl", config, decoder_memory_norm=True, decoder_noise=False).eval()
+    norm = model.encoder.final_norm
+    with torch.no_grad():  # away from LayerNorm's identity affine, so the check can fail
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    out = model.decoder_loss(batch, torch.Generator().manual_seed(0))
+    mask = lengths_to_mask(batch.lengths_B, batch.tokens_BT.shape[1])
+    with torch.no_grad():
+        rows = model.interface.table[batch.tokens_BT]
+        normed = torch.nn.functional.layer_norm(
+            rows, (config.d_model,), norm.weight, norm.bias, norm.eps
+        )
+        nll, count = teacher_forced_nll(model.decoder, SPECIAL, batch, normed, mask)
+        raw, _ = teacher_forced_nll(model.decoder, SPECIAL, batch, rows, mask)
+    torch.testing.assert_close(out.components["dec_clm"], torch.tensor(nll / count))
+    assert abs(raw - nll) > 1e-3  # the rows as they are give another loss
+    out.loss.backward()
+    assert norm.weight.grad is None and norm.bias.grad is None
+    assert model.interface.table.grad is None
+    assert any(_grads(list(model.decoder.parameters())))
+
+
+def test_decoder_continuous_reads_the_encoders_output_at_its_share_in_training() -> None:
+    """--decoder-continuous: in training, that share of tokens reads the encoder's own
+    output instead of its code; at share 1 the decoder stage reads the output alone (a direct
+    computation), at 0 the codes alone, and in evaluation the codes whatever the share."""
+    config, batch = tiny(), random_batch(tiny())
+    src, src_lengths = append_token(batch.tokens_BT, batch.lengths_B, SPECIAL.eos, SPECIAL.pad)
+    mask = lengths_to_mask(src_lengths, src.shape[1])
+    model = model_for(
+        "vq", config, decoder_codes="encoder", decoder_continuous=1.0, decoder_noise=False
+    )
+    plain = model.decoder_loss(batch, torch.Generator().manual_seed(0))  # training mode
+    with torch.no_grad():
+        hidden = model.encoder(src, mask, batch.langs_B).hidden_BTD
+        nll, count = teacher_forced_nll(model.decoder, SPECIAL, batch, hidden, mask)
+    torch.testing.assert_close(plain.components["dec_clm"], torch.tensor(nll / count))
+    codes_only = model_for("vq", config, decoder_codes="encoder", decoder_noise=False).eval()
+    mixed = model_for(
+        "vq", config, decoder_codes="encoder", decoder_continuous=0.5, decoder_noise=False
+    ).eval()
+    torch.testing.assert_close(
+        mixed.decoder_loss(batch, torch.Generator().manual_seed(0)).loss,
+        codes_only.decoder_loss(batch, torch.Generator().manual_seed(0)).loss,
+        rtol=0,
+        atol=0,
+    )
+    assert (
+        abs(
+            float(plain.components["dec_clm"])
+            - float(
+                mixed.decoder_loss(batch, torch.Generator().manual_seed(0)).components["dec_clm"]
+            )
+        )
+        > 1e-3
+    )  # codes and outputs differ: the check can fail
 
 
 def test_extractor_diversity_trains_the_extractor_with_the_encoders_terms() -> None:

@@ -36,6 +36,7 @@ def test_every_option_survives_the_command_line() -> None:
         cl_trainable=True,
         init_from=Path("runs/encoder"),
         decoder_objective="mlm",
+        decoder_memory_norm=True,
         mse_weight=0.5,
         diversity_weight=1.0,
         l2_weight=0.0,
@@ -87,8 +88,9 @@ def test_every_option_survives_the_command_line() -> None:
         if getattr(config, f.name) == getattr(defaults, f.name)
     ]
     # --register-model needs a tracked fine-tuning run, --finetune-ras supervised
-    # fine-tuning, --decoder-codes encoder no --extractor-diversity: below.
-    assert same == ["decoder_codes", "finetune_ras", "register_model"], (
+    # fine-tuning, --decoder-codes encoder (and --decoder-continuous, which reads the
+    # encoder's codes) no --extractor-diversity: below.
+    assert same == ["decoder_continuous", "decoder_codes", "finetune_ras", "register_model"], (
         "set these fields away from their defaults"
     )
     assert parse_train_argv(train_argv(config)) == config
@@ -105,8 +107,13 @@ def test_every_option_survives_the_command_line() -> None:
     for codes in ("extractor", "encoder", "encoder-trained"):
         tied = TrainConfig(stage="joint", interface="vq", decoder_codes=codes, **PATHS)
         assert parse_train_argv(train_argv(tied)) == tied
-    table_rows = TrainConfig(stage="joint", interface="cl", cl_unit_logits=False, **PATHS)
-    assert parse_train_argv(train_argv(table_rows)) == table_rows
+    mixed = TrainConfig(stage="joint", interface="vq", decoder_continuous=0.5, **PATHS)
+    assert parse_train_argv(train_argv(mixed)) == mixed
+    for changed in ({"cl_unit_logits": False}, {"cl_unit_mse": False}):
+        table_rows = TrainConfig(stage="joint", interface="cl", **changed, **PATHS)
+        assert parse_train_argv(train_argv(table_rows)) == table_rows
+    raw = TrainConfig(stage="joint", interface="cl", decoder_memory_norm=False, **PATHS)
+    assert parse_train_argv(train_argv(raw)) == raw
 
 
 def test_the_cl_mlm_reads_unit_rows_by_default_where_there_is_one() -> None:
@@ -121,6 +128,38 @@ def test_the_cl_mlm_reads_unit_rows_by_default_where_there_is_one() -> None:
     assert not parse_train_argv(["--stage", "joint", "--interface", "vq", *base]).cl_unit_logits
     with pytest.raises(ValueError, match="--interface cl and --stage encoder or joint"):
         TrainConfig(stage="decoder", interface="cl", cl_unit_logits=True, **PATHS)
+
+
+def test_the_connection_options_default_by_stage_and_refuse_where_they_mean_nothing() -> None:
+    """CL-SemFace's MSE takes unit rows in the stages with an MLM, and its joint stage's
+    decoder reads the table's rows through the encoder's final norm; VQ keeps its memory.
+    Each option refuses a stage or interface where it has nothing to act on."""
+    base = ["--data", "d", "--spm-model", "s", "--output-dir", "o", "--cl-table", "t"]
+    joint = parse_train_argv(["--stage", "joint", "--interface", "cl", *base])
+    assert joint.cl_unit_mse and joint.decoder_memory_norm
+    encoder = parse_train_argv(["--stage", "encoder", "--interface", "cl", *base])
+    assert encoder.cl_unit_mse and not encoder.decoder_memory_norm
+    vq = parse_train_argv(["--stage", "joint", "--interface", "vq", *base])
+    assert not vq.cl_unit_mse and not vq.decoder_memory_norm and vq.decoder_continuous == 0
+    own = ["--decoder-codes", "encoder-trained"]
+    cl_own = parse_train_argv(["--stage", "joint", "--interface", "cl", *own, *base])
+    assert not cl_own.decoder_memory_norm  # the encoder's output is normed already
+    with pytest.raises(ValueError, match="--cl-unit-mse"):
+        TrainConfig(stage="joint", interface="vq", cl_unit_mse=True, **PATHS)
+    with pytest.raises(ValueError, match="--decoder-memory-norm"):
+        TrainConfig(stage="encoder", interface="cl", decoder_memory_norm=True, **PATHS)
+    with pytest.raises(ValueError, match="--decoder-memory-norm"):
+        TrainConfig(
+            stage="joint",
+            interface="vq",
+            decoder_codes="encoder-trained",
+            decoder_memory_norm=True,
+            **PATHS,
+        )
+    with pytest.raises(ValueError, match="--decoder-continuous"):
+        TrainConfig(stage="joint", interface="vq", decoder_continuous=1.5, **PATHS)
+    with pytest.raises(ValueError, match="--decoder-continuous"):
+        TrainConfig(stage="joint", interface="cl", decoder_continuous=0.5, **PATHS)
 
 
 def test_the_cl_table_is_trained_by_default_in_the_joint_stage_only() -> None:

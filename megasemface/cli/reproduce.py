@@ -25,7 +25,13 @@ import typing
 from pathlib import Path
 
 from megasemface.cli.parsing import CommandParser
-from megasemface.pipeline.config import BUDGETS, PipelineConfig, parse_languages, parse_seeds
+from megasemface.pipeline.config import (
+    BUDGETS,
+    PipelineConfig,
+    parse_finetune_grid,
+    parse_languages,
+    parse_seeds,
+)
 from megasemface.pipeline.systems import ABLATIONS, PAPER_SCALE, RELATED, SETTINGS, SYSTEMS
 
 __all__ = ["build_parser", "config_from_args", "main", "run"]
@@ -99,6 +105,12 @@ def build_parser(
         help="every training run compiles its Transformer layers (train.py --compile)",
     )
     add("--lr", type=float, help="fine-tuning peak learning rate")
+    add(
+        "--finetune-grid",
+        help="fine-tuning settings tried per system and seed, LR or LR:WARMUP, comma-separated "
+        "(e.g. 1e-3:400,2e-3:100,4e-3:100): the one with the highest validation BLEU is "
+        "tested (default: the budget's, else --lr with --warmup-steps alone)",
+    )
     add("--pretrain-lr", type=float, help="pre-training learning rate")
     add("--denoise-schedule")
     add("--deepspeed-config", type=Path)
@@ -133,7 +145,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     budget = BUDGETS[args.budget]
     values: dict[str, object] = dict(budget)
     values.setdefault("workdir", Path("runs") / args.budget)
-    omitted = {"systems", "settings", "seeds", "languages"}
+    omitted = {"systems", "settings", "seeds", "languages", "finetune_grid"}
     names = {f.name for f in dataclasses.fields(PipelineConfig)} - omitted
     for name, value in vars(args).items():
         if name in names and value not in (None, []):
@@ -151,6 +163,10 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     values["model_options"] = tuple(args.model_options)
     if args.seeds is not None:
         values["seeds"] = parse_seeds(args.seeds)
+    if args.finetune_grid is not None:
+        values["finetune_grid"] = parse_finetune_grid(args.finetune_grid)
+    elif args.lr is not None or args.warmup_steps is not None:
+        values["finetune_grid"] = ()  # the setting asked for, not the budget's grid
     if args.languages is not None:
         values["languages"] = parse_languages(args.languages)
         if args.workdir is None:  # its own, beside (never inside) a single pair's

@@ -1,15 +1,16 @@
 """CL-SemFace: a pre-trained cross-lingual subword embedding table as the interface.
 
-Encoder stage (the paper's Eq. 1): the MLM output layer's weights are the table (tied, kept
-fixed by default), and an MSE loss pulls the last layer's activation before the final
-LayerNorm towards the table row of the ground-truth token, so that encoder outputs live on
-the table's scale. Decoder stage: the memory is the fixed table rows of a noised copy of the
-sentence, E(C(x)), standing in for an encoder that maps every language into that space.
+Encoder stage (the paper's Eq. 1): the MLM output layer's weights are the table (tied), and
+an MSE loss pulls the last layer's activation before the final LayerNorm towards the table
+row of the ground-truth token, so that the encoder's outputs land where the decoder stage's
+memory is. Decoder stage: the memory is the table rows of a noised copy of the sentence,
+E(C(x)), standing in for an encoder that maps every language into that space.
 
-The MSE is Eq. 1's squared distance ||W_i - h_i||^2, summed over the dimensions of each
-predicted token and averaged over the tokens, as the MLM term is. A mean over the dimensions
-too would weigh it 1/d_model of Eq. 1 and leave the encoder's outputs far from the table
-(cosine 0.31-0.35 with their own rows at the demo budget).
+The table's rows have norm sqrt(d_model), the scale of the model's activations. The paper's
+VecMap vectors are unit length, so its squared distance ||W_i - h_i||^2, summed over the
+dimensions, stays near 2 - 2 cos: ``unit_mse`` takes the rows at that scale, divided by
+sqrt(d_model), as the target (the MLM output layer reads them so with ``unit_logits``).
+Against the rows as they are the distance grows with the width and outweighs the MLM.
 """
 
 from __future__ import annotations
@@ -64,7 +65,11 @@ class CrossLingualInterface(SemanticInterface):
     kind = "cl"
 
     def __init__(
-        self, table_VD: torch.Tensor, trainable: bool = False, unit_logits: bool = False
+        self,
+        table_VD: torch.Tensor,
+        trainable: bool = False,
+        unit_logits: bool = False,
+        unit_mse: bool = False,
     ) -> None:
         super().__init__()
         # A Parameter (not a buffer) so that it is checkpointed and can be tuned on request;
@@ -74,6 +79,8 @@ class CrossLingualInterface(SemanticInterface):
         # norm about sqrt(d) give logits up to d, a softmax so peaked that the MLM loss stays
         # above a uniform guess; divided by sqrt(d) the rows are unit vectors, as VecMap's.
         self.output_scale = table_VD.shape[1] ** -0.5 if unit_logits else 1.0
+        # Eq. 1's target at the unit length of VecMap's vectors (see the module docstring).
+        self.mse_scale = table_VD.shape[1] ** -0.5 if unit_mse else 1.0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The table rows of ``ids``. Read through this module call rather than by indexing
@@ -85,7 +92,7 @@ class CrossLingualInterface(SemanticInterface):
     def encoder_head(self, encoded: EncoderOutput, targets_BT: torch.Tensor) -> EncoderHeadOutput:
         selected = targets_BT != -100
         pre_norm_ND = encoded.pre_norm_BTD[selected]
-        wanted_ND = self(targets_BT[selected])
+        wanted_ND = self(targets_BT[selected]) * self.mse_scale
         mse = (pre_norm_ND.float() - wanted_ND.float()).pow(2).sum(dim=-1).mean()
         features = select_targets(encoded.hidden_BTD, targets_BT)
         return EncoderHeadOutput(features, {"mse": mse}, {})

@@ -23,6 +23,7 @@ def build_interface(
     cl_table: torch.Tensor | str | Path | None = None,
     cl_trainable: bool = False,
     cl_unit_logits: bool = False,
+    cl_unit_mse: bool = False,
 ) -> SemanticInterface:
     """The interface ``kind`` for a model of shape ``config``.
 
@@ -38,5 +39,6 @@ def build_interface(
         cl_table=cl_table,
         cl_trainable=cl_trainable,
         cl_unit_logits=cl_unit_logits,
+        cl_unit_mse=cl_unit_mse,
     )
     return spec.build(config, options)

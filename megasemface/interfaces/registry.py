@@ -56,6 +56,7 @@ class BuildOptions:
     """A [vocab_size, d_model] tensor or a safetensors file of one."""
     cl_trainable: bool = False
     cl_unit_logits: bool = False
+    cl_unit_mse: bool = False
 
 
 Builder = Callable[["ModelConfig", BuildOptions], "SemanticInterface"]
@@ -164,7 +165,10 @@ def _build_cl(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
             f"[{config.vocab_size}, {config.d_model}]"
         )
     return CrossLingualInterface(
-        table, trainable=options.cl_trainable, unit_logits=options.cl_unit_logits
+        table,
+        trainable=options.cl_trainable,
+        unit_logits=options.cl_unit_logits,
+        unit_mse=options.cl_unit_mse,
     )
 
 

@@ -11,7 +11,10 @@ Shapes: B batch, T length, N predicted tokens, D model size, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megasemface.interfaces.base import InterfaceMemory, SemanticInterface
@@ -33,7 +36,16 @@ from megasemface.objectives.sequences import (
 )
 from megasemface.stages import stage
 
-__all__ = ["SemFaceModel"]
+__all__ = ["SemFaceModel", "through_final_norm"]
+
+
+def through_final_norm(encoder: TransformerEncoder, memory_BSD: torch.Tensor) -> torch.Tensor:
+    """``memory`` through the encoder's final LayerNorm, its weights held fixed: the
+    normalisation the connected decoder's memory, the encoder's output, comes through."""
+    norm = encoder.final_norm
+    weight = norm.weight.detach() if norm.weight is not None else None
+    bias = norm.bias.detach() if norm.bias is not None else None
+    return F.layer_norm(memory_BSD, norm.normalized_shape, weight, bias, norm.eps)
 
 
 class SemFaceModel(nn.Module):
@@ -80,6 +92,8 @@ class SemFaceModel(nn.Module):
         output layers and the interface's weights (read by interface methods). ZeRO-3 must
         gather them for the whole of ``forward``; the engine registers them."""
         params = [self.encoder.embed.tokens.weight, *self.interface.external_parameters()]
+        # The decoder stage reads its memory through the encoder's final norm.
+        params += [self.encoder.final_norm.weight, self.encoder.final_norm.bias]
         if self.decoder is not None:
             params += [self.decoder.embed.tokens.weight, self.decoder.output_bias]
         return params
@@ -152,11 +166,14 @@ class SemFaceModel(nn.Module):
             )
         if obj.decoder_codes != "extractor":
             trained = obj.decoder_codes == "encoder-trained"
-            memory = self._encoder_codes(source, source_lengths, batch.langs_B, trained)
+            memory = self._encoder_codes(source, source_lengths, batch.langs_B, trained, generator)
         else:
             memory = self.interface.decoder_memory(
                 source, lengths_to_mask(source_lengths, source.shape[1]), batch.langs_B
             )
+        if obj.decoder_memory_norm:
+            normed = through_final_norm(self.encoder, memory.memory_BSD)
+            memory = dataclasses.replace(memory, memory_BSD=normed)
         if obj.decoder_objective == "clm":
             tags = torch.tensor(sp.lang_tags, device=batch.langs_B.device)[batch.langs_B]
             inputs, lengths = prepend_tokens(batch.tokens_BT, batch.lengths_B, tags)
@@ -197,18 +214,28 @@ class SemFaceModel(nn.Module):
         lengths_B: torch.Tensor,
         langs_B: torch.Tensor,
         trained: bool,
+        generator: torch.Generator,
     ) -> InterfaceMemory:
         """The interface's memory of the encoder's own output for ``tokens</s>`` (as the
         encoder reads a sentence): its codes (VQ) or the output itself (CL); the decoder
         stage's gradient reaches the encoder only when ``trained``, and never the VQ layer's
-        weights."""
+        weights. With ``decoder_continuous``, that share of the tokens, drawn from
+        ``generator``, reads the output itself."""
         tokens_BT, lengths_B = append_token(
             tokens_BT, lengths_B, self.special.eos, self.special.pad
         )
         mask_BT = lengths_to_mask(lengths_B, tokens_BT.shape[1])
         with torch.set_grad_enabled(trained and torch.is_grad_enabled()):
             hidden_BTD = self.encoder(tokens_BT, mask_BT, langs_B).hidden_BTD
-        return self.interface.features_memory(hidden_BTD, mask_BT)
+        memory = self.interface.features_memory(hidden_BTD, mask_BT)
+        share = self.objective.decoder_continuous
+        if share > 0 and self.training:
+            drawn = torch.rand(mask_BT.shape, generator=generator, device=generator.device)
+            continuous = (drawn < share).to(hidden_BTD.device)[..., None]
+            codes = memory.memory_BSD
+            mixed = torch.where(continuous, hidden_BTD.to(codes.dtype), codes)
+            memory = dataclasses.replace(memory, memory_BSD=mixed)
+        return memory
 
     def joint_loss(
         self,

@@ -76,6 +76,18 @@ class ObjectiveConfig:
     beside the MLM, not separately. CL-SemFace: ``extractor`` is the table's rows of the
     noised copy (the paper's), ``encoder`` and ``encoder-trained`` the encoder's outputs for
     it, as the connected decoder reads them."""
+    decoder_memory_norm: bool = False
+    """The decoder stage reads its interface memory through the encoder's final LayerNorm,
+    with the norm's weights held fixed (the decoder's loss trains only the decoder). The
+    connected decoder reads the encoder's output, which comes through that norm; CL-SemFace's
+    table rows of the noised copy become LN(E(C(x))), what the encoder emits for a token
+    whose activation before the norm has met its Eq. 1 target."""
+    decoder_continuous: float = 0.0
+    """With ``decoder_codes`` ``encoder`` or ``encoder-trained``: the share of tokens at which
+    the decoder stage reads the encoder's continuous output instead of the interface's
+    memory of it (VQ: its code), drawn per token, so that the cross-attention is
+    pre-trained on the memory the connected model gives it too. 0: the interface's memory
+    alone."""
     infill_ratio: float = 0.35
     """mBART baseline: share of tokens masked in Poisson spans."""
     poisson_lambda: float = 3.5
@@ -88,6 +100,8 @@ class ObjectiveConfig:
             raise ValueError(
                 f"decoder_codes must be one of {', '.join(DECODER_CODES)}, got {self.decoder_codes}"
             )
+        if not 0 <= self.decoder_continuous <= 1:
+            raise ValueError(f"decoder_continuous must be in [0, 1], got {self.decoder_continuous}")
         if not 0 < self.mlm_prob < 1:
             raise ValueError(f"mlm_prob must be in (0, 1), got {self.mlm_prob}")
 

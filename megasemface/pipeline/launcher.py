@@ -206,6 +206,8 @@ def changed_settings(run_dir: Path, config: TrainConfig) -> list[str]:
     # extractor and the table's rows as they are.
     defaults["decoder_codes"] = "extractor"
     defaults["cl_unit_logits"] = False
+    defaults["cl_unit_mse"] = False
+    defaults["decoder_memory_norm"] = False
     changes = []
     for name, wanted in config.to_dict().items():
         if name in _NOT_RESULTS:

@@ -52,7 +52,8 @@ from megasemface.pipeline.launcher import (
     run_logged,
     training_complete,
 )
-from megasemface.pipeline.report import Report, build_report
+from megasemface.pipeline.report import GridChoice, Report, build_report
+from megasemface.pipeline.scores import best_valid_bleu
 from megasemface.pipeline.systems import System
 from megasemface.tracking.model_registry import default_model_name, register_best_model
 from megasemface.tracking.report_run import log_report_run
@@ -101,6 +102,9 @@ class Pipeline:
         fusion's fine-tuning data."""
         self.diagnostics: list[tuple[str, int, dict[str, Any]]] = []
         """(system, seed, figures) of every SemFace pre-training, for the report."""
+        self.grid: list[GridChoice] = []
+        """Every fine-tuning's settings tried and the one chosen on validation (with a
+        ``finetune_grid``), for the report."""
         self.by_pair: dict[str, PairData] = {}
         """Several languages: each pair's parallel shards, validation and test sets (one
         pair: ``parallel``, ``valid`` and ``test``)."""
@@ -204,6 +208,7 @@ class Pipeline:
             self.test,
             diagnostics=self.diagnostics,
             pair_tests=tests or None,
+            grid=self.grid,
         )
         run_id = log_report_run(
             self.tracking_uri, cfg.experiment_name, self.workdir, report.markdown, report.plots
@@ -244,7 +249,7 @@ class Pipeline:
                     self._step(
                         f"fine-tuning {system.display}, {on}{setting}{of_seed}", "fine-tuning"
                     )
-                    run_dir = self.finetune(system, setting, inits[system.key], seed, pair)
+                    run_dir = self.finetune_chosen(system, setting, inits[system.key], seed, pair)
                     self._step(
                         f"translating the {on}test set with {system.display}, {setting}{of_seed}",
                         "translation",
@@ -431,13 +436,25 @@ class Pipeline:
         return out
 
     def finetune_config(
-        self, system: System, setting: str, init: Path | None, seed: int, pair: str | None = None
+        self,
+        system: System,
+        setting: str,
+        init: Path | None,
+        seed: int,
+        pair: str | None = None,
+        choice: tuple[float, int] | None = None,
     ) -> TrainConfig:
         """The fine-tuning run of ``system`` in ``setting``, from the connected model
         ``init`` (None: from scratch), with the system's fine-tuning options; on ``pair`` of
-        several (run ``<setting>-<system>-<pair>``, tagged ``pair``), else the one pair."""
+        several (run ``<setting>-<system>-<pair>``, tagged ``pair``), else the one pair.
+        ``choice``: its (peak learning rate, warm-up steps), one of a grid's (the run named
+        ``...-lr<lr>-w<warm-up>``); None: the pipeline's ``lr`` and ``warmup_steps``."""
         cfg = self.config
         name = f"{setting}-{system.key}" if pair is None else f"{setting}-{system.key}-{pair}"
+        lr, warmup = cfg.lr, cfg.warmup_steps
+        if choice is not None:
+            lr, warmup = choice
+            name += f"-lr{lr:g}-w{warmup}"
         run_dir = self.workdir / "runs" / seeded(name, seed)
         tags = [f"system={system.display}", f"system_key={system.key}", f"setting={setting}"]
         tags += [f"pair={pair}"] if pair is not None else []
@@ -462,8 +479,8 @@ class Pipeline:
             valid_prefix=valid,
             valid_interval=cfg.valid_interval,
             valid_max_sentences=cfg.valid_sentences,
-            warmup_steps=cfg.warmup_steps,
-            lr=cfg.lr,
+            warmup_steps=warmup,
+            lr=lr,
             denoise_schedule=cfg.denoise_schedule,
             no_repeat_ngram_size=cfg.no_repeat_ngram(setting),
             init_from=init,
@@ -472,11 +489,37 @@ class Pipeline:
         )
 
     def finetune(
-        self, system: System, setting: str, init: Path | None, seed: int, pair: str | None = None
+        self,
+        system: System,
+        setting: str,
+        init: Path | None,
+        seed: int,
+        pair: str | None = None,
+        choice: tuple[float, int] | None = None,
     ) -> Path:
-        config = self.finetune_config(system, setting, init, seed, pair)
+        config = self.finetune_config(system, setting, init, seed, pair, choice)
         self._train(config)
         return config.output_dir
+
+    def finetune_chosen(
+        self, system: System, setting: str, init: Path | None, seed: int, pair: str | None = None
+    ) -> Path:
+        """The fine-tuning run to test: the one run, or of a ``finetune_grid``'s runs the
+        one whose best validation BLEU is highest (the first of equals)."""
+        choices = self.config.finetune_choices
+        if not self.config.finetune_grid:
+            return self.finetune(system, setting, init, seed, pair)
+        scores: dict[tuple[float, int], float] = {}
+        runs: dict[tuple[float, int], Path] = {}
+        for choice in choices:
+            print(f"   peak learning rate {choice[0]:g}, {choice[1]} warm-up steps", flush=True)
+            runs[choice] = self.finetune(system, setting, init, seed, pair, choice)
+            scores[choice] = best_valid_bleu(runs[choice])
+        chosen = max(choices, key=lambda choice: scores[choice])
+        self.grid.append(GridChoice(system.display, setting, seed, pair, scores, chosen))
+        shown = ", ".join(f"{lr:g}/{w}: {scores[lr, w]:.2f}" for lr, w in choices)
+        print(f"   best validation BLEU by lr/warm-up: {shown}; chosen {chosen[0]:g}/{chosen[1]}")
+        return runs[chosen]
 
     # Test scores ----------------------------------------------------------------------------
 

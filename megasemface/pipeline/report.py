@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from megasemface.data.text.lines import read_lines
 from megasemface.evaluation.metrics import evaluate
@@ -32,12 +32,14 @@ from megasemface.tracking.compare import (
 )
 
 __all__ = [
+    "GridChoice",
     "Report",
     "baseline_of",
     "build_report",
     "copy_scores",
     "describe_seeds",
     "diagnostics_table",
+    "grid_table",
     "paper_table",
 ]
 
@@ -212,6 +214,36 @@ def _compare(
     )
 
 
+class GridChoice(NamedTuple):
+    """One fine-tuning's grid: each setting's best validation BLEU and the one chosen."""
+
+    system: str
+    setting: str
+    seed: int
+    pair: str | None
+    scores: dict[tuple[float, int], float]
+    """(peak learning rate, warm-up steps) -> the run's best validation BLEU."""
+    chosen: tuple[float, int]
+
+
+def grid_table(rows: Sequence[GridChoice]) -> str:
+    """Markdown: per system, setting, seed (and pair), the best validation BLEU of every
+    fine-tuning setting tried, the chosen one in bold."""
+    choices = list(dict.fromkeys(choice for row in rows for choice in row.scores))
+    pairs = any(row.pair for row in rows)
+    header = ["system", "setting", "seed", *(["pair"] if pairs else [])]
+    header += [f"lr {lr:g}, warm-up {w}" for lr, w in choices]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [row.system, row.setting, str(row.seed), *([row.pair or "-"] if pairs else [])]
+        for choice in choices:
+            score = row.scores.get(choice)
+            text = "-" if score is None else f"{score:.2f}"
+            cells.append(f"**{text}**" if choice == row.chosen else text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def diagnostics_table(rows: Sequence[tuple[str, int, dict[str, Any]]]) -> str:
     """Markdown: per system, seed and language, the interface diagnostics (as
     ``Diagnostics.to_dict()`` gives them) that say whether the interface connects: codes the
@@ -248,6 +280,7 @@ def build_report(
     test_prefix: Path | None = None,
     diagnostics: Sequence[tuple[str, int, dict[str, Any]]] = (),
     pair_tests: dict[str, Path] | None = None,
+    grid: Sequence[GridChoice] = (),
 ) -> Report:
     """``test_prefix``: the test set (``<prefix>.<lang>``), for the copy-the-source floor and
     the paired tests (without it, the tables have no p-values). ``diagnostics``: (system,
@@ -324,6 +357,9 @@ def build_report(
             parts += [section.note, ""]
     if floor:
         parts += [f"For reference, {floor}.\n"]
+    if grid:
+        heading = "## fine-tuning settings chosen on validation (best validation BLEU)\n"
+        parts += [heading, grid_table(grid), ""]
     if diagnostics:
         heading = "## interface diagnostics (validation text; tools/diagnose_interface.py)\n"
         parts += [heading, diagnostics_table(diagnostics), ""]

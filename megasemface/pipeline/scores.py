@@ -14,6 +14,7 @@ to seed is what the standard deviation shows; with few seeds, read both.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -21,11 +22,13 @@ from pathlib import Path
 
 from megasemface.data.text.lines import read_lines
 from megasemface.evaluation.significance import PairedResult, paired_bootstrap
+from megasemface.pipeline.launcher import LaunchError
 from megasemface.tracking.compare import RunRecord
 
 __all__ = [
     "SystemScores",
     "baseline_key",
+    "best_valid_bleu",
     "collect_pairs",
     "collect_systems",
     "hypotheses_file",
@@ -204,3 +207,19 @@ def paired_p_values(
         else:
             results[direction] = paired_bootstrap(theirs, ours, references * len(seeds))
     return results
+
+
+def best_valid_bleu(run_dir: Path) -> float:
+    """The validation BLEU of a fine-tuning run's best model (``<run>/best``).
+
+    Raises:
+        LaunchError: the run kept no best model (it never validated).
+    """
+    record = run_dir / "best" / "config.json"
+    try:
+        return float(json.loads(record.read_text(encoding="utf-8"))["meta"]["valid_bleu"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LaunchError(
+            f"{record}: no best model with a validation BLEU ({exc}); the grid chooses on "
+            "validation: give --valid-interval at most --finetune-steps"
+        ) from exc

@@ -283,7 +283,8 @@ ABLATIONS: dict[str, System] = {
             "CL-SemFace, decoder on the encoder's output",
             "joint",
             "cl",
-            {"decoder_codes": "encoder-trained"},
+            # The encoder's output is normed already.
+            {"decoder_codes": "encoder-trained", "decoder_memory_norm": False},
         ),
         System(
             "vq-bridge",
@@ -310,6 +311,42 @@ ABLATIONS: dict[str, System] = {
             "vq",
             finetune={"finetune_ras": True},
             pretraining="vq",
+        ),
+        System(
+            "cl-table-mse",
+            "CL-SemFace, MSE to the table's rows at norm sqrt(d)",
+            "joint",
+            "cl",
+            {"cl_unit_mse": False},
+        ),
+        System(
+            "cl-raw-memory",
+            "CL-SemFace, decoder on the table's rows as they are",
+            "joint",
+            "cl",
+            {"decoder_memory_norm": False},
+        ),
+        System(
+            "vq-continuous",
+            "VQ-SemFace, decoder on codes and the encoder's output",
+            "joint",
+            "vq",
+            {"decoder_continuous": 0.5},
+        ),
+        System(
+            "cl-paper",
+            "CL-SemFace as printed",
+            "joint",
+            "cl",
+            {"cl_trainable": False, "decoder_memory_norm": False},
+        ),
+        System(
+            "vq-paper",
+            "VQ-SemFace as printed",
+            "joint",
+            "vq",
+            {"decoder_codes": "extractor", "token_entropy_weight": 0.0, "diversity_weight": 1.0},
+            model={"vq.logits": "mlp", "vq.diversity_loss": "eq6", "extractor_layers": 2},
         ),
         System(
             "vq-bt-len",

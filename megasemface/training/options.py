@@ -20,10 +20,8 @@ from megasemface.interfaces.registry import DEFAULT, NONE, interface, interface_
 from megasemface.nn.config import ModelConfig, build_model_config
 from megasemface.stages import stage, stage_names
 from megasemface.training.fusion_options import parse_fusion_weights
+from megasemface.training.interface_options import DECODER_CODES, fill_interface_options
 from megasemface.training.schedules import parse_schedule
-
-# ObjectiveConfig.decoder_codes's values, repeated so that parsing options imports no torch.
-DECODER_CODES = ("extractor", "encoder", "encoder-trained")
 
 __all__ = [
     "TrainConfig",
@@ -83,6 +81,25 @@ class TrainConfig:
     give logits of d_model times a cosine and an MLM loss at chance. Default: on in the
     encoder and joint stages (ahead on validation at the study budget on both seeds
     measured, level at the demo budget over three; docs/reproduce.md)."""
+    cl_unit_mse: bool | None = None
+    """CL-SemFace: Eq. 1's MSE pulls the encoder's activations before its final LayerNorm to
+    the table's rows divided by sqrt(d_model), unit vectors as the paper's VecMap
+    embeddings are, so the squared distance stays near 2 - 2 cos at any width (weight 1 by
+    default). --no-cl-unit-mse: to the rows as they are, at norm sqrt(d_model), a distance
+    that grows with the width and outweighs the MLM. Default: on in the encoder and joint
+    stages."""
+    decoder_memory_norm: bool | None = None
+    """The decoder stage reads the interface's memory through the encoder's final LayerNorm
+    (its weights held fixed), the normalisation the connected decoder's memory, the
+    encoder's output, comes through: CL-SemFace's table rows of the noised copy become
+    LN(E(C(x))). Default: on for --interface cl --stage joint with the table's rows
+    (--decoder-codes extractor)."""
+    decoder_continuous: float = 0.0
+    """With --decoder-codes encoder or encoder-trained: the share of tokens, drawn per
+    token, at which the decoder stage reads the encoder's continuous output instead of the
+    interface's memory of it (VQ: its code), so that the cross-attention is pre-trained on
+    what the connected model gives it too (not in the paper). 0: the interface's memory
+    alone."""
     init_from: Path | None = None
     """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
     finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
@@ -259,7 +276,7 @@ class TrainConfig:
             )
         if not 0 <= self.label_smoothing < 1:
             raise ValueError("--label-smoothing must be in [0, 1)")
-        self._check_interface_options()
+        fill_interface_options(self)
         weights = ("mse_weight", "diversity_weight", "l2_weight", "commitment_weight")
         for name in (*weights, "token_entropy_weight"):  # < 0 would maximise its term
             if (getattr(self, name) or 0.0) < 0:
@@ -302,41 +319,6 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-
-    def _check_interface_options(self) -> None:
-        """The options of the SemFace interfaces: where each applies, and its default."""
-        run_stage, run_interface = stage(self.stage), interface(self.interface)
-        if self.extractor_diversity and not (run_interface.codebook and run_stage.decoder):
-            raise ValueError(
-                "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
-                "--interface vq and --stage decoder or joint"
-            )
-        if self.cl_trainable is None:
-            self.cl_trainable = run_interface.table and run_stage.joint
-        cl_mlm = run_interface.table and run_stage.encoder
-        if self.cl_unit_logits is None:
-            self.cl_unit_logits = cl_mlm
-        if self.cl_unit_logits and not cl_mlm:
-            raise ValueError(
-                "--cl-unit-logits scales CL-SemFace's MLM output layer: use it with "
-                "--interface cl and --stage encoder or joint"
-            )
-        if self.decoder_codes is None:
-            tied = run_interface.codebook and run_stage.joint and not self.extractor_diversity
-            self.decoder_codes = "encoder-trained" if tied else "extractor"
-        if self.decoder_codes not in DECODER_CODES:
-            raise ValueError(
-                f"--decoder-codes must be one of {', '.join(DECODER_CODES)}, "
-                f"got {self.decoder_codes!r}"
-            )
-        if self.decoder_codes != "extractor" and (
-            not run_interface.semface or not run_stage.joint or self.extractor_diversity
-        ):
-            raise ValueError(
-                f"--decoder-codes {self.decoder_codes} feeds the decoder stage the output of the "
-                "encoder trained beside it: use it with --interface vq or cl and --stage joint, "
-                "without --extractor-diversity (the extractor is then unused)"
-            )
 
     def _check_ras(self) -> None:
         """Random aligned substitution: where it runs, and that it has a dictionary."""
@@ -452,6 +434,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--cl-table", type=Path)
     add("--cl-trainable", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--cl-unit-logits", action=argparse.BooleanOptionalAction, default=None)  # by stage
+    add("--cl-unit-mse", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--init-from", type=Path)
     add("--decoder-objective", default=d.decoder_objective, choices=("clm", "mlm"))
     add("--mse-weight", type=float, default=d.mse_weight)
@@ -461,6 +444,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--token-entropy-weight", type=float, default=d.token_entropy_weight)
     add("--extractor-diversity", action="store_true")
     add("--decoder-codes", default=None, choices=DECODER_CODES)  # by stage: __post_init__
+    add("--decoder-memory-norm", action=argparse.BooleanOptionalAction, default=None)  # by stage
+    add("--decoder-continuous", type=float, default=d.decoder_continuous)
     add("--codebook-warn-fraction", type=float, default=d.codebook_warn_fraction)
     add("--mp-size", type=int, default=d.mp_size)
     add("--steps", type=int, default=d.steps)
@@ -534,7 +519,13 @@ def train_argv(config: TrainConfig) -> list[str]:
     return argv
 
 
-FILLED_IN = ("cl_trainable", "cl_unit_logits", "decoder_codes")
+FILLED_IN = (
+    "cl_trainable",
+    "cl_unit_logits",
+    "cl_unit_mse",
+    "decoder_codes",
+    "decoder_memory_norm",
+)
 """TrainConfig fields that default to None, which ``__post_init__`` replaces with a value
 chosen from the other fields."""
 

@@ -52,6 +52,7 @@ from megasemface.inference.translate import token_batches
 from megasemface.interfaces.cross_lingual import CrossLingualInterface
 from megasemface.interfaces.registry import find_interface
 from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
+from megasemface.models.semface import through_final_norm
 from megasemface.nn.transformer import EncoderOutput
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
 
@@ -239,7 +240,10 @@ def _nll_side(
     if models.interface_decoder is not None and interface is not None:
         if models.decoder_codes == "extractor":
             memory = interface.decoder_memory(batch.tokens_BT, mask, batch.langs_B)
-            memories["interface"] = (memory.memory_BSD, memory.mask_BS)
+            memory_BSD = memory.memory_BSD
+            if models.memory_norm and models.encoder is not None:
+                memory_BSD = through_final_norm(models.encoder, memory_BSD)
+            memories["interface"] = (memory_BSD, memory.mask_BS)
         elif "codes" in memories:  # the stage's decoder read the encoder's codes
             memories["interface"] = memories["codes"]
         elif models.encoder is not None:  # CL-SemFace's decoder read the encoder's output

@@ -80,6 +80,9 @@ class DiagnosticModels:
     decoder_codes: str
     """What picked the codes the stage's decoder was pre-trained on: ``extractor`` (the
     paper's feature extractor) or ``encoder`` (``--decoder-codes encoder``)."""
+    memory_norm: bool
+    """The stage's decoder read its interface memory through the encoder's final LayerNorm
+    (``--decoder-memory-norm``)."""
     step: int | None
     """The checkpoint's training step (None when unknown)."""
     mlflow_run_id: str | None
@@ -218,6 +221,7 @@ def load_models(
         connected_encoder=connected,
         bridge=bridge,
         decoder_codes=meta.get("train_config", {}).get("decoder_codes", "extractor"),
+        memory_norm=bool(meta.get("train_config", {}).get("decoder_memory_norm")),
         step=source.get("step"),
         mlflow_run_id=meta.get("mlflow_run_id") or None,
         sources=sources,

@@ -90,13 +90,16 @@ def objective_config_from(config: TrainConfig) -> ObjectiveConfig:
     """The pre-training losses' options and weights."""
     return ObjectiveConfig(
         decoder_objective=config.decoder_objective,
-        mse_weight=config.mse_weight,
+        # Eq. 1 at the unit scale is bounded at any width: weight 1, as the paper's.
+        mse_weight=1.0 if config.mse_weight is None and config.cl_unit_mse else config.mse_weight,
         diversity_weight=config.diversity_weight,
         l2_weight=config.l2_weight,
         commitment_weight=config.commitment_weight,
         token_entropy_weight=config.token_entropy_weight,
         extractor_diversity=config.extractor_diversity,
         decoder_codes=config.decoder_codes,  # type: ignore[arg-type]  # checked by TrainConfig
+        decoder_memory_norm=bool(config.decoder_memory_norm),
+        decoder_continuous=config.decoder_continuous,
     )
 
 

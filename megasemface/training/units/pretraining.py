@@ -70,6 +70,7 @@ class SemFaceUnit(_MonolingualUnit):
             cl_table=config.cl_table,
             cl_trainable=config.cl_trainable,
             cl_unit_logits=config.cl_unit_logits,
+            cl_unit_mse=config.cl_unit_mse,
         )
         model = SemFaceModel(
             self.model_config, interface, data.special, objective_config_from(config)

@@ -1,0 +1,84 @@
+"""The SemFace interfaces' training options: each one's default by stage and interface, and
+where each applies."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megasemface.interfaces.registry import interface
+from megasemface.stages import stage
+
+if TYPE_CHECKING:
+    from megasemface.training.options import TrainConfig
+
+__all__ = ["DECODER_CODES", "fill_interface_options"]
+
+# ObjectiveConfig.decoder_codes's values, repeated so that parsing options imports no torch.
+DECODER_CODES = ("extractor", "encoder", "encoder-trained")
+
+
+def fill_interface_options(config: TrainConfig) -> None:
+    """The options of the SemFace interfaces: where each applies, and its default (filled in
+    where the run left it None).
+
+    Raises:
+        ValueError: one line naming the option and where it applies.
+    """
+    run_stage, run_interface = stage(config.stage), interface(config.interface)
+    if config.extractor_diversity and not (run_interface.codebook and run_stage.decoder):
+        raise ValueError(
+            "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
+            "--interface vq and --stage decoder or joint"
+        )
+    if config.cl_trainable is None:
+        config.cl_trainable = run_interface.table and run_stage.joint
+    cl_mlm = run_interface.table and run_stage.encoder
+    where = "use it with --interface cl and --stage encoder or joint"
+    _default_where_it_applies(
+        config, "cl_unit_logits", cl_mlm, f"scales CL-SemFace's MLM output layer: {where}"
+    )
+    if config.decoder_codes is None:
+        tied = run_interface.codebook and run_stage.joint and not config.extractor_diversity
+        config.decoder_codes = "encoder-trained" if tied else "extractor"
+    if config.decoder_codes not in DECODER_CODES:
+        raise ValueError(
+            f"--decoder-codes must be one of {', '.join(DECODER_CODES)}, "
+            f"got {config.decoder_codes!r}"
+        )
+    if config.decoder_codes != "extractor" and (
+        not run_interface.semface or not run_stage.joint or config.extractor_diversity
+    ):
+        raise ValueError(
+            f"--decoder-codes {config.decoder_codes} feeds the decoder stage the output of the "
+            "encoder trained beside it: use it with --interface vq or cl and --stage joint, "
+            "without --extractor-diversity (the extractor is then unused)"
+        )
+    _default_where_it_applies(
+        config, "cl_unit_mse", cl_mlm, f"scales the target of CL-SemFace's MSE term: {where}"
+    )
+    from_table = run_interface.table and run_stage.joint and config.decoder_codes == "extractor"
+    if config.decoder_memory_norm is None:
+        config.decoder_memory_norm = from_table
+    if config.decoder_memory_norm and not (
+        run_interface.semface and run_stage.joint and config.decoder_codes == "extractor"
+    ):
+        raise ValueError(
+            "--decoder-memory-norm passes the decoder stage's interface memory through the "
+            "encoder's final norm: use it with --stage joint, --interface cl or vq and "
+            "--decoder-codes extractor (the encoder's own output is normed already)"
+        )
+    if not 0 <= config.decoder_continuous <= 1:
+        raise ValueError("--decoder-continuous must be in [0, 1]")
+    if config.decoder_continuous and config.decoder_codes == "extractor":
+        raise ValueError(
+            "--decoder-continuous mixes the encoder's output into the decoder stage's "
+            "memory: use it with --decoder-codes encoder or encoder-trained"
+        )
+
+
+def _default_where_it_applies(config: TrainConfig, name: str, applies: bool, why: str) -> None:
+    """A yes/no option on where it ``applies`` by default, refused where it does not."""
+    if getattr(config, name) is None:
+        setattr(config, name, applies)
+    if getattr(config, name) and not applies:
+        raise ValueError(f"--{name.replace('_', '-')} {why}")
