@@ -58,10 +58,10 @@ RUNS: dict[str, tuple[int, str, tuple[str, ...], str | None]] = {
         None,
     ),
     "vq-joint": (3, "mono", ("--stage", "joint", "--interface", "vq"), None),
-    "vq-joint-continuous": (
+    "vq-joint-codes-only": (
         3,
         "mono",
-        ("--stage", "joint", "--interface", "vq", "--decoder-continuous", "0.5"),
+        ("--stage", "joint", "--interface", "vq", "--decoder-continuous", "0"),
         None,
     ),
     "vq-joint-extractor": (

@@ -107,7 +107,7 @@ def test_every_option_survives_the_command_line() -> None:
     for codes in ("extractor", "encoder", "encoder-trained"):
         tied = TrainConfig(stage="joint", interface="vq", decoder_codes=codes, **PATHS)
         assert parse_train_argv(train_argv(tied)) == tied
-    mixed = TrainConfig(stage="joint", interface="vq", decoder_continuous=0.5, **PATHS)
+    mixed = TrainConfig(stage="joint", interface="vq", decoder_continuous=0.25, **PATHS)
     assert parse_train_argv(train_argv(mixed)) == mixed
     for changed in ({"cl_unit_logits": False}, {"cl_unit_mse": False}):
         table_rows = TrainConfig(stage="joint", interface="cl", **changed, **PATHS)
@@ -140,7 +140,12 @@ def test_the_connection_options_default_by_stage_and_refuse_where_they_mean_noth
     encoder = parse_train_argv(["--stage", "encoder", "--interface", "cl", *base])
     assert encoder.cl_unit_mse and not encoder.decoder_memory_norm
     vq = parse_train_argv(["--stage", "joint", "--interface", "vq", *base])
-    assert not vq.cl_unit_mse and not vq.decoder_memory_norm and vq.decoder_continuous == 0
+    assert not vq.cl_unit_mse and not vq.decoder_memory_norm and vq.decoder_continuous == 0.5
+    extractor = parse_train_argv(
+        ["--stage", "joint", "--interface", "vq", "--decoder-codes", "extractor", *base]
+    )
+    assert extractor.decoder_continuous == 0  # the extractor's codes: no output to mix in
+    assert joint.decoder_continuous == 0  # CL's memory: the table's rows
     own = ["--decoder-codes", "encoder-trained"]
     cl_own = parse_train_argv(["--stage", "joint", "--interface", "cl", *own, *base])
     assert not cl_own.decoder_memory_norm  # the encoder's output is normed already

@@ -283,8 +283,7 @@ ABLATIONS: dict[str, System] = {
             "CL-SemFace, decoder on the encoder's output",
             "joint",
             "cl",
-            # The encoder's output is normed already.
-            {"decoder_codes": "encoder-trained", "decoder_memory_norm": False},
+            {"decoder_codes": "encoder-trained"},
         ),
         System(
             "vq-bridge",
@@ -327,11 +326,18 @@ ABLATIONS: dict[str, System] = {
             {"decoder_memory_norm": False},
         ),
         System(
-            "vq-continuous",
-            "VQ-SemFace, decoder on codes and the encoder's output",
+            "vq-codes-only",
+            "VQ-SemFace, decoder on the codes alone",
             "joint",
             "vq",
-            {"decoder_continuous": 0.5},
+            {"decoder_continuous": 0.0},
+        ),
+        System(
+            "vq-anneal",
+            "VQ-SemFace, temperature annealed within the run",
+            "joint",
+            "vq",
+            model={"vq.temperature_decay": 0.995},
         ),
         System(
             "cl-paper",

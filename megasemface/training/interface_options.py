@@ -67,6 +67,9 @@ def fill_interface_options(config: TrainConfig) -> None:
             "encoder's final norm: use it with --stage joint, --interface cl or vq and "
             "--decoder-codes extractor (the encoder's own output is normed already)"
         )
+    if config.decoder_continuous is None:
+        own_codes = run_interface.codebook and config.decoder_codes != "extractor"
+        config.decoder_continuous = 0.5 if own_codes else 0.0
     if not 0 <= config.decoder_continuous <= 1:
         raise ValueError("--decoder-continuous must be in [0, 1]")
     if config.decoder_continuous and config.decoder_codes == "extractor":

@@ -94,12 +94,13 @@ class TrainConfig:
     encoder's output, comes through: CL-SemFace's table rows of the noised copy become
     LN(E(C(x))). Default: on for --interface cl --stage joint with the table's rows
     (--decoder-codes extractor)."""
-    decoder_continuous: float = 0.0
+    decoder_continuous: float | None = None
     """With --decoder-codes encoder or encoder-trained: the share of tokens, drawn per
     token, at which the decoder stage reads the encoder's continuous output instead of the
     interface's memory of it (VQ: its code), so that the cross-attention is pre-trained on
-    what the connected model gives it too (not in the paper). 0: the interface's memory
-    alone."""
+    what the connected model gives it too (not in the paper). Default: 0.5 for VQ with the
+    encoder's codes (measured better on validation and in the connected decoder's NLL,
+    docs/reproduce.md), else 0, the interface's memory alone."""
     init_from: Path | None = None
     """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
     finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
@@ -445,7 +446,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--extractor-diversity", action="store_true")
     add("--decoder-codes", default=None, choices=DECODER_CODES)  # by stage: __post_init__
     add("--decoder-memory-norm", action=argparse.BooleanOptionalAction, default=None)  # by stage
-    add("--decoder-continuous", type=float, default=d.decoder_continuous)
+    add("--decoder-continuous", type=float, default=None)  # by interface: __post_init__
     add("--codebook-warn-fraction", type=float, default=d.codebook_warn_fraction)
     add("--mp-size", type=int, default=d.mp_size)
     add("--steps", type=int, default=d.steps)
@@ -525,6 +526,7 @@ FILLED_IN = (
     "cl_unit_mse",
     "decoder_codes",
     "decoder_memory_norm",
+    "decoder_continuous",
 )
 """TrainConfig fields that default to None, which ``__post_init__`` replaces with a value
 chosen from the other fields."""

@@ -99,7 +99,7 @@ def objective_config_from(config: TrainConfig) -> ObjectiveConfig:
         extractor_diversity=config.extractor_diversity,
         decoder_codes=config.decoder_codes,  # type: ignore[arg-type]  # checked by TrainConfig
         decoder_memory_norm=bool(config.decoder_memory_norm),
-        decoder_continuous=config.decoder_continuous,
+        decoder_continuous=config.decoder_continuous or 0.0,
     )
 
 
