@@ -82,9 +82,13 @@ def test_a_record_of_an_earlier_version_counts_missing_settings_as_their_default
         spm_model=tmp_path / "spm" / "joint.model",
         output_dir=tmp_path / "runs" / "pretrain-vq",
     )
-    run_dir = _record(joint, drop=("decoder_codes",))
-    assert changed_settings(run_dir, joint) == ["decoder_codes: 'extractor' -> 'encoder-trained'"]
-    paper = TrainConfig(**{**vars(joint), "decoder_codes": "extractor"})
+    # and its codes alone, before --decoder-continuous existed.
+    run_dir = _record(joint, drop=("decoder_codes", "decoder_continuous"))
+    assert changed_settings(run_dir, joint) == [
+        "decoder_continuous: 0.0 -> 0.5",
+        "decoder_codes: 'extractor' -> 'encoder-trained'",
+    ]
+    paper = TrainConfig(**{**vars(joint), "decoder_codes": "extractor", "decoder_continuous": None})
     assert changed_settings(run_dir, paper) == []
 
 
