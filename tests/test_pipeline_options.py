@@ -619,6 +619,7 @@ def test_the_finetune_grid_is_parsed_and_bad_items_are_refused_in_one_line() -> 
     assert _config("--budget", "lowres", "--lr", "3e-3").finetune_choices == ((3e-3, 100),)
     assert lowres.train_pairs * 10 <= 24_256  # at most a tenth of the monolingual German
     assert lowres.pretrain_steps >= lowres.finetune_steps
+    assert lowres.settings == ("supervised",)  # the low-resource setting is supervised
     for text in ("1e-3:x", "fast", "1e-3:400:2"):
         with pytest.raises(ValueError, match="--finetune-grid takes LR or LR:WARMUP"):
             parse_finetune_grid(text)

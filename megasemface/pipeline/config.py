@@ -362,6 +362,7 @@ BUDGETS: dict[str, dict[str, object]] = {
     },
     "lowres": {
         "workdir": Path("runs/lowres"),
+        "settings": ("supervised",),
         "train_pairs": 2000,
         "pretrain_steps": 1000,
         "finetune_steps": 1000,
@@ -427,8 +428,8 @@ suite's reduced end-to-end run), study (below), gpu (below) and paper (the paper
 GPUs). A budget may name its systems and settings; ``--systems`` and ``--settings`` override
 them.
 
-lowres: the regime the paper's gains are claimed in, where monolingual text dwarfs the
-parallel data: 2,000 training pairs against every monolingual sentence of each language
+lowres: the regime the paper's gains are claimed in (supervised), where monolingual text
+dwarfs the parallel data: 2,000 training pairs against every monolingual sentence of each language
 (on the demo corpus 25,721 English and 24,256 German ones, 12 to 13 times as many), as many
 pre-training steps as fine-tuning steps (a joint SemFace step costs more than a fine-tuning
 step of the same batch), and fine-tuning's peak learning rate chosen per system, setting
