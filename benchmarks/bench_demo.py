@@ -3,7 +3,7 @@
 Runs the demo pipeline in an empty work directory (the data, every training run, the test
 translations and the report: everything ``make demo`` does after installing) and reads the
 wall time of each of its steps from the ``timings.json`` the pipeline writes. The total
-stands beside the README's limit for ``make demo`` (40 minutes, the install included, which
+stands beside the README's limit for ``make demo`` (20 minutes, the install included, which
 this does not time: about a minute and a half in a fresh clone). Each training step also
 gives the time its launch spent outside the training loop (start-up and exit of the ranks,
 from the loop's own clock in the run's metrics.jsonl), the part a faster step does not
@@ -27,7 +27,7 @@ from typing import Any
 from megasemface.data.demo.demo_corpus import DEFAULT_LOCALE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMIT_SECONDS = 40 * 60
+LIMIT_SECONDS = 20 * 60
 """The README's limit for ``make demo``, the install included."""
 
 

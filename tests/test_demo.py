@@ -24,7 +24,7 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     first = capsys.readouterr().out
     # The paper-shaped table: every system, both directions, the gain over no pre-training.
     assert "| system | en-de | de-en | avg | gain |" in first
-    for system in ("Transformer", "CL-SemFace", "VQ-SemFace"):
+    for system in ("Transformer", "XLM", "CL-SemFace", "VQ-SemFace"):
         assert f"| {system} |" in first
     assert "mlflow ui --backend-store-uri sqlite:///" in first
     assert "copying the source unchanged scores BLEU en-de" in first
@@ -33,7 +33,7 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     # Lineage in MLflow: SemFace fine-tuning runs descend from their pre-training run.
     runs = select_runs(f"sqlite:///{workdir / 'mlflow.db'}", tags={"stage": "finetune"})
     by_system = {r.tags["system_key"]: r for r in runs}
-    assert set(by_system) == {"transformer", "cl", "vq"}
+    assert set(by_system) == {"transformer", "xlm", "cl", "vq"}
     assert "parent_encoder_run" in by_system["vq"].tags
     assert "parent_encoder_run" not in by_system["transformer"].tags
     assert all("test_bleu_en-de" in r.metrics and "test_chrf" in r.metrics for r in runs)
@@ -57,7 +57,7 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     # Where the time went: every step's wall time, summed per kind and in total.
     timings = json.loads((workdir / "timings.json").read_text())
     kinds = [step["kind"] for step in timings["steps"]]
-    assert kinds.count("pre-training") == 2 and kinds.count("fine-tuning") == 3
+    assert kinds.count("pre-training") == 3 and kinds.count("fine-tuning") == 4
     assert {"data", "diagnostics", "translation", "report"} <= set(kinds)
     assert sum(s["seconds"] for s in timings["steps"]) == pytest.approx(
         timings["total_seconds"], abs=0.1

@@ -615,7 +615,7 @@ def test_the_finetune_grid_is_parsed_and_bad_items_are_refused_in_one_line() -> 
     config = _config("--finetune-grid", "1e-3:400,4e-3", "--warmup-steps", "50")
     assert config.finetune_choices == ((1e-3, 400), (4e-3, 50))
     lowres = _config("--budget", "lowres")
-    assert lowres.finetune_choices == ((1e-3, 100), (2e-3, 100), (4e-3, 100))
+    assert lowres.finetune_choices == ((2e-3, 100), (4e-3, 100), (8e-3, 100))
     assert _config("--budget", "lowres", "--lr", "3e-3").finetune_choices == ((3e-3, 100),)
     assert lowres.train_pairs * 10 <= 24_256  # at most a tenth of the monolingual German
     assert lowres.pretrain_steps >= lowres.finetune_steps

@@ -51,22 +51,21 @@ class PipelineConfig:
     vocab_size: int = 8000
     """Joint SentencePiece vocabulary. At the demo budget 4,000 pieces shorten every step
     but scored lower on validation over 3 seeds (docs/reproduce.md)."""
-    train_pairs: int = 25_000
-    """The low-resource slice of the parallel training data (supervised setting): at the demo
-    budget the whole training split of the demo corpus (24,346 pairs from a Debian system's
-    catalogs). With 10,000 the Transformer's validation BLEU levelled off at 14.4 after
-    1,400 steps, where the whole split took it to 18.0 by step 2,000
-    (docs/reproduce.md#the-demo-budget)."""
+    train_pairs: int = 2000
+    """The low-resource slice of the parallel training data (supervised setting): the
+    regime of the paper's claim, where monolingual text dwarfs the parallel data. On the
+    demo corpus 2,000 of its 24,346 training pairs against every monolingual sentence (25,721
+    English, 24,256 German: 12-13 times as many). With the whole split pre-training's lead was
+    gone by the end of fine-tuning (docs/reproduce.md#the-demo-budget-before)."""
     test_sentences: int = 1000
     """Test sentences translated per direction (0: all)."""
     valid_sentences: int = 200
-    pretrain_steps: int = 200
-    finetune_steps: int = 2000
-    """With ``lr`` and ``train_pairs``, chosen on validation BLEU
-    (docs/reproduce.md#the-demo-budget): at 600 steps every system was still climbing
-    steeply and below the BLEU of copying the source; by 2,000 the Transformer is above it
-    on validation (18.0 against 11.5)."""
-    valid_interval: int = 200
+    pretrain_steps: int = 500
+    finetune_steps: int = 500
+    """As many pre-training steps as fine-tuning steps, so that pre-training's compute is at
+    least fine-tuning's, and few enough that ``make demo`` finishes within 20 minutes on 2
+    CPU cores with the install (docs/reproduce.md#the-demo-budget)."""
+    valid_interval: int = 100
     checkpoints_per_run: int = 4
     """Checkpoints each training run saves, evenly spaced, the last at its end: where an
     interrupted run resumes from (each save stalls training while every rank writes)."""
@@ -367,7 +366,7 @@ BUDGETS: dict[str, dict[str, object]] = {
         "pretrain_steps": 1000,
         "finetune_steps": 1000,
         "valid_interval": 100,
-        "finetune_grid": ((1e-3, 100), (2e-3, 100), (4e-3, 100)),
+        "finetune_grid": ((2e-3, 100), (4e-3, 100), (8e-3, 100)),
     },
     "study": {
         "workdir": Path("runs/study"),
@@ -422,10 +421,10 @@ BUDGETS: dict[str, dict[str, object]] = {
         "shard_jobs": 16,
     },
 }
-"""Named budgets: demo (the README's main command, made to finish within 40 minutes on 2 CPU
-cores, the install included; what it took: docs/results.md), lowres (below), smoke (the test
-suite's reduced end-to-end run), study (below), gpu (below) and paper (the paper's scale, on
-GPUs). A budget may name its systems and settings; ``--systems`` and ``--settings`` override
+"""Named budgets: demo (the README's main command: the low-resource regime made to finish
+within 20 minutes on 2 CPU cores, the install included; what it took: docs/results.md),
+lowres (below), smoke (the test suite's reduced end-to-end run), study (below), gpu (below)
+and paper (the paper's scale, on GPUs). A budget may name its systems and settings; ``--systems`` and ``--settings`` override
 them.
 
 lowres: the regime the paper's gains are claimed in (supervised), where monolingual text
