@@ -424,8 +424,8 @@ BUDGETS: dict[str, dict[str, object]] = {
 """Named budgets: demo (the README's main command: the low-resource regime made to finish
 within 20 minutes on 2 CPU cores, the install included; what it took: docs/results.md),
 lowres (below), smoke (the test suite's reduced end-to-end run), study (below), gpu (below)
-and paper (the paper's scale, on GPUs). A budget may name its systems and settings; ``--systems`` and ``--settings`` override
-them.
+and paper (the paper's scale, on GPUs). A budget may name its systems and settings;
+``--systems`` and ``--settings`` override them.
 
 lowres: the regime the paper's gains are claimed in (supervised), where monolingual text
 dwarfs the parallel data: 2,000 training pairs against every monolingual sentence of each language
