@@ -56,7 +56,7 @@ class PipelineConfig:
     regime of the paper's claim, where monolingual text dwarfs the parallel data. On the
     demo corpus 2,000 of its 24,346 training pairs against every monolingual sentence (25,721
     English, 24,256 German: 12-13 times as many). With the whole split pre-training's lead was
-    gone by the end of fine-tuning (docs/reproduce.md#the-demo-budget-before)."""
+    gone by the end of fine-tuning (docs/reproduce.md#the-demo-budget)."""
     test_sentences: int = 1000
     """Test sentences translated per direction (0: all)."""
     valid_sentences: int = 200
