@@ -124,3 +124,26 @@ def test_the_readmes_two_node_command_trains_and_tracks_to_the_server(
     # Artifacts went through the server's proxy into its store, not the run's directory.
     assert "config.json" in tracked["artifacts"]
     assert list((nodes.root / "mlflow" / "artifacts").rglob("config.json"))
+
+
+def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    """megasemface's own error lines (pdsh prefixes them with the node's address)."""
+    text = result.stdout + result.stderr
+    return [line for line in text.splitlines() if "train: error" in line]
+
+
+def test_an_unreachable_tracking_server_stops_the_start_in_one_line(
+    nodes: Cluster, launch_data: dict, tmp_path: Path
+) -> None:
+    assert nodes.mlflow is not None
+    out = tmp_path / "run"
+    cmd = readme_command(nodes, launch_data, out, "--steps", str(STEPS))
+    wrong = f"http://{nodes.mlflow.address}:5999"  # the server's host; nothing on the port
+    cmd[cmd.index(nodes.mlflow_uri)] = wrong
+    result = run_on_first_node(nodes, cmd)
+    assert result.returncode != 0
+    (line,) = error_lines(result)
+    assert f"MLflow tracking server {wrong} is unreachable" in line, line
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (out / "metrics.jsonl").exists()  # no step was taken
+    assert not (out / "checkpoints").exists()

@@ -6,16 +6,59 @@ one-line error at once, not a traceback from every rank after start-up and data 
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
+from urllib.parse import urlsplit
 
 from megasemface.checkpoints.manager import CheckpointManager
 from megasemface.checkpoints.universal import check_parallel_sizes
 from megasemface.interfaces.registry import interface
 from megasemface.nn import cpu_gemm
+from megasemface.tracking.mlflow_names import redact_uri
 from megasemface.training.options import TrainConfig, user_model_config
 from megasemface.training.units import UNITS, unit_name
 
-__all__ = ["check_before_start", "lr_schedule_of"]
+__all__ = ["PreflightError", "check_before_start", "lr_schedule_of", "tracking_server_problem"]
+
+TRACKING_CONNECT_S = 5.0
+"""How long the start waits for the MLflow server to accept a connection: a server that
+is up answers in milliseconds, even across a cluster's network."""
+
+
+class PreflightError(ValueError):
+    """A check every rank fails together; ``quiet`` on the ranks that leave reporting it to
+    rank 0, so that a run prints it once."""
+
+    def __init__(self, message: str, *, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
+
+
+def tracking_server_problem(config: TrainConfig) -> str | None:
+    """Why the run's MLflow server (``--tracking-uri`` or ``MLFLOW_TRACKING_URI``, http or
+    https) does not accept connections, or None when it does or the store is not a server.
+
+    Once a run is going, the tracker rides out a server's outage (it spools and retries).
+    At the start, a server that nobody answers for is most often a mistyped URI, or one the
+    nodes cannot route to, and the run would train for hours with nothing tracked: so the
+    start stops, in one line, before the cluster's time is spent."""
+    uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if config.no_tracking or not uri:
+        return None
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=TRACKING_CONNECT_S):
+            return None
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
+    return (
+        f"the MLflow tracking server {redact_uri(uri)} is unreachable ({reason}): start it, "
+        "correct --tracking-uri, or pass --no-tracking"
+    )
 
 
 def lr_schedule_of(config: TrainConfig, ds_config: dict[str, Any]) -> str:
