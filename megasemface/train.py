@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         ds_config = load_ds_config(args.deepspeed_config)
         # The launcher's environment: the process group does not exist yet.
         check_before_start(config, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
+        if os.environ.get("RANK", "0") == "0":
+            # Before the rendezvous, where the ranks would wait for a node that never comes.
+            from megasemface.distributed.hosts import check_nodes
+
+            check_nodes()
     except (ValueError, FileNotFoundError) as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2

@@ -147,3 +147,21 @@ def test_an_unreachable_tracking_server_stops_the_start_in_one_line(
     assert "Traceback" not in result.stdout + result.stderr
     assert not (out / "metrics.jsonl").exists()  # no step was taken
     assert not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("fault", ["no-sshd", "wrong-address"])
+def test_an_unreachable_node_stops_the_start_in_one_line_naming_it(
+    nodes: Cluster, launch_data: dict, tmp_path: Path, fault: str
+) -> None:
+    assert nodes.mlflow is not None
+    # The MLflow host is up but runs no sshd; .77 is on the subnet but no host has it.
+    lost = nodes.mlflow.address if fault == "no-sshd" else nodes.mlflow.address[:-3] + "77"
+    hostfile = nodes.hostfile(addresses=[nodes.hosts[0].address, lost])
+    out = tmp_path / "run"
+    cmd = readme_command(nodes, launch_data, out, "--steps", str(STEPS), hostfile=hostfile)
+    result = run_on_first_node(nodes, cmd, timeout=120)
+    assert result.returncode != 0
+    (line,) = error_lines(result)
+    assert f"cannot reach node {lost} " in line, line
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (out / "metrics.jsonl").exists()
