@@ -10,7 +10,7 @@ output directory are at the same path on every node, as the README asks of a clu
 
 Needs root, ``ip`` (iproute2), ``/usr/sbin/sshd`` (Debian's ``openssh-server``) and ``pdsh``;
 :func:`unavailable` says which is missing. Used by tests/test_cluster.py's fixture, and as a
-script (``.ci/run`` and a user can run it)::
+script, to try a command on the cluster by hand::
 
     python tests/cluster.py [--nodes 2] -- COMMAND...
 
