@@ -285,7 +285,7 @@ class Cluster:
             **kwargs,  # type: ignore[call-overload]
         )
 
-    def stop(self, proc: subprocess.Popen[bytes], grace: float = 10) -> None:
+    def stop(self, proc: subprocess.Popen[bytes], grace: float = 3) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:

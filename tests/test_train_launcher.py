@@ -4,10 +4,14 @@ which gives the same run bit for bit: test_local_launcher_trains_as_deepspeeds_d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import socket
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -223,29 +227,59 @@ def test_sigterm_on_one_rank_saves_and_exits_cleanly(data: dict, tmp_path: Path)
     assert run_status(out) == "KILLED"
 
 
+@contextlib.contextmanager
+def hanging_up_server() -> Iterator[str]:
+    """The URI of a server that accepts every connection and closes it at once: reachable
+    when the run starts (its check passes), failing every request after."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                listener.accept()[0].close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+def tracked_command(data: dict, out: Path, uri: str) -> list[str]:
+    args = ["--stage", "encoder", "--interface", "cl", "--steps", "3", "--tracking-uri", uri]
+    return command(data, out, *args, deepspeed=False)
+
+
 @pytest.mark.launcher
-def test_unreachable_tracking_server_does_not_stop_training(data: dict, tmp_path: Path) -> None:
+def test_a_failing_tracking_server_does_not_stop_training(data: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     # MLflow's own client would retry for minutes; launch() times out long before that.
-    result = launch(
-        command(
-            data,
-            out,
-            "--stage",
-            "encoder",
-            "--interface",
-            "cl",
-            "--steps",
-            "3",
-            "--tracking-uri",
-            uri,
-            deepspeed=False,
-        )
-    )
+    with hanging_up_server() as uri:
+        result = launch(tracked_command(data, out, uri))
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(losses(out)) == [1, 2, 3]
     assert f"MLflow tracking at {uri} is unavailable" in result.stdout + result.stderr
+
+
+@pytest.mark.launcher
+def test_an_unreachable_tracking_server_stops_the_start_in_one_line(
+    data: dict, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = launch(tracked_command(data, out, uri))
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == [
+        f"train: error (rank 0): the MLflow tracking server {uri} is unreachable (Connection "
+        "refused): start it, correct --tracking-uri, or pass --no-tracking"
+    ], result.stderr[-3000:]
+    assert not (out / "metrics.jsonl").exists()
 
 
 @pytest.mark.launcher
