@@ -81,16 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megasemface.checkpoints.manager import DiskFullError
     from megasemface.distributed import collectives
-    from megasemface.training.preflight import PreflightError, tracking_server_problem
+    from megasemface.training.preflight import tracking_server_problem
 
     groups = init_distributed(config.mp_size)
     try:
-        # Only rank 0 talks to MLflow; the others learn its answer, so that every rank stops
-        # together (a rank that left alone would keep the others waiting in a collective).
-        mine = tracking_server_problem(config) if collectives.rank() == 0 else None
-        problems = [p for p in collectives.all_gather_objects(mine) if p is not None]
-        if problems:
-            raise PreflightError(problems[0], quiet=collectives.rank() != 0)
+        # Only rank 0 talks to MLflow; the others learn its answer and stop with it.
+        collectives.raise_if_any_rank(
+            tracking_server_problem(config) if collectives.rank() == 0 else None
+        )
         return Trainer(config, ds_config, groups).run()
     except (ValueError, FileNotFoundError, DiskFullError) as exc:
         # An error every rank raises together is printed by one rank (``quiet`` elsewhere).

@@ -16,11 +16,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "RankSharedError",
     "all_gather_objects",
     "all_reduce_",
     "any_rank",
     "barrier",
     "collective_device",
+    "raise_if_any_rank",
     "rank",
     "sum_or_max",
     "world_size",
@@ -82,6 +84,23 @@ def all_gather_objects(obj: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+class RankSharedError(ValueError):
+    """A problem every rank stops on together; ``quiet`` on the ranks that leave reporting
+    it to rank 0, so that a run prints it once."""
+
+    def __init__(self, message: str, *, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
+
+
+def raise_if_any_rank(problem: str | None, error: type[RankSharedError] = RankSharedError) -> None:
+    """Raises ``error`` on every rank with the first rank's problem when any rank has one: a
+    rank that stopped alone would keep the others waiting in their next collective."""
+    found = [p for p in all_gather_objects(problem) if p is not None]
+    if found:
+        raise error(found[0], quiet=rank() != 0)
 
 
 def barrier() -> None:

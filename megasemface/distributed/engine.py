@@ -311,9 +311,7 @@ class DeepSpeedEngine:
         DeepSpeed's loader opens a file, and only rank 0 reports it.
         """
         problem = unsafe_checkpoint_file(Path(directory) / tag)
-        found = [p for p in collectives.all_gather_objects(problem) if p is not None]
-        if found:
-            raise UnsafeCheckpointError(found[0], quiet=collectives.rank() != 0)
+        collectives.raise_if_any_rank(problem, UnsafeCheckpointError)
         path, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag} under {directory}")
@@ -347,15 +345,8 @@ def consolidated_state(root: Path, tag: str) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
 
 
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file torch's safe loader refuses: DeepSpeed's loader could run code in it.
-
-    ``quiet`` on the ranks that leave reporting it to rank 0, so a run prints it once.
-    """
-
-    def __init__(self, message: str, *, quiet: bool = False) -> None:
-        super().__init__(message)
-        self.quiet = quiet
+class UnsafeCheckpointError(collectives.RankSharedError):
+    """A checkpoint file torch's safe loader refuses: DeepSpeed's loader could run code in it."""
 
 
 def _deepspeed_checkpoint_types() -> list[type]:

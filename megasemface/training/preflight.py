@@ -19,20 +19,11 @@ from megasemface.tracking.mlflow_names import redact_uri
 from megasemface.training.options import TrainConfig, user_model_config
 from megasemface.training.units import UNITS, unit_name
 
-__all__ = ["PreflightError", "check_before_start", "lr_schedule_of", "tracking_server_problem"]
+__all__ = ["check_before_start", "lr_schedule_of", "tracking_server_problem"]
 
 TRACKING_CONNECT_S = 5.0
 """How long the start waits for the MLflow server to accept a connection: a server that
 is up answers in milliseconds, even across a cluster's network."""
-
-
-class PreflightError(ValueError):
-    """A check every rank fails together; ``quiet`` on the ranks that leave reporting it to
-    rank 0, so that a run prints it once."""
-
-    def __init__(self, message: str, *, quiet: bool = False) -> None:
-        super().__init__(message)
-        self.quiet = quiet
 
 
 def tracking_server_problem(config: TrainConfig) -> str | None:
