@@ -9,8 +9,8 @@
         --spm-model spm/joint.model --valid-prefix corpus/en-de/valid --output-dir runs/ft
 
 Started again with the same output directory, a run resumes from its newest complete
-checkpoint. SIGTERM or SIGINT on any rank: every rank saves after the current step and the
-run exits 0. ``python -m megasemface.train --help`` lists every option.
+checkpoint. SIGTERM, SIGINT or SIGHUP on any rank: every rank saves after the current step
+and the run exits 0. ``python -m megasemface.train --help`` lists every option.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import argparse
 import logging
 import textwrap
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megasemface.training.options import TrainConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,10 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megasemface.checkpoints.manager import DiskFullError
     from megasemface.distributed import collectives
+    from megasemface.distributed.shared_dir import check_shared_output_dir
     from megasemface.training.preflight import tracking_server_problem
+    from megasemface.training.signals import survive_lost_output
 
+    survive_lost_output()  # a rank whose launcher's ssh session closed still saves
     groups = init_distributed(config.mp_size)
     try:
+        check_shared_output_dir(config.output_dir)
         # Only rank 0 talks to MLflow; the others learn its answer and stop with it.
         collectives.raise_if_any_rank(
             tracking_server_problem(config) if collectives.rank() == 0 else None
@@ -95,6 +103,31 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(exc, "quiet", False):
             print(f"train: error (rank {os.environ.get('RANK', '0')}): {exc}", file=sys.stderr)
         exit_now(2)
+    except RuntimeError as exc:
+        from megasemface.distributed.peers import lost_peer
+
+        lost = lost_peer(exc)
+        if lost is None:
+            raise
+        line = _lost_peer_line(config, lost)
+        print(f"train: error (rank {os.environ.get('RANK', '0')}): {line}", file=sys.stderr)
+        exit_now(3)  # at once: the interpreter's teardown could hang on the dead connections
+
+
+def _lost_peer_line(config: TrainConfig, lost: str) -> str:
+    from megasemface.checkpoints.manager import CheckpointManager
+
+    newest = CheckpointManager(config.output_dir, config.keep_last, rank=0).newest()
+    where = (
+        f"the last complete checkpoint is {config.output_dir / 'checkpoints' / newest[1]} "
+        f"(step {newest[0]}): run the same command again to resume from it"
+        if newest
+        else "no checkpoint was complete: run the same command again to start over"
+    )
+    return (
+        f"lost {lost} in a collective; {where}, on the nodes that are left if that one "
+        "stays down (a run resumes on fewer ranks too)"
+    )
 
 
 if __name__ == "__main__":

@@ -176,7 +176,9 @@ class Cluster:
         ssh.write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {self.root / "ssh_config"} "$@"\n')
         ssh.chmod(0o755)
 
-    def start_sshd(self, host: Host) -> None:
+    def start_sshd(self, host: Host, private: Path | None = None) -> None:
+        """sshd on ``host``; with ``private``, in a mount namespace of its own where that
+        directory is an empty tmpfs: a node that does not share it with the others."""
         config = self.root / f"sshd-{host.name}.conf"
         config.write_text(
             f"ListenAddress {host.address}\nPort 22\nHostKey {self.root / 'host_key'}\n"
@@ -188,9 +190,14 @@ class Cluster:
         )
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
         log = open(self.root / f"sshd-{host.name}.log", "wb")  # noqa: SIM115
+        sshd = [str(SSHD), "-D", "-e", "-f", str(config)]
+        if private is not None:
+            private.mkdir(parents=True, exist_ok=True)
+            mount = f"mount -t tmpfs {host.name} {private} && exec {' '.join(sshd)}"
+            sshd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
         self._daemons.append(
             subprocess.Popen(
-                ["ip", "netns", "exec", host.name, str(SSHD), "-D", "-e", "-f", str(config)],
+                ["ip", "netns", "exec", host.name, *sshd],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -249,6 +256,16 @@ class Cluster:
             self.start_mlflow()
         return self
 
+    def add_node(self, name: str, private: Path | None = None) -> Host:
+        """One more node on the subnet running sshd (see :meth:`start_sshd`), left out of
+        :attr:`hosts` and of the default hostfile."""
+        assert self.mlflow is not None
+        host = self._add_host(
+            name, self.mlflow.address.rsplit(".", 1)[0] + f".{50 + len(self._namespaces)}"
+        )
+        self.start_sshd(host, private)
+        return host
+
     def hostfile(self, slots: int = 1, addresses: list[str] | None = None) -> Path:
         """A DeepSpeed hostfile naming the nodes by address (the machine's /etc/hosts is
         left alone), or naming ``addresses``."""
@@ -300,6 +317,16 @@ class Cluster:
             if "server" in proc.args:  # type: ignore[operator]
                 self.stop(proc)
                 self._daemons.remove(proc)
+
+    def kill_jobs(self, host: Host) -> None:
+        """SIGKILLs every process on ``host`` but its daemons (sshd stays up): what a node
+        whose job dies (out of memory, a hardware fault) leaves behind."""
+        daemons = {proc.pid for proc in self._daemons}
+        listed = subprocess.run(["ip", "netns", "pids", host.name], capture_output=True, text=True)
+        for pid in map(int, listed.stdout.split()):
+            if pid not in daemons:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     def down(self) -> None:
         """Stops every process in the namespaces (the daemons started here and what came

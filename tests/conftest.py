@@ -7,6 +7,7 @@ import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -179,3 +180,16 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
         for path in mounts:
             if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
                 subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A simulated cluster (tests/cluster.py): 2 nodes with sshd and an MLflow server host,
+    torn down after the session; skipped where namespaces cannot be made."""
+    from cluster import cluster, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"no simulated cluster: {reason}")
+    with cluster(tmp_path_factory.mktemp("cluster")) as made:
+        yield made

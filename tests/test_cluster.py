@@ -6,95 +6,14 @@ own. Skipped where namespaces cannot be made (not root, no ``ip netns``, no sshd
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from cluster import Cluster, cluster, in_namespace, unavailable
-from launch import DEEPSPEED, ROOT, environment, losses, train_command
+from cluster import Cluster
+from cluster_jobs import STEPS, error_lines, readme_command, run_on_first_node, server_run
+from launch import ROOT, check_finished, launch, losses, train_command
 
 pytestmark = [pytest.mark.launcher, pytest.mark.slow]
-
-STEPS = 4
-EXPERIMENT = "cluster"
-
-
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """2 nodes with sshd and an MLflow server host, torn down after the module's tests."""
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"no simulated cluster: {reason}")
-    with cluster(tmp_path_factory.mktemp("cluster")) as made:
-        yield made
-
-
-def readme_command(
-    up: Cluster, launch_data: dict, out: Path, *args: str, hostfile: Path | None = None
-) -> list[str]:
-    """The README's ``deepspeed --hostfile hostfile --num_nodes 2 --num_gpus N`` command on
-    the tiny preset, one rank a node, tracking to the cluster's MLflow server."""
-    data = {"shards": launch_data["mono"], "spm": launch_data["spm"]}
-    cmd = train_command(
-        data,
-        out,
-        "--stage",
-        "encoder",
-        "--interface",
-        "vq",
-        "--tracking-uri",
-        up.mlflow_uri,
-        "--experiment",
-        EXPERIMENT,
-        *args,
-        config=ROOT / "ds_configs" / "cpu_fp32_zero2.json",
-        deepspeed=True,
-    )
-    hosts = str(hostfile or up.hostfile())
-    # train_command's launcher is [deepspeed, --num_accelerators, N]; the README's replaces it.
-    return [str(DEEPSPEED), "--hostfile", hosts, "--num_nodes", "2", "--num_gpus", "1", *cmd[3:]]
-
-
-def run_on_first_node(
-    up: Cluster, cmd: list[str], timeout: float = 240
-) -> subprocess.CompletedProcess[str]:
-    proc = up.popen(
-        up.hosts[0],
-        cmd,
-        up.environment(environment()),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        up.stop(proc)  # type: ignore[arg-type]
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"timed out:\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
-def server_run(up: Cluster) -> dict[str, Any]:
-    """What the MLflow server holds of the experiment's one run, read with the client."""
-    assert up.mlflow is not None
-
-    def read() -> dict[str, Any]:
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=up.mlflow_uri)
-        experiment = client.get_experiment_by_name(EXPERIMENT)
-        (run,) = client.search_runs([experiment.experiment_id])
-        history = {
-            key: [m.step for m in client.get_metric_history(run.info.run_id, key)]
-            for key in run.data.metrics
-        }
-        artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
-        return {"run": run, "history": history, "artifacts": artifacts}
-
-    return in_namespace(up.mlflow.name, read)
 
 
 def test_the_readmes_two_node_command_trains_and_tracks_to_the_server(
@@ -114,7 +33,7 @@ def test_the_readmes_two_node_command_trains_and_tracks_to_the_server(
     optimizer = sorted((out / "checkpoints" / f"step-{STEPS:08d}").rglob("*optim_states.pt"))
     assert len(optimizer) == 2, optimizer
 
-    tracked = server_run(nodes)
+    tracked = server_run(nodes, out)
     run = tracked["run"]
     assert run.info.status == "FINISHED"
     assert run.data.params, "no params on the server"
@@ -125,11 +44,16 @@ def test_the_readmes_two_node_command_trains_and_tracks_to_the_server(
     assert "config.json" in tracked["artifacts"]
     assert list((nodes.root / "mlflow" / "artifacts").rglob("config.json"))
 
-
-def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
-    """megasemface's own error lines (pdsh prefixes them with the node's address)."""
-    text = result.stdout + result.stderr
-    return [line for line in text.splitlines() if "train: error" in line]
+    # The same global batch from 2 ranks of one node (DeepSpeed's own launcher, gloo over
+    # the loopback): the same losses to the bit, as docs/pretraining.md says.
+    one_node = tmp_path / "one-node"
+    data = {"shards": launch_data["mono"], "spm": launch_data["spm"]}
+    args = ("--stage", "encoder", "--interface", "vq", "--steps", str(STEPS))
+    config = ROOT / "ds_configs" / "cpu_fp32_zero2.json"
+    check_finished(
+        launch(train_command(data, one_node, *args, config=config, deepspeed=True)), one_node, STEPS
+    )
+    assert losses(one_node) == losses(out)
 
 
 def test_an_unreachable_tracking_server_stops_the_start_in_one_line(

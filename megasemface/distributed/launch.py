@@ -13,7 +13,8 @@ DeepSpeed's launcher gives them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOC
 
 Signals: SIGTERM is passed on to every rank (each saves after the current step and exits
 0). SIGINT from the terminal already reaches every rank of the foreground process group, so
-it is not passed on again (a second one would stop a rank in the middle of its checkpoint).
+it is not passed on again (a second one would stop a rank in the middle of its checkpoint);
+SIGHUP, from a closing terminal, likewise.
 A rank that fails takes the others down (SIGTERM, then SIGKILL after a grace period), and
 the launcher exits with the first failing rank's code.
 """
@@ -139,6 +140,7 @@ def launch(
     previous = signal.signal(signal.SIGTERM, forward)
     # The terminal's SIGINT reaches the ranks directly; the launcher waits for them to save.
     previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     failed = 0
     try:
         running = list(ranks)
@@ -155,6 +157,7 @@ def launch(
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGHUP, previous_hup)
     return failed
 
 

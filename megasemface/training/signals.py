@@ -1,31 +1,104 @@
-"""Graceful stop on SIGTERM or SIGINT, agreed by all ranks at a step boundary.
+"""Graceful stop on SIGTERM, SIGINT or SIGHUP, agreed by all ranks at a step boundary.
 
 A signal only sets a flag; the trainer all-reduces the flag at every step boundary, so
 whichever rank was signalled, every rank sees it after the same step, saves a checkpoint
-with the others and exits 0. A second signal of the same kind is left to its default
-action, so an impatient user can still interrupt.
+with the others and exits 0. A second SIGINT is left to its default action, so an
+impatient user can still interrupt; repeated SIGTERMs and SIGHUPs are absorbed, because
+launchers send them more than once (DeepSpeed's node launcher passes SIGTERM on to its
+ranks as often as it is signalled itself: twice when its runner is stopped) and escalate
+to SIGKILL after a grace period of their own.
+
+On a cluster the ranks' output reaches the user through the launcher: DeepSpeed's runner
+starts each node's ranks through pdsh and ssh, and when the runner is stopped, the ssh
+sessions close before the ranks have saved. A write to the closed pipe would then raise and
+kill the rank in the middle of its save, so the ranks' standard streams survive it (see
+:func:`survive_lost_output`), and SIGHUP, which a closing terminal or session sends, stops
+the run like SIGTERM.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import signal
+import sys
 from types import FrameType
+from typing import TextIO
 
 from megasemface.distributed.collectives import any_rank
 
-__all__ = ["StopRequest"]
+__all__ = ["StopRequest", "survive_lost_output"]
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopRequest:
     def __init__(self) -> None:
         self.signal_name: str | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signal_name = signal.Signals(signum).name
-        signal.signal(signum, signal.SIG_DFL)
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.SIG_DFL)
 
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled (a collective: call on all)."""
         return any_rank(self.signal_name is not None)
+
+
+class _SurvivingStream(io.TextIOBase):
+    """A standard stream that, once its reader is gone, writes to /dev/null instead of
+    raising: the descriptor itself is pointed at /dev/null, so that what C code and the
+    original stream's buffer write afterwards goes there quietly too."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def _lost(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (BrokenPipeError, ConnectionResetError):
+            self._lost()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            self._lost()
+            self._stream.flush()  # the buffer's bytes now go to /dev/null
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._stream.encoding
+
+
+def survive_lost_output() -> None:
+    """Makes ``sys.stdout`` and ``sys.stderr`` outlive their reader (a closed ssh session or
+    pipe), so that a rank whose launcher is gone still saves and exits 0."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _SurvivingStream):
+            try:
+                stream.fileno()
+            except (OSError, ValueError, io.UnsupportedOperation):
+                continue  # not a descriptor (pytest's capture): nothing to point elsewhere
+            setattr(sys, name, _SurvivingStream(stream))
