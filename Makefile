@@ -18,13 +18,15 @@ PYTEST_ARGS ?=
 # so the second core would idle. A file's tests stay in one worker (its fixtures run once).
 TEST_JOBS ?= 2
 DEMO_ARGS ?=
+# `make bench-scale`'s options (benchmarks/bench_scale.py --help), e.g. "--sentences 1000000".
+SCALE_ARGS ?=
 # The wheelhouse's target: a CPython version and a manylinux platform tag (the glibc of the
 # machine that installs it; manylinux_2_28 covers RHEL 8 / Ubuntu 20.04 and later).
 WHEELHOUSE ?= wheelhouse
 WHEEL_PYTHON ?= $(shell $(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
 WHEEL_PLATFORM ?= manylinux_2_28_x86_64
 
-.PHONY: setup demo test lint format bench wheelhouse clean
+.PHONY: setup demo test lint format bench bench-scale wheelhouse clean
 
 setup: $(STAMP)
 
@@ -52,6 +54,11 @@ format: setup
 bench: setup
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
+
+# The data path at 50M sentences a language (docs/data.md#measuring-at-scale): hours, about
+# 7 GB of disk a language and an otherwise idle machine, so not part of `make bench`.
+bench-scale: setup
+	$(PY) benchmarks/bench_scale.py $(SCALE_ARGS)
 
 # DeepSpeed is published as source only: it is built here as a pure wheel (DS_BUILD_OPS=0,
 # no compiled ops; megasemface runs torch's fused Adam and needs none), then every other

@@ -535,14 +535,14 @@ def run_one(bench: Benchmark, args: list[str], timeout: float) -> Outcome:
     )
 
 
-def _cores() -> int:
+def cores() -> int:
     """CPU cores this process may run on."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -559,7 +559,7 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
@@ -578,15 +578,15 @@ def _git_commit() -> str:
 def header(quick: bool, outcomes: dict[str, Outcome], load: tuple[float, ...]) -> list[str]:
     """Title and the machine the figures come from (``load``: the load average at the start)."""
     memory = psutil.virtual_memory().total / 2**30
-    cores = _cores()
+    count = cores()
     peer = outcomes.get("peer")
     gpu = peer.figures.get("device_name") if peer else None
     return [
         "# megasemface benchmarks" + (" (quick: small sizes, not reference figures)" * quick),
         "",
         f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
-        f"- git commit: {_git_commit()}",
-        f"- machine: {_cpu_model()}, {cores} cores, {memory:.0f} GiB memory"
+        f"- git commit: {git_commit()}",
+        f"- machine: {cpu_model()}, {count} cores, {memory:.0f} GiB memory"
         + (f", GPU {gpu}" if gpu else ", no GPU"),
         f"- Python {platform.python_version()}, torch {_version('torch')}, "
         f"deepspeed {_version('deepspeed')}, transformers {_version('transformers')}",
@@ -615,7 +615,7 @@ def summary(outcomes: dict[str, Outcome]) -> list[str]:
 
 def runtimes(outcomes: dict[str, Outcome]) -> list[str]:
     """Wall time, peak memory and machine load of each benchmark."""
-    cores = _cores()
+    count = cores()
     rows = [
         "| benchmark | status | wall time | peak memory: process tree / largest process "
         "| load average while it ran |",
@@ -629,8 +629,8 @@ def runtimes(outcomes: dict[str, Outcome]) -> list[str]:
     total = sum(o.seconds for o in outcomes.values())
     rows += [
         "",
-        f"Total: {total / 60:,.1f} min. A benchmark's own threads put about {cores} in the load "
-        f"average of this {cores}-core machine; more means other work shared the cores.",
+        f"Total: {total / 60:,.1f} min. A benchmark's own threads put about {count} in the load "
+        f"average of this {count}-core machine; more means other work shared the cores.",
     ]
     return rows
 

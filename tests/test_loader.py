@@ -238,6 +238,35 @@ def test_another_number_of_ranks_reads_every_global_batch_once(
     assert all(same([second[g]], [reference[g]]) for g in second)
 
 
+def test_a_resume_late_in_the_epoch_seeks_instead_of_replaying(
+    shard_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume at 80% of a 50M-sentence epoch costs what reading one shard costs: the
+    restored loader opens the shard it stopped in and those the next batches need, never the
+    shards before (benchmarks/bench_scale.py times it at scale)."""
+    source = ShardSource.from_manifest(Manifest.load(shard_dir)).select(("en",))
+    original = ShardLoader(source, config(), pad_id=PAD)
+    stream = iter(original)
+    seen = 0
+    while seen < 0.8 * source.sizes["en"]:
+        seen += int((next(stream).epochs == 0).sum())
+    state = json.loads(json.dumps(original.state_dict()))
+    expected = take(stream, 5)
+
+    opened: list[str] = []
+    shard_list = wds.SimpleShardList
+
+    def recording(urls: list[str], *args: object, **kwargs: object) -> object:
+        opened.extend(urls)
+        return shard_list(urls, *args, **kwargs)
+
+    monkeypatch.setattr(wds, "SimpleShardList", recording)
+    restored = ShardLoader(source, config(), pad_id=PAD)
+    restored.load_state_dict(state)
+    assert same(take(iter(restored), 5), expected)
+    assert 1 <= len(opened) <= 3 < 0.8 * len(source.shards["en"])
+
+
 def test_state_of_the_first_format_resumes_exactly(shard_dir: Path) -> None:
     """A checkpoint written before positions were global (version 1: slot states keyed by
     worker) resumes where it stopped."""

@@ -6,16 +6,19 @@ import bz2
 import gzip
 import lzma
 import random
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zstandard
 
+from megasemface.data.text import hashset
 from megasemface.data.text.cleaning import DropReason, clean_block, clean_line, clean_lines
 from megasemface.data.text.hashset import HashSet
 from megasemface.data.text.languages import lang_from_tag, lang_tag, temperature_probs
 from megasemface.data.text.textio import (
+    CorpusReadError,
     LineReader,
     count_lines,
     iter_lines,
@@ -121,6 +124,47 @@ def test_hash_set_matches_a_python_set() -> None:
     assert table.nbytes <= 32 * len(reference)  # the documented bound per element
     with pytest.raises(ValueError, match="reserved"):
         table.insert(np.array([0], dtype=np.uint64))
+
+
+def test_a_doubling_hash_set_holds_little_beside_its_two_tables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Doubling re-inserts the old table a slice at a time: at 50M sentences, re-inserting
+    all 33M values at once took 3x the new table on top of it (2.4 GB more)."""
+    monkeypatch.setattr(hashset, "_GROW_SLOTS", 1 << 12)
+    table = HashSet()
+    values = np.random.default_rng(0).integers(1, 2**63, size=32_780, dtype=np.uint64)
+    table.insert(values[:32_760])  # 2^16 slots, just under half full
+    old = table.nbytes
+    tracemalloc.start()
+    try:
+        assert table.insert(values[32_760:]).all()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert table.nbytes == 2 * old == HashSet.nbytes_for(len(values))
+    # The new table, and the slice's probing temporaries (about 50 bytes a value).
+    assert peak < table.nbytes + 64 * (1 << 12)
+    assert not table.insert(values).any() and len(table) == len(values)
+
+
+def test_a_damaged_file_is_reported_with_the_last_line_read_whole(tmp_path: Path) -> None:
+    """A later gzip member cut short: the error names the line reading stopped after, so
+    that damage 30M lines into a file can be found (``zcat | sed -n``)."""
+    members = [
+        gzip.compress(b"".join(b"line %d\n" % i for i in range(k, k + 3000))) for k in (0, 3000)
+    ]
+    path = tmp_path / "two-members.txt.gz"
+    path.write_bytes(members[0] + members[1][: len(members[1]) // 2])
+    read: list[bytes] = []
+    with pytest.raises(CorpusReadError) as error, LineReader(path) as reader:
+        read.extend(reader)
+    assert len(read) >= 3000
+    assert f"{path}: cannot read the file past line {len(read):,} " in str(error.value)
+    counted: list[int] = []
+    with pytest.raises(CorpusReadError) as error, LineReader(path) as reader:
+        counted.extend(count_lines(block) for block in reader.iter_blocks(1000))
+    assert f"past line {sum(counted):,} " in str(error.value)
 
 
 def test_language_tags_and_temperature() -> None:

@@ -92,6 +92,8 @@ def _print_report(report: dict[str, Any]) -> None:
         }
         if any(dropped.values()):
             print(f"{'':<8}dropped: " + ", ".join(f"{k} {v:,}" for k, v in dropped.items() if v))
+        if info.get("first_invalid_utf8"):
+            print(f"{'':<8}first invalid UTF-8 line: {info['first_invalid_utf8']}")
     print(
         f"{report['model_type']} vocabulary of {report['vocab_size']:,} pieces trained on "
         f"{report['training_sentences']:,} sentences; sha256 {report['model_sha256']}"

@@ -9,6 +9,7 @@ output directory and recorded in the build journal; on resume the recorded lines
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import os
@@ -28,10 +29,12 @@ from megasemface.data.text.cleaning import DropReason
 from megasemface.data.text.hashset import HashSet
 from megasemface.data.text.textio import (
     AlignmentError,
+    CorpusReadError,
     CorpusSpec,
     count_lines,
     iter_aligned_blocks,
     split_lines,
+    warn_invalid_utf8,
 )
 from megasemface.files import file_sha256, fsync_directory
 
@@ -84,6 +87,10 @@ class LanguageShardBuild:
         self.shard_sentences = 0
         self.shard_tokens = 0
         self.last_sample_end: dict[str, Any] = {}
+        self.file_starts: list[int] = []
+        """The language's line index at which each file (or pair of files) starts."""
+        self.named_files: set[int] = set()
+        """The files (by group) whose first invalid UTF-8 line has been named."""
 
     # Input ------------------------------------------------------------------------------
 
@@ -96,6 +103,7 @@ class LanguageShardBuild:
         """
         index = 0
         for group in self.corpus.file_groups:
+            self.file_starts.append(index)
             try:
                 for sides, position in iter_aligned_blocks(group, self.config.bytes_per_task):
                     yield index, sides
@@ -106,7 +114,23 @@ class LanguageShardBuild:
                     f"{self.lang}: {exc}. Nothing of this build is marked complete; once the "
                     "files are fixed, run it again with --overwrite"
                 ) from exc
+            except CorpusReadError as exc:  # it names the file and the last line read whole
+                raise ShardBuildError(f"{self.lang}: {exc}") from None
             reader_progress(-1)
+
+    def _name_invalid_utf8(self, start: int, statuses: np.ndarray) -> None:
+        """Names each file's first invalid UTF-8 line as the build meets it (they are dropped
+        and counted: a count in the summary of an hour-long build says neither where nor
+        which file)."""
+        bad = np.flatnonzero(statuses == DropReason.INVALID_UTF8)
+        if not len(bad):
+            return
+        for line in (start + bad).tolist():
+            group = bisect.bisect_right(self.file_starts, line) - 1
+            if group not in self.named_files:
+                self.named_files.add(group)
+                files = ",".join(str(p) for p in self.corpus.file_groups[group])
+                warn_invalid_utf8(files, line - self.file_starts[group] + 1)
 
     # Output -----------------------------------------------------------------------------
 
@@ -308,6 +332,7 @@ class LanguageShardBuild:
     def _consume(self, start: int, result: EncodedBlock) -> int:
         assert result.tokens is not None and result.lengths is not None
         assert result.longest_side is not None
+        self._name_invalid_utf8(start, result.statuses)
         final = result.statuses.copy()
         keep = np.ones(len(result.kept), dtype=bool)
         if self.hashes is not None:

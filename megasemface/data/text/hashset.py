@@ -2,8 +2,9 @@
 
 A Python ``set`` of ints costs about 70 bytes per element (50M sentences: 3.5 GB). This
 open-addressing table stores raw uint64 values at a load factor between 1/4 and 1/2, so it
-costs 16 to 32 bytes per distinct sentence (50M: 0.8 to 1.6 GB; 3x that briefly while
-growing). Insertion is vectorised over a batch of hashes with numpy.
+costs 16 to 32 bytes per distinct sentence (50M: 0.8 to 1.6 GB; while it doubles, the old
+table and the new one, 1.5x the new size, for a moment). Insertion is vectorised over a
+batch of hashes with numpy.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import numpy as np
 __all__ = ["HashSet"]
 
 _EMPTY = np.uint64(0)
+_GROW_SLOTS = 1 << 20
+"""Slots of the old table re-inserted at a time while the table doubles: probing takes about
+50 bytes of temporaries per value, which over a whole 33M-value table came to 3x the new
+table's size on top of it (3.4 GB at 50M sentences); a slice at a time, about 25 MB."""
 
 
 class HashSet:
@@ -29,6 +34,17 @@ class HashSet:
     @property
     def nbytes(self) -> int:
         return self._table.nbytes
+
+    @staticmethod
+    def nbytes_for(distinct: int) -> int:
+        """The table's size in bytes once ``distinct`` values are in, from the default
+        capacity: the smallest power of two of slots from 2^16 that keeps it at most half
+        full (a batch that crosses the limit doubles it first, so near a power of two the
+        table may be twice this)."""
+        slots = 1 << 16
+        while 2 * distinct > slots:
+            slots *= 2
+        return slots * np.dtype(np.uint64).itemsize
 
     def insert(self, values: np.ndarray) -> np.ndarray:
         """Inserts values in order; returns a mask that is True where a value was new.
@@ -74,7 +90,9 @@ class HashSet:
         return inserted
 
     def _grow(self) -> None:
-        old = self._table[self._table != _EMPTY]
-        self._table = np.zeros(2 * len(self._table), dtype=np.uint64)
+        old = self._table
+        self._table = np.zeros(2 * len(old), dtype=np.uint64)
         self._count = 0
-        self._insert_unique(old)
+        for begin in range(0, len(old), _GROW_SLOTS):
+            part = old[begin : begin + _GROW_SLOTS]
+            self._insert_unique(part[part != _EMPTY])

@@ -15,12 +15,17 @@ import math
 import multiprocessing
 import random
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from megasemface.data.text.languages import temperature_probs
-from megasemface.data.text.textio import CorpusReadError, CorpusSpec, iter_lines
+from megasemface.data.text.textio import (
+    CorpusReadError,
+    CorpusSpec,
+    iter_lines,
+    warn_invalid_utf8,
+)
 
 __all__ = [
     "CorpusReadError",
@@ -28,11 +33,14 @@ __all__ = [
     "balanced_sentences",
     "check_int",
     "compute_quotas",
+    "map_in_processes",
     "reservoir_sample",
     "sample_languages",
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
@@ -58,6 +66,8 @@ class LanguageSample:
     dropped_empty: int = 0
     dropped_invalid_utf8: int = 0
     dropped_too_long: int = 0
+    first_invalid_utf8: str | None = None
+    """``path:line`` of the first line dropped as invalid UTF-8, if any."""
 
     def counts(self) -> dict[str, int]:
         """The counters, for reports."""
@@ -98,6 +108,7 @@ def reservoir_sample(
     usable = 0
     for path in corpus.paths:
         read_in_file = 0
+        named = False  # each file's first invalid line is named as soon as it is met
         try:
             for line in iter_lines(path):
                 read_in_file += 1
@@ -108,6 +119,12 @@ def reservoir_sample(
                     text = line.decode("utf-8")
                 except UnicodeDecodeError:
                     sample.dropped_invalid_utf8 += 1
+                    if not named:
+                        named = True
+                        warn_invalid_utf8(path, read_in_file)
+                        sample.first_invalid_utf8 = sample.first_invalid_utf8 or (
+                            f"{path}:{read_in_file}"
+                        )
                     continue
                 # A line is never longer in characters than in bytes: skip len(text) mostly.
                 if len(line) > max_sentence_chars and len(text) > max_sentence_chars:
@@ -120,10 +137,8 @@ def reservoir_sample(
                     slot = int(rng.random() * usable)
                     if slot < capacity:
                         lines[slot] = line
-        except CorpusReadError as exc:  # the reader names the file and what to do
-            raise CorpusReadError(
-                f"language {corpus.lang!r}, after {read_in_file:,} lines: {exc}"
-            ) from None
+        except CorpusReadError as exc:  # the reader names the file, the line and what to do
+            raise CorpusReadError(f"language {corpus.lang!r}: {exc}") from None
         sample.lines_read += read_in_file
     sample.lines_usable = usable
     return sample
@@ -139,6 +154,30 @@ def _sample_job(
     return sample, time.perf_counter() - start
 
 
+def _call(job: tuple[Callable[..., T], tuple[Any, ...]]) -> T:
+    function, args = job
+    return function(*args)
+
+
+def map_in_processes(
+    function: Callable[..., T], args: Sequence[tuple[Any, ...]], processes: int
+) -> Iterator[T]:
+    """``function(*a)`` for each ``a`` of ``args``, in up to ``processes`` spawned processes;
+    yields the results in the order of completion.
+
+    The first error of any call is raised as soon as that call fails, and the other calls
+    are ended then: a language that cannot be read stops the run at once, not after every
+    other language has been read (an hour at tens of millions of lines each). "spawn"
+    because the caller may hold threads (fork is unsafe then); ``function`` must be
+    importable by name.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    jobs = [(function, a) for a in args]
+    # Leaving the block terminates the pool, which ends calls still running after an error.
+    with ctx.Pool(min(processes, len(jobs))) as pool:
+        yield from pool.imap_unordered(_call, jobs)
+
+
 def sample_languages(
     corpora: Sequence[CorpusSpec],
     *,
@@ -149,18 +188,13 @@ def sample_languages(
 ) -> list[LanguageSample]:
     """:func:`reservoir_sample` of every language, read in up to ``processes`` processes."""
     args = [(spec, capacity, seed, max_sentence_chars) for spec in corpora]
-    workers = min(processes, len(corpora))
-    if workers <= 1:
-        results: Iterable[tuple[LanguageSample, float]] = (_sample_job(*a) for a in args)
-        return [_log_sample(*result) for result in results]
+    if min(processes, len(corpora)) <= 1:
+        return [_log_sample(*_sample_job(*a)) for a in args]
     # Reading and UTF-8 checking is Python-bound (about 1M lines/s), so languages are read in
-    # parallel processes. "spawn" because the caller may hold threads (fork is unsafe then);
-    # each language's result depends only on its own seed, so parallelism changes nothing.
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        results = pool.map(_sample_job, *zip(*args, strict=True))
-        # Logged here: spawned workers have no logging configuration.
-        return [_log_sample(*result) for result in results]
+    # parallel processes; each language's result depends only on its own seed, so
+    # parallelism changes nothing. Logged here: spawned workers have no logging set-up.
+    done = {s.lang: _log_sample(s, t) for s, t in map_in_processes(_sample_job, args, processes)}
+    return [done[spec.lang] for spec in corpora]
 
 
 def _log_sample(sample: LanguageSample, seconds: float) -> LanguageSample:

@@ -310,6 +310,7 @@ def train_spm(
         per_language[s.lang] = {
             "paths": s.paths,
             **s.counts(),
+            "first_invalid_utf8": s.first_invalid_utf8,
             "sampled": len(s.lines),
             "quota": quotas[s.lang],
             "raw_share": s.lines_usable / total_usable,

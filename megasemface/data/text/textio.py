@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import io
 import itertools
+import logging
 import lzma
 import os
 import zlib
@@ -30,7 +31,10 @@ __all__ = [
     "parse_lang_path",
     "parse_parallel",
     "split_lines",
+    "warn_invalid_utf8",
 ]
+
+logger = logging.getLogger(__name__)
 
 _BUFFER = 1 << 20
 
@@ -101,7 +105,9 @@ class LineReader:
 
     Supported: plain text, ``.gz``, ``.bz2``, ``.xz`` and ``.zst``. ``compressed_bytes_read``
     reports the position in the file on disk, which gives a progress bar and an ETA for
-    compressed input whose line count is unknown in advance.
+    compressed input whose line count is unknown in advance. ``lines_read`` counts the lines
+    handed out, so that damage found deep inside a large file is reported with the last line
+    read whole, the place a user can look at (``zcat FILE | sed -n LINEp``).
 
     Only ``\\n`` ends a line (a trailing ``\\r`` is removed too); other Unicode line separators
     stay inside the line, where the cleaning filters see them.
@@ -126,6 +132,8 @@ class LineReader:
         else:
             stream = self._raw
         self._stream = stream
+        self.lines_read = 0
+        """Lines handed out so far (by iteration, blocks or ``read_lines``)."""
 
     @property
     def compressed_bytes_read(self) -> int:
@@ -137,16 +145,18 @@ class LineReader:
         try:
             yield
         except _decompression_errors() as exc:
-            done = f"after {self._raw.tell():,} of {self.size_on_disk:,} bytes"
+            done = f"{self._raw.tell():,} of {self.size_on_disk:,} bytes"
             raise CorpusReadError(
-                f"{self.path}: cannot read the file to its end ({done}): {exc}; the file is "
-                "truncated or damaged: copy or compress it again (gzip, bzip2, xz and zstd "
-                "check a file with -t)"
+                f"{self.path}: cannot read the file past line {self.lines_read:,} ({done}): "
+                f"{exc}; the file is truncated or damaged: copy or compress it again (gzip, "
+                "bzip2, xz and zstd check a file with -t)"
             ) from None
 
     def __iter__(self) -> Iterator[bytes]:
         with self._reading():
             for line in self._stream:
+                # Less than a second over 50M lines, and an error then knows how far it got.
+                self.lines_read += 1
                 if line.endswith(b"\n"):
                     line = line[:-1]
                 if line.endswith(b"\r"):
@@ -166,9 +176,12 @@ class LineReader:
                 if cut == 0:  # no line end in this read: a line longer than size
                     carry += data
                     continue
-                yield carry + data[:cut]
+                block = carry + data[:cut]
+                self.lines_read += count_lines(block)
+                yield block
                 carry = data[cut:]
         if carry:
+            self.lines_read += 1
             yield carry
 
     def read_lines(self, count: int) -> tuple[bytes, int]:
@@ -180,6 +193,7 @@ class LineReader:
         """
         with self._reading():
             lines = list(itertools.islice(iter(self._stream.readline, b""), count))
+        self.lines_read += len(lines)
         return b"".join(lines), len(lines)
 
     def close(self) -> None:
@@ -247,6 +261,22 @@ def _misaligned(a: Path, b: Path, shorter: Path, lines: int) -> AlignmentError:
         f"{a} and {b} are not line-aligned: {shorter} ends after line {lines:,} while the "
         "other file goes on. A parallel corpus needs line i of one file to translate line i "
         "of the other: fix or replace the files"
+    )
+
+
+def warn_invalid_utf8(path: str | os.PathLike[str], line: int) -> None:
+    """Names the first line of a corpus file that is not UTF-8, as soon as it is met.
+
+    Such lines are dropped and counted, not fatal, but a count alone in the final report of
+    a 50M-line run leaves the user to hunt for them; the reading code calls this once per
+    file, for the first one. Reading processes without a logging set-up print it to stderr
+    all the same (Python's last-resort handler takes warnings).
+    """
+    logger.warning(
+        "%s:%d: not valid UTF-8: the line is skipped, and later such lines of this file are "
+        "counted, not named; convert the file (e.g. iconv -f latin1 -t utf-8) to keep them",
+        path,
+        line,
     )
 
 
