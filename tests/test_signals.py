@@ -45,6 +45,8 @@ RANK = """
 import sys, time
 from megasemface.training.signals import survive_lost_output
 survive_lost_output()
+assert sys.stdout.buffer is sys.__stdout__.buffer
+assert sys.stdout.encoding == sys.__stdout__.encoding
 time.sleep(0.5)  # the reader is gone by now
 for i in range(10_000):
     print(f"progress line {i}", flush=i % 100 == 0)

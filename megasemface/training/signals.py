@@ -90,6 +90,10 @@ class _SurvivingStream(io.TextIOBase):
     def encoding(self) -> str:  # type: ignore[override]
         return self._stream.encoding
 
+    def __getattr__(self, name: str) -> object:
+        # What a text stream has beyond the above (``buffer``, ``reconfigure``, ...).
+        return getattr(self._stream, name)
+
 
 def survive_lost_output() -> None:
     """Makes ``sys.stdout`` and ``sys.stderr`` outlive their reader (a closed ssh session or
