@@ -96,3 +96,15 @@ def test_a_rank_that_does_not_see_rank_0s_output_dir_stops_every_rank(tmp_path: 
         and "(rank 1) is not the directory rank 0 writes" in said[0][0]
     )
     assert (said[0][1], said[1][1]) == (False, True)  # rank 0 prints it; rank 1 stays quiet
+
+
+def test_an_output_dir_rank_0_cannot_write_stops_every_rank_in_one_message(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "run"  # under a file: no directory can be made there
+    said = shared_dir_check([out, out])
+    assert said[0] is not None and said[1] is not None
+    assert said[0][0] == said[1][0]
+    assert said[0][0].startswith(f"cannot write into --output-dir {out}: Not a directory")
+    assert (said[0][1], said[1][1]) == (False, True)

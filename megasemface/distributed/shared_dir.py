@@ -44,9 +44,17 @@ def check_shared_output_dir(output_dir: Path) -> None:
     if collectives.world_size() == 1:
         return
     token = secrets.token_hex(8) if collectives.rank() == 0 else None
+    unwritable = None
     if token is not None:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        _token_file(output_dir, token).write_text(token)
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            _token_file(output_dir, token).write_text(token)
+        except OSError as exc:  # the others would wait for rank 0 in the gather below
+            unwritable = (
+                f"cannot write into --output-dir {output_dir}: {exc.strerror or exc}; name a "
+                "directory this user can write"
+            )
+    collectives.raise_if_any_rank(unwritable)
     # The gather is also the barrier: no rank looks before rank 0 has written.
     token = collectives.all_gather_objects(token)[0]
     try:
