@@ -24,24 +24,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
+from megasemface.cli.measuring import (
+    INPUT_ERRORS,
+    add_output_arguments,
+    checkpoint_run,
+    input_error,
+    parse_texts,
+    report,
+)
 from megasemface.cli.parsing import CommandParser
 from megasemface.evaluation.diagnostics import (
     MEASURES,
     DiagnosticsConfig,
-    DiagnosticsError,
     diagnose_interface,
     load_models,
     log_to_run,
 )
 from megasemface.nn.cpu_speed import prepare_process
-from megasemface.tracking.compare import resolve_tracking_uri
 
 PROG = "diagnose_interface"
 
@@ -93,27 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults["max_occurrences"],
         help="occurrences averaged per dictionary word",
     )
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--output", type=Path, help="write the figures as JSON here")
-    parser.add_argument(
-        "--log-to-run",
-        metavar="TRACKING_URI",
-        help="log diag_* metrics to the checkpoint's MLflow run in this store",
-    )
+    add_output_arguments(parser, "diag_*")
     return parser
 
 
 def _config(args: argparse.Namespace) -> DiagnosticsConfig:
-    texts: dict[str, Path] = {}
-    for item in args.text:
-        lang, sep, path = item.partition(":")
-        if not sep or not lang or not path:
-            raise ValueError(f"--text expects LANG:PATH, got {item!r}")
-        if lang in texts:
-            raise ValueError(f"--text gives {lang} twice")
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"no such file: {path}")
-        texts[lang] = Path(path)
+    texts = parse_texts(args.text)
     langs = None
     if args.dictionary_langs:
         source, sep, target = args.dictionary_langs.partition("-")
@@ -139,27 +127,6 @@ def _config(args: argparse.Namespace) -> DiagnosticsConfig:
     )
 
 
-def _mlflow_target(uri: str, run_id: str | None, checkpoint: Path | None) -> tuple[str, str]:
-    """The resolved store and the run, both checked before any measurement runs."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    if not run_id:
-        raise DiagnosticsError(
-            f"{checkpoint or 'the model directory'} records no MLflow run (trained with "
-            "--no-tracking?): nothing to log to; drop --log-to-run"
-        )
-    store = resolve_tracking_uri(uri)
-    try:
-        MlflowClient(store).get_run(run_id)
-    except MlflowException:
-        raise DiagnosticsError(
-            f"the checkpoint's MLflow run {run_id} is not in {store}; pass the store the run "
-            "logged to (by default <run>/mlflow.db)"
-        ) from None
-    return store, run_id
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the command; returns the exit status (2 for bad input, as argparse's own)."""
     args = build_parser().parse_args(argv)
@@ -171,21 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         models = load_models(config.checkpoint, config.model_dir, config.spm_model)
         target = None
         if args.log_to_run:
-            target = _mlflow_target(args.log_to_run, models.mlflow_run_id, config.checkpoint)
+            source = config.checkpoint or "the model directory"
+            target = checkpoint_run(args.log_to_run, models.mlflow_run_id, source)
         diagnostics = diagnose_interface(config, models)
-    except (ValueError, OSError, KeyError, SafetensorError) as exc:  # the library's input errors
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        return 2
-    print(diagnostics.format_table())
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(diagnostics.to_dict(), indent=1) + "\n"
-        args.output.write_text(text, encoding="utf-8")
-        print(f"wrote {args.output}")
-    if target is not None:
-        count = log_to_run(diagnostics, tracking_uri=target[0], run_id=target[1])
-        print(f"logged {count} diag_* metrics to MLflow run {target[1]} ({target[0]})")
+    except INPUT_ERRORS as exc:  # the library's input errors
+        return input_error(PROG, exc)
+    report(diagnostics, args.output, target, log_to_run, "diag_*")
     return 0
 
 

@@ -45,7 +45,7 @@ from megasemface.nn.transformer import EncoderOutput, TransformerDecoder, Transf
 from megasemface.objectives.sequences import SpecialTokens
 from megasemface.stages import find_stage, stage_names
 
-__all__ = ["DiagnosticModels", "DiagnosticsError", "load_models"]
+__all__ = ["DiagnosticModels", "DiagnosticsError", "build_stage_model", "load_models", "stage_step"]
 
 _STAGES = stage_names(lambda spec: spec.semface)
 """The stages whose model has a semantic interface to diagnose."""
@@ -97,20 +97,29 @@ class DiagnosticModels:
         return self.config.vq.combinations if spec is not None and spec.codebook else None
 
 
-def _stage_model(
+def build_stage_model(
     state: dict[str, torch.Tensor], meta: dict[str, Any], special: SpecialTokens, where: Path
 ) -> SemFaceModel:
-    """The stage's ``SemFaceModel`` holding exactly the checkpoint's weights."""
+    """The stage's ``SemFaceModel`` holding exactly the checkpoint's weights (``load_stage``'s
+    state and meta of ``where``), in eval mode.
+
+    Raises:
+        DiagnosticsError: the weights do not fit the model the meta describes.
+    """
     config = config_from_dict(meta["model"])
     kind = meta.get("interface", {}).get("kind")
     spec = recorded_interface(meta)
     # Built on the meta device and then given the checkpoint's tensors: no random init of a
     # paper-size codebook only to overwrite it.
     unfit = f"{where}: the weights do not fit a {kind!r} SemFace model of its own config"
+    # The scales CL-SemFace's MLM and MSE read the table at are options of the run, not
+    # weights; a run recorded before they existed read the rows as they are.
+    options = meta.get("train_config", {})
+    scales = {name: bool(options.get(name)) for name in ("cl_unit_logits", "cl_unit_mse")}
     try:
         with torch.device("meta"):
             table = torch.empty(config.vocab_size, config.d_model) if spec and spec.table else None
-            interface = build_interface(kind, config, cl_table=table)
+            interface = build_interface(kind, config, cl_table=table, **scales)
             model = SemFaceModel(config, interface, special)
         # A shape that differs raises here (strict=False forgives only names).
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -119,6 +128,14 @@ def _stage_model(
     if missing or unexpected:
         raise DiagnosticsError(f"{unfit} (missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.eval()
+
+
+def stage_step(meta: dict[str, Any]) -> int | None:
+    """The training step of ``load_stage``'s weights (None when unknown)."""
+    source = meta.get("source", {})
+    if source.get("kind") == "model_dir":  # a pretraining directory: its checkpoint's step
+        source = source.get("from") or {}
+    return source.get("step")
 
 
 def _check_spm(tokenizer: Tokenizer, recorded: str | None, where: Path) -> None:
@@ -167,7 +184,7 @@ def load_models(
     sources = {"spm_model": str(spm.resolve())}
     stage_model = None
     if checkpoint is not None:  # resolve_spm_model checked the tokenizer against it
-        stage_model = _stage_model(state, meta, special, checkpoint)
+        stage_model = build_stage_model(state, meta, special, checkpoint)
         sources["checkpoint"] = str(checkpoint.resolve())
     if info is not None:
         assert model_dir is not None and seq2seq is not None
@@ -205,9 +222,6 @@ def load_models(
     for model in (stage_model, seq2seq, bridge):
         if model is not None:  # the diagnostics run on the host
             apply_cpu_speed(model, "cpu")
-    source = meta.get("source", {})
-    if source.get("kind") == "model_dir":  # a pretraining directory: its checkpoint's step
-        source = source.get("from") or {}
     return DiagnosticModels(
         tokenizer=tokenizer,
         special=special,
@@ -222,7 +236,7 @@ def load_models(
         bridge=bridge,
         decoder_codes=meta.get("train_config", {}).get("decoder_codes", "extractor"),
         memory_norm=bool(meta.get("train_config", {}).get("decoder_memory_norm")),
-        step=source.get("step"),
+        step=stage_step(meta),
         mlflow_run_id=meta.get("mlflow_run_id") or None,
         sources=sources,
     )
