@@ -53,6 +53,15 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
         assert "diag_en_cosine" in pretrain.metrics, sorted(pretrain.metrics)
     results = (workdir / "results.md").read_text()
     assert "| VQ-SemFace | 0 | en |" in results and "| CL-SemFace | 0 | de |" in results
+    # The encoder MLM on validation text of each pre-training that has one: a file, an MLflow
+    # metric at the run's last step, a table with the gap to XLM.
+    assert "## encoder MLM on validation text" in results
+    for key in ("xlm", "cl", "vq"):
+        figures = json.loads((workdir / "runs" / f"pretrain-{key}" / "valid-mlm.json").read_text())
+        (pretrain,) = select_runs(
+            f"sqlite:///{workdir / 'mlflow.db'}", run_ids=[figures["mlflow_run_id"]]
+        )
+        assert pretrain.metrics["final_valid_enc_mlm"] == pytest.approx(figures["mlm"])
     _assert_mlflow_shows_the_runs(workdir)
     # Where the time went: every step's wall time, summed per kind and in total.
     timings = json.loads((workdir / "timings.json").read_text())
@@ -68,7 +77,7 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     assert main(args) == 0
     second = capsys.readouterr().out
     reused_paths = ("corpus", "spm", "cl", "runs/pretrain-vq", "models/cl", "runs/supervised-vq")
-    reused_paths += ("runs/pretrain-vq/diagnostics.json",)
+    reused_paths += ("runs/pretrain-vq/diagnostics.json", "runs/pretrain-xlm/valid-mlm.json")
     for reused in reused_paths:
         assert f"reusing {workdir / reused}" in second, reused
     assert "step 1/" not in second  # nothing was trained again

@@ -401,9 +401,10 @@ def test_a_system_s_options_are_read_only() -> None:
 
 
 def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
-    """The orchestration: per seed, pre-training, connect and the interface's diagnostics,
-    then each setting's fine-tuning, test translation and registration, each step on that
-    seed's directories; the diagnostics are kept per system and seed for the report."""
+    """The orchestration: per seed, pre-training, connect, the interface's diagnostics and
+    the encoder MLM on validation text, then each setting's fine-tuning, test translation
+    and registration, each step on that seed's directories; the diagnostics and the MLM are
+    kept per system and seed for the report."""
     calls: list[tuple[str, ...]] = []
 
     class Recording(Pipeline):
@@ -414,6 +415,10 @@ def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
         def diagnose(self, system: System, run_dir: Path) -> dict:
             calls.append(("diagnose", system.key, run_dir.name))
             return {"run": run_dir.name}
+
+        def encoder_mlm(self, run_dir: Path) -> dict:
+            calls.append(("encoder_mlm", run_dir.name))
+            return {"mlm": run_dir.name}
 
         def connect(self, system: System, run_dir: Path, seed: int) -> Path:
             calls.append(("connect", system.key, run_dir.name))
@@ -444,6 +449,7 @@ def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
         ("pretrain", "vq", "0"),
         ("connect", "vq", "pretrain-vq"),
         ("diagnose", "vq", "pretrain-vq"),
+        ("encoder_mlm", "pretrain-vq"),
         ("finetune", "transformer", "-", "0"),
         ("test", "supervised-transformer"),
         ("register", "transformer", "supervised", "supervised-transformer"),
@@ -453,6 +459,7 @@ def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
         ("pretrain", "vq", "3"),
         ("connect", "vq", "pretrain-vq-s3"),
         ("diagnose", "vq", "pretrain-vq-s3"),
+        ("encoder_mlm", "pretrain-vq-s3"),
         ("finetune", "transformer", "-", "3"),
         ("test", "supervised-transformer-s3"),
         ("register", "transformer", "supervised", "supervised-transformer-s3"),
@@ -463,6 +470,42 @@ def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
     assert pipeline.diagnostics == [
         ("VQ-SemFace", 0, {"run": "pretrain-vq"}),
         ("VQ-SemFace", 3, {"run": "pretrain-vq-s3"}),
+    ]
+    assert pipeline.encoder_mlms == [
+        ("vq", "VQ-SemFace", 0, {"mlm": "pretrain-vq"}),
+        ("vq", "VQ-SemFace", 3, {"mlm": "pretrain-vq-s3"}),
+    ]
+
+
+def test_every_pre_training_with_an_encoder_mlm_measures_it(tmp_path: Path) -> None:
+    """XLM's encoder stage and the SemFace systems' joint stage have an encoder MLM; mBART's
+    pre-training has none, and only the SemFace systems have an interface to diagnose."""
+    measured: list[tuple[str, str]] = []
+
+    class Recording(Pipeline):
+        def pretrain(self, system: System, seed: int) -> Path:
+            return tmp_path / f"pretrain-{system.key}"
+
+        def connect(self, system: System, run_dir: Path, seed: int) -> Path:
+            return tmp_path / system.key
+
+        def diagnose(self, system: System, run_dir: Path) -> dict:
+            measured.append(("diagnose", system.key))
+            return {}
+
+        def encoder_mlm(self, run_dir: Path) -> dict:
+            measured.append(("encoder_mlm", run_dir.name))
+            return {}
+
+    systems = ("xlm", "mbart", "cl", "vq")
+    config = PipelineConfig(workdir=tmp_path, systems=systems, settings=())
+    Recording(config).run_seed([config.system(key) for key in systems], 0)
+    assert measured == [
+        ("encoder_mlm", "pretrain-xlm"),
+        ("diagnose", "cl"),
+        ("encoder_mlm", "pretrain-cl"),
+        ("diagnose", "vq"),
+        ("encoder_mlm", "pretrain-vq"),
     ]
 
 

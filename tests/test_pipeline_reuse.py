@@ -200,3 +200,54 @@ def test_a_run_trained_past_the_steps_asked_is_refused_in_one_line(tmp_path: Pat
     with pytest.raises(LaunchError, match="is trained to step 6, past the 3 asked") as caught:
         _pipeline(tmp_path)._train(shorter)
     assert "\n" not in str(caught.value) and f"{shorter.output_dir}" in str(caught.value)
+
+
+def test_a_finished_pre_training_s_encoder_mlm_is_measured_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The encoder MLM of a finished pre-training, on the pipeline's validation text: written
+    to ``<run>/valid-mlm.json`` and logged to the run's MLflow run the first time, read back
+    from the file after (a work directory whose runs lack it gets it on the next run)."""
+    from megasemface.evaluation import encoder_mlm as mlm
+
+    run_dir = tmp_path / "runs" / "pretrain-xlm"
+    run_dir.mkdir(parents=True)
+    result = mlm.EncoderMlm(
+        mlm=6.5,
+        languages=[mlm.LanguageMlm("en", 2, 10, 6.0), mlm.LanguageMlm("de", 2, 10, 7.0)],
+        step=1000,
+        stage="encoder",
+        interface="none",
+        max_sentences=200,
+        checkpoint=str(run_dir),
+        mlflow_run_id="0123abcd",
+    )
+    calls: list[tuple[object, ...]] = []
+
+    def measure(
+        checkpoint: Path, texts: dict[str, Path], *, spm_model: Path, max_sentences: int
+    ) -> mlm.EncoderMlm:
+        calls.append(("measure", checkpoint, dict(texts), spm_model, max_sentences))
+        return result
+
+    def log(measured: mlm.EncoderMlm, *, tracking_uri: str, run_id: str) -> int:
+        calls.append(("log", tracking_uri, run_id))
+        return 3
+
+    monkeypatch.setattr(mlm, "encoder_mlm", measure)
+    monkeypatch.setattr(mlm, "log_to_run", log)
+    config = PipelineConfig(workdir=tmp_path, systems=("xlm",), valid_sentences=150)
+    pipeline = Pipeline(config)
+    pipeline.spm = tmp_path / "spm" / "joint.model"
+    pipeline.valid = tmp_path / "corpus" / "valid"
+    first = pipeline.encoder_mlm(run_dir)
+    texts = {lang: Path(f"{pipeline.valid}.{lang}") for lang in ("en", "de")}
+    assert calls == [
+        ("measure", run_dir, texts, pipeline.spm, 150),
+        ("log", pipeline.tracking_uri, "0123abcd"),
+    ]
+    assert first == result.to_dict() == json.loads((run_dir / "valid-mlm.json").read_text())
+    calls.clear()
+    assert pipeline.encoder_mlm(run_dir) == first
+    assert calls == []
+    assert f"reusing {run_dir / 'valid-mlm.json'}" in capsys.readouterr().out

@@ -314,6 +314,40 @@ def test_diagnostics_table_reads_the_figures_of_each_language() -> None:
     assert table[3] == "| CL-SemFace | 1 | de | - | - | - | 0.500 | - | - | - | - |"
 
 
+def _mlm(key: str, system: str, seed: int, en: float, de: float, step: int = 1000) -> object:
+    from megasemface.pipeline.report import EncoderMlmRow
+
+    languages = [
+        {"lang": "en", "mlm": en, "targets": 100},
+        {"lang": "de", "mlm": de, "targets": 300},
+    ]
+    figures = {"mlm": (en * 100 + de * 300) / 400, "step": step, "languages": languages}
+    return EncoderMlmRow(key, system, seed, figures)
+
+
+def test_encoder_mlm_table_gives_mean_std_over_seeds_and_the_gap_to_xlm() -> None:
+    from megasemface.pipeline.report import encoder_mlm_table
+
+    rows = [
+        _mlm("xlm", "XLM", 0, 5.0, 6.0),
+        _mlm("cl", "CL-SemFace", 0, 6.0, 7.0),
+        _mlm("xlm", "XLM", 1, 5.5, 6.5),
+        _mlm("cl", "CL-SemFace", 1, 6.5, 7.5),
+        _mlm("vq", "VQ-SemFace", 0, 7.0, 8.0),
+    ]
+    table = encoder_mlm_table(rows, seeds=(0, 1)).splitlines()  # type: ignore[arg-type]
+    assert table[0] == "| system | step | en | de | all | vs XLM |"
+    assert _rows("\n".join(table)) == [
+        ["XLM", "1000", "5.25 ± 0.35", "6.25 ± 0.35", "6.00 ± 0.35", "-"],
+        ["CL-SemFace", "1000", "6.25 ± 0.35", "7.25 ± 0.35", "7.00 ± 0.35", "+1.00"],
+        ["VQ-SemFace (seeds 0)", "1000", "7.00", "8.00", "7.75", "+1.75"],
+    ]
+    # Without XLM in the comparison there is no gap to show; one seed is a plain figure.
+    alone = encoder_mlm_table([_mlm("cl", "CL-SemFace", 0, 6.0, 7.0, step=3)], seeds=(0,))  # type: ignore[list-item]
+    assert alone.splitlines()[0] == "| system | step | en | de | all |"
+    assert _rows(alone) == [["CL-SemFace", "3", "6.00", "7.00", "6.75"]]
+
+
 def _pair_record(key: str, pair: str, seed: int, forward: float, backward: float) -> RunRecord:
     a, b = pair.split("-")
     record = _record(key, key.upper(), 0.0, 0.0, seed)

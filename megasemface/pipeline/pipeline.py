@@ -34,7 +34,7 @@ from megasemface.checkpoints import (
 from megasemface.checkpoints.connect import SEQ2SEQ_STAGES
 from megasemface.checkpoints.layout import is_model_dir, newest_complete_step
 from megasemface.data.text.lines import read_lines, write_lines
-from megasemface.evaluation.diagnostics import DiagnosticsConfig, diagnose_interface, log_to_run
+from megasemface.evaluation.diagnostics import DiagnosticsConfig
 from megasemface.evaluation.metrics import evaluate
 from megasemface.inference.search import SearchConfig
 from megasemface.inference.translate import Translator
@@ -52,9 +52,11 @@ from megasemface.pipeline.launcher import (
     run_logged,
     training_complete,
 )
-from megasemface.pipeline.report import GridChoice, Report, build_report
+from megasemface.pipeline.pretraining_figures import diagnose_run, encoder_mlm_of_run
+from megasemface.pipeline.report import EncoderMlmRow, GridChoice, Report, build_report
 from megasemface.pipeline.scores import best_valid_bleu
 from megasemface.pipeline.systems import System
+from megasemface.stages import stage
 from megasemface.tracking.model_registry import default_model_name, register_best_model
 from megasemface.tracking.report_run import log_report_run
 from megasemface.tracking.run_scores import log_scores
@@ -102,6 +104,8 @@ class Pipeline:
         fusion's fine-tuning data."""
         self.diagnostics: list[tuple[str, int, dict[str, Any]]] = []
         """(system, seed, figures) of every SemFace pre-training, for the report."""
+        self.encoder_mlms: list[EncoderMlmRow] = []
+        """The encoder MLM on validation text of every pre-training that trains one."""
         self.grid: list[GridChoice] = []
         """Every fine-tuning's settings tried and the one chosen on validation (with a
         ``finetune_grid``), for the report."""
@@ -207,6 +211,7 @@ class Pipeline:
             self.workdir,
             self.test,
             diagnostics=self.diagnostics,
+            encoder_mlms=self.encoder_mlms,
             pair_tests=tests or None,
             grid=self.grid,
         )
@@ -237,6 +242,11 @@ class Pipeline:
             if interface(system.interface).semface:
                 self._step(f"interface diagnostics of {system.display}{of_seed}", "diagnostics")
                 self.diagnostics.append((system.display, seed, self.diagnose(system, run)))
+            if stage(system.stage).encoder:
+                title = f"encoder MLM on validation text of {system.display}{of_seed}"
+                self._step(title, "diagnostics")
+                figures = self.encoder_mlm(run)
+                self.encoder_mlms.append(EncoderMlmRow(system.key, system.display, seed, figures))
         for setting in cfg.settings:
             left_out = [s.display for s in systems if not s.runs_in(setting)]
             if left_out:  # their pre-training or fine-tuning reads parallel pairs
@@ -370,32 +380,26 @@ class Pipeline:
         return config.output_dir
 
     def diagnose(self, system: System, run_dir: Path) -> dict[str, Any]:
-        """The interface diagnostics of a SemFace pre-training on the validation text (code
-        usage, cosine, what cross-attention transfers, the dictionary's code sharing), in
-        ``<run>/diagnostics.json`` and as ``diag_*`` metrics of its MLflow run."""
-        path = run_dir / "diagnostics.json"
-        if path.is_file():
-            print(f"reusing {path}")
-            return json.loads(path.read_text())
+        """The interface diagnostics of a SemFace pre-training on the validation text
+        (:func:`~megasemface.pipeline.pretraining_figures.diagnose_run`)."""
         # Whether translations share codes (the paper's Fig. 5) is a question for VQ codes;
         # of several pairs, the first one's dictionary answers it.
         dictionary = self.corpus / "dict" / f"{self.config.pairs[0]}.tsv"
         has_dictionary = interface(system.interface).codebook and dictionary.is_file()
-        result = diagnose_interface(
-            DiagnosticsConfig(
-                checkpoint=run_dir,
-                spm_model=self.spm,
-                texts=self._validation_texts(),
-                dictionary=dictionary if has_dictionary else None,
-                max_sentences=self.config.valid_sentences,
-            )
+        config = DiagnosticsConfig(
+            checkpoint=run_dir,
+            spm_model=self.spm,
+            texts=self._validation_texts(),
+            dictionary=dictionary if has_dictionary else None,
+            max_sentences=self.config.valid_sentences,
         )
-        print(result.format_table())
-        data = result.to_dict()
-        if data.get("mlflow_run_id"):
-            log_to_run(result, tracking_uri=self.tracking_uri, run_id=data["mlflow_run_id"])
-        path.write_text(json.dumps(data, indent=1))
-        return data
+        return diagnose_run(config, self.tracking_uri)
+
+    def encoder_mlm(self, run_dir: Path) -> dict[str, Any]:
+        """The encoder MLM of a finished pre-training on the validation text the fine-tunings
+        validate on (:func:`~megasemface.pipeline.pretraining_figures.encoder_mlm_of_run`)."""
+        texts, sentences = self._validation_texts(), self.config.valid_sentences
+        return encoder_mlm_of_run(run_dir, self.spm, texts, sentences, self.tracking_uri)
 
     def _validation_texts(self) -> dict[str, Path]:
         """Each language's validation text: the pair's both sides; of several pairs, each

@@ -32,6 +32,7 @@ from megasemface.tracking.compare import (
 )
 
 __all__ = [
+    "EncoderMlmRow",
     "GridChoice",
     "Report",
     "baseline_of",
@@ -39,12 +40,17 @@ __all__ = [
     "copy_scores",
     "describe_seeds",
     "diagnostics_table",
+    "encoder_mlm_table",
     "grid_table",
     "paper_table",
 ]
 
 SIGNIFICANCE_LEVEL = 0.05
 """p-values below it get a ``*`` in the tables, as sacreBLEU's own paired test output."""
+
+MLM_BASELINE = "xlm"
+"""The system whose encoder MLM the others' is compared with: XLM's encoder is the MLM
+encoder without an interface that SemFace's encoders are meant to stay close to."""
 
 PValues = dict[str, dict[str, PairedResult | None]]
 """system name -> direction -> sacreBLEU's paired test against the baseline (None: no files)."""
@@ -273,6 +279,48 @@ def diagnostics_table(rows: Sequence[tuple[str, int, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+class EncoderMlmRow(NamedTuple):
+    """One pre-training's encoder MLM on validation text."""
+
+    key: str
+    """The system's key (``xlm``, ``cl``, ...)."""
+    system: str
+    seed: int
+    figures: dict[str, Any]
+    """As ``EncoderMlm.to_dict()`` gives them (``<run>/valid-mlm.json``)."""
+
+
+def encoder_mlm_table(rows: Sequence[EncoderMlmRow], seeds: Sequence[int] | None = None) -> str:
+    """Markdown: per system, the encoder MLM on validation text at its pre-training's last
+    step, in nats per predicted token, per language and over all (``mean ± std`` over its
+    seeds with several), and with XLM among the rows the difference of the means over all
+    from XLM's. A system whose seeds are not ``seeds`` says which it has."""
+    by_system: dict[str, list[EncoderMlmRow]] = {}
+    for row in rows:
+        by_system.setdefault(row.system, []).append(row)
+    langs = list(dict.fromkeys(x["lang"] for row in rows for x in row.figures["languages"]))
+    baseline = [row.figures["mlm"] for row in rows if row.key == MLM_BASELINE]
+    header = ["system", "step", *langs, "all", *(["vs XLM"] if baseline else [])]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, runs in by_system.items():
+        run_seeds = tuple(row.seed for row in runs)
+        if seeds is not None and run_seeds != tuple(seeds):
+            name += f" (seeds {', '.join(map(str, run_seeds))})"
+        steps = dict.fromkeys(str(row.figures["step"]) for row in runs)
+        cells = [name, ", ".join(steps)]
+        for lang in langs:
+            values = [
+                x["mlm"] for row in runs for x in row.figures["languages"] if x["lang"] == lang
+            ]
+            cells.append(_cell(values) if values else "-")
+        cells.append(_cell([row.figures["mlm"] for row in runs]))
+        if baseline:
+            gap = mean_std([row.figures["mlm"] for row in runs])[0] - mean_std(baseline)[0]
+            cells.append("-" if runs[0].key == MLM_BASELINE else f"{gap:+.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def build_report(
     config: PipelineConfig,
     tracking_uri: str,
@@ -281,10 +329,12 @@ def build_report(
     diagnostics: Sequence[tuple[str, int, dict[str, Any]]] = (),
     pair_tests: dict[str, Path] | None = None,
     grid: Sequence[GridChoice] = (),
+    encoder_mlms: Sequence[EncoderMlmRow] = (),
 ) -> Report:
     """``test_prefix``: the test set (``<prefix>.<lang>``), for the copy-the-source floor and
     the paired tests (without it, the tables have no p-values). ``diagnostics``: (system,
-    seed, figures) of the SemFace pre-trainings, a table of their own. A pipeline over
+    seed, figures) of the SemFace pre-trainings, a table of their own; ``encoder_mlms``, of
+    the pre-trainings with an encoder MLM, another. A pipeline over
     several pairs: ``pair_tests`` gives each pair's test set instead, and the one table has
     both directions of every pair."""
     tests_of = dict(pair_tests or {})
@@ -363,6 +413,12 @@ def build_report(
     if diagnostics:
         heading = "## interface diagnostics (validation text; tools/diagnose_interface.py)\n"
         parts += [heading, diagnostics_table(diagnostics), ""]
+    if encoder_mlms:
+        heading = (
+            f"## encoder MLM on validation text (nats per predicted token at the last "
+            f"pre-training step, {seeds_text}; tools/valid_mlm.py)\n"
+        )
+        parts += [heading, encoder_mlm_table(encoder_mlms, seeds), ""]
     parts += ["## runs\n", runs_table, "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
     markdown = workdir / "results.md"
     markdown.write_text("\n".join(parts), encoding="utf-8")
