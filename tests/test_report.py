@@ -20,10 +20,12 @@ import pytest
 from megasemface.evaluation.metrics import evaluate
 from megasemface.pipeline.config import PipelineConfig, seeded
 from megasemface.pipeline.report import (
+    GridChoice,
     baseline_of,
     build_report,
     copy_scores,
     describe_seeds,
+    grid_edges,
     paper_table,
 )
 from megasemface.pipeline.scores import collect_pairs, collect_systems, run_seed
@@ -388,3 +390,21 @@ def test_several_pairs_make_one_row_per_system_from_each_pair_s_runs() -> None:
     table = paper_table([vq], directions)
     assert table.splitlines()[0] == "| system | en-de | de-en | en-fr | fr-en | avg | gain |"
     assert "| VQ | 10.00 | 12.00 | 20.00 | 22.00 | 16.00 | - |" in table
+
+
+def test_grid_edges_names_the_choices_at_either_end_of_the_grid() -> None:
+    def row(system: str, chosen: float, pair: str | None = None) -> GridChoice:
+        scores = {(lr, 100): 1.0 for lr in (2e-3, 4e-3, 8e-3)}
+        return GridChoice(system, "supervised", 1, pair, scores, (chosen, 100))
+
+    assert grid_edges([row("XLM", 4e-3)]) is None
+    line = grid_edges([row("XLM", 4e-3), row("Transformer", 8e-3), row("mBART", 2e-3, "en-fr")])
+    assert line is not None
+    assert (
+        "Transformer (supervised, seed 1: highest); mBART (supervised, seed 1, en-fr: lowest)"
+        in line
+    )
+    assert "XLM" not in line
+    # A grid of one rate has no edge to step over.
+    single = GridChoice("XLM", "supervised", 0, None, {(4e-3, 100): 1.0}, (4e-3, 100))
+    assert grid_edges([single]) is None

@@ -41,6 +41,7 @@ __all__ = [
     "describe_seeds",
     "diagnostics_table",
     "encoder_mlm_table",
+    "grid_edges",
     "grid_table",
     "paper_table",
 ]
@@ -250,6 +251,25 @@ def grid_table(rows: Sequence[GridChoice]) -> str:
     return "\n".join(lines)
 
 
+def grid_edges(rows: Sequence[GridChoice]) -> str | None:
+    """A line naming every grid whose chosen learning rate is its lowest or highest, where
+    the best setting may lie outside what was tried; None when every choice is inside."""
+    edges = []
+    for row in rows:
+        rates = sorted({lr for lr, _ in row.scores})
+        if len(rates) < 2 or row.chosen[0] not in (rates[0], rates[-1]):
+            continue
+        side = "highest" if row.chosen[0] == rates[-1] else "lowest"
+        pair = f", {row.pair}" if row.pair else ""
+        edges.append(f"{row.system} ({row.setting}, seed {row.seed}{pair}: {side})")
+    if not edges:
+        return None
+    return (
+        f"Chosen at the grid's edge, where a better rate may lie beyond it: {'; '.join(edges)}. "
+        "A wider --finetune-grid tells."
+    )
+
+
 def diagnostics_table(rows: Sequence[tuple[str, int, dict[str, Any]]]) -> str:
     """Markdown: per system, seed and language, the interface diagnostics (as
     ``Diagnostics.to_dict()`` gives them) that say whether the interface connects: codes the
@@ -410,6 +430,9 @@ def build_report(
     if grid:
         heading = "## fine-tuning settings chosen on validation (best validation BLEU)\n"
         parts += [heading, grid_table(grid), ""]
+        edges = grid_edges(grid)
+        if edges:
+            parts += [edges, ""]
     if diagnostics:
         heading = "## interface diagnostics (validation text; tools/diagnose_interface.py)\n"
         parts += [heading, diagnostics_table(diagnostics), ""]
