@@ -20,7 +20,7 @@ Each stage's wall time, CPU time, peak memory (the largest sum over its process 
 polled four times a second; the largest single process, from the kernel) and disk go to a JSON
 report and a Markdown table with the date, commit and machine. The corpus and everything
 built from it are deleted afterwards unless ``--keep``; a kept corpus made with the same
-options is reused.
+options is reused (``--corpus-only`` writes it and stops, so that it can be made ahead).
 
 Run: ``python benchmarks/bench_scale.py [--sentences 50000000] [--languages en,de]``
 (``make bench-scale SCALE_ARGS="..."``). It is not part of ``make bench``: at the default
@@ -495,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     add("--out", type=Path, default=ROOT / "runs" / "bench-scale" / "report.md")
     add("--keep", action="store_true", help="keep the corpus, model and shards")
     add(
+        "--corpus-only",
+        action="store_true",
+        help="write the corpus, keep it and stop: a later run with the same options (and "
+        "--keep) starts from it",
+    )
+    add(
         "--vocab-size",
         type=int,
         help="default: the paper's 60000 with two or more languages; 30000 with one, as the "
@@ -550,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         results["corpus"] = corpus = make_corpus(args, work)
+        if args.corpus_only:
+            print(f"the corpus is in {work / 'corpus'}; run again with --keep to measure")
+            return 0
         results["train_spm"] = train_spm_stage(args, work, corpus)
         results["build_shards"] = build_shards_stage(args, work, corpus)
         results["loader_pass"] = loader_stage(args, work, "pass")
@@ -559,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         results["workdir_bytes"] = _size(work)
-        if not args.keep:
+        if not (args.keep or args.corpus_only):
             shutil.rmtree(work, ignore_errors=True)
     loader = results["loader_pass"]
     # With workers, the main process only receives batches (and stands for the training
