@@ -15,6 +15,7 @@ from megasemface.checkpoints.layout import MARKER, checkpoint_tag
 from megasemface.cli.reproduce import build_parser, config_from_args, main
 from megasemface.pipeline import pipeline as pipeline_module
 from megasemface.pipeline.config import BUDGETS, PipelineConfig, parse_finetune_grid, seeded
+from megasemface.pipeline.data_steps import build_corpus
 from megasemface.pipeline.launcher import TRAIN_SCRIPT, LaunchError
 from megasemface.pipeline.pipeline import PairData, Pipeline
 from megasemface.pipeline.report import grid_table
@@ -536,6 +537,31 @@ def test_languages_make_every_pair_and_a_work_directory_of_their_own(tmp_path: P
         False,
     )
     assert (single.workdir, single.experiment_name) == (Path("runs/smoke"), "megasemface-en-de")
+    # Another single pair: beside the default pair's work directory too, unless given one.
+    other = _config("--budget", "lowres", "--pair", "en-fr")
+    assert (other.pairs, other.workdir) == (("en-fr",), Path("runs/lowres-en-fr"))
+    assert _config("--budget", "lowres", "--pair", "en-de").workdir == Path("runs/lowres")
+    named = _config("--pair", "en-fr", "--workdir", str(tmp_path / "fr"))
+    assert named.workdir == tmp_path / "fr"
+
+
+def test_a_work_directory_of_another_pair_is_refused_not_rebuilt(tmp_path: Path) -> None:
+    """A pipeline for en-fr over an en-de work directory would build its corpus and
+    tokenizer over the ones the en-de runs there were trained with."""
+    corpus = tmp_path / "corpus"
+    (corpus / "mono").mkdir(parents=True)
+    for lang in ("en", "de"):
+        (corpus / "mono" / f"{lang}.txt").write_text("a line\n", encoding="utf-8")
+    report = {"pairs": {"en-de": {}}, "mono": {}}
+    (corpus / "report.json").write_text(json.dumps(report), encoding="utf-8")
+    before = sorted(p.name for p in corpus.rglob("*"))
+    config = PipelineConfig(workdir=tmp_path, pair="en-fr", systems=("transformer",))
+    with pytest.raises(ValueError, match=r"holds the corpus of en-de, not of --pair en-fr"):
+        build_corpus(config)
+    assert sorted(p.name for p in corpus.rglob("*")) == before
+    # Its own pair is reused as before.
+    same = PipelineConfig(workdir=tmp_path, pair="en-de", systems=("transformer",))
+    assert build_corpus(same) == corpus
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,12 @@ def build_parser(
     )
     add("--model-preset", help="model shapes: tiny, small or paper (default: the budget's)")
     add("--workdir", type=Path, help="where everything is built (default: runs/<budget>)")
-    add("--pair", default="en-de", help="language pair en-xx (default: en-de)")
+    add(
+        "--pair",
+        default="en-de",
+        help="language pair en-xx (default: en-de; another pair's work directory is "
+        "runs/<budget>-<pair>)",
+    )
     add(
         "--languages",
         help="several languages, English first, e.g. en,de,fr,ro: one pre-training per system "
@@ -167,13 +172,16 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
         values["finetune_grid"] = parse_finetune_grid(args.finetune_grid)
     elif args.lr is not None or args.warmup_steps is not None:
         values["finetune_grid"] = ()  # the setting asked for, not the budget's grid
+    budget_dir = typing.cast(Path, values["workdir"])
     if args.languages is not None:
         values["languages"] = parse_languages(args.languages)
         if args.workdir is None:  # its own, beside (never inside) a single pair's
-            budget_dir = typing.cast(Path, values["workdir"])
             values["workdir"] = budget_dir.with_name(
                 f"{budget_dir.name}-{'-'.join(values['languages'])}"  # type: ignore[arg-type]
             )
+    elif args.workdir is None and args.pair not in (None, PipelineConfig.pair):
+        # Another pair's corpus, tokenizer and runs beside (never over) the default pair's.
+        values["workdir"] = budget_dir.with_name(f"{budget_dir.name}-{args.pair}")
     return PipelineConfig(**values)  # type: ignore[arg-type]
 
 

@@ -52,18 +52,24 @@ def build_corpus(config: PipelineConfig, corpus: Path | None = None) -> Path:
         return corpus
     out = config.workdir / "corpus"
     files = [out / "mono" / f"{lang}.txt" for lang in config.all_langs]
-    if (out / "report.json").exists() and all(f.exists() for f in files):
-        if config.multilingual:
-            # The split and the held-out text depend on every language read together: a
-            # corpus of other languages is not this one's.
-            built = sorted(json.loads((out / "report.json").read_text())["pairs"])
-            if built != sorted(config.pairs):
-                raise ValueError(
-                    f"{out} holds the corpus of {', '.join(built)}, not of --languages "
-                    f"{','.join(config.languages)}: give another --workdir"
-                )
-        print(f"reusing {out} (delete it to rebuild)")
-        return out
+    if (out / "report.json").exists():
+        # The split and the held-out text depend on every language read together, and the
+        # tokenizer, shards and runs beside the corpus were built from it: a corpus of other
+        # languages is not this one's, and building this one over it would orphan them.
+        built = sorted(json.loads((out / "report.json").read_text())["pairs"])
+        if built != sorted(config.pairs):
+            asked = (
+                f"--languages {','.join(config.languages)}"
+                if config.multilingual
+                else f"--pair {config.pair}"
+            )
+            raise ValueError(
+                f"{out} holds the corpus of {', '.join(built)}, not of {asked}: give another "
+                "--workdir"
+            )
+        if all(f.exists() for f in files):
+            print(f"reusing {out} (delete it to rebuild)")
+            return out
     report = build_demo_corpus(config.locale_dir, list(config.all_langs[1:]), out)
     for pair, info in report["pairs"].items():
         sizes = ", ".join(f"{split} {n:,}" for split, n in info["split_sizes"].items())
