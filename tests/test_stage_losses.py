@@ -44,7 +44,7 @@ RUNS: dict[str, tuple[int, str, tuple[str, ...], str | None]] = {
         ("--stage", "joint", "--interface", "cl", "--no-cl-trainable"),
         None,
     ),
-    "cl-joint-table-rows": (
+    "cl-joint-unit-mse-table-rows": (
         2,
         "mono",
         (
@@ -52,7 +52,7 @@ RUNS: dict[str, tuple[int, str, tuple[str, ...], str | None]] = {
             "joint",
             "--interface",
             "cl",
-            "--no-cl-unit-mse",
+            "--cl-unit-mse",
             "--no-decoder-memory-norm",
         ),
         None,

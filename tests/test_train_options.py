@@ -88,11 +88,15 @@ def test_every_option_survives_the_command_line() -> None:
         if getattr(config, f.name) == getattr(defaults, f.name)
     ]
     # --register-model needs a tracked fine-tuning run, --finetune-ras supervised
-    # fine-tuning, --decoder-codes encoder (and --decoder-continuous, which reads the
-    # encoder's codes) no --extractor-diversity: below.
-    assert same == ["decoder_continuous", "decoder_codes", "finetune_ras", "register_model"], (
-        "set these fields away from their defaults"
-    )
+    # fine-tuning, --cl-unit-mse CL-SemFace, --decoder-codes encoder (and
+    # --decoder-continuous, which reads the encoder's codes) no --extractor-diversity: below.
+    assert same == [
+        "cl_unit_mse",
+        "decoder_continuous",
+        "decoder_codes",
+        "finetune_ras",
+        "register_model",
+    ], "set these fields away from their defaults"
     assert parse_train_argv(train_argv(config)) == config
     registering = TrainConfig(
         stage="finetune",
@@ -109,7 +113,7 @@ def test_every_option_survives_the_command_line() -> None:
         assert parse_train_argv(train_argv(tied)) == tied
     mixed = TrainConfig(stage="joint", interface="vq", decoder_continuous=0.25, **PATHS)
     assert parse_train_argv(train_argv(mixed)) == mixed
-    for changed in ({"cl_unit_logits": False}, {"cl_unit_mse": False}):
+    for changed in ({"cl_unit_logits": False}, {"cl_unit_mse": True}):
         table_rows = TrainConfig(stage="joint", interface="cl", **changed, **PATHS)
         assert parse_train_argv(train_argv(table_rows)) == table_rows
     raw = TrainConfig(stage="joint", interface="cl", decoder_memory_norm=False, **PATHS)
@@ -131,14 +135,18 @@ def test_the_cl_mlm_reads_unit_rows_by_default_where_there_is_one() -> None:
 
 
 def test_the_connection_options_default_by_stage_and_refuse_where_they_mean_nothing() -> None:
-    """CL-SemFace's MSE takes unit rows in the stages with an MLM, and its joint stage's
-    decoder reads the table's rows through the encoder's final norm; VQ keeps its memory.
-    Each option refuses a stage or interface where it has nothing to act on."""
+    """CL-SemFace's MSE takes the table's rows as they are unless told to take unit rows (in
+    the stages with an MLM), and its joint stage's decoder reads the table's rows through the
+    encoder's final norm; VQ keeps its memory. Each option refuses a stage or interface where
+    it has nothing to act on."""
     base = ["--data", "d", "--spm-model", "s", "--output-dir", "o", "--cl-table", "t"]
     joint = parse_train_argv(["--stage", "joint", "--interface", "cl", *base])
-    assert joint.cl_unit_mse and joint.decoder_memory_norm
+    assert joint.cl_unit_mse is False and joint.decoder_memory_norm
     encoder = parse_train_argv(["--stage", "encoder", "--interface", "cl", *base])
-    assert encoder.cl_unit_mse and not encoder.decoder_memory_norm
+    assert encoder.cl_unit_mse is False and not encoder.decoder_memory_norm
+    for stage in ("encoder", "joint"):
+        unit = ["--stage", stage, "--interface", "cl", "--cl-unit-mse", *base]
+        assert parse_train_argv(unit).cl_unit_mse
     vq = parse_train_argv(["--stage", "joint", "--interface", "vq", *base])
     assert not vq.cl_unit_mse and not vq.decoder_memory_norm and vq.decoder_continuous == 0.5
     extractor = parse_train_argv(

@@ -312,11 +312,11 @@ ABLATIONS: dict[str, System] = {
             pretraining="vq",
         ),
         System(
-            "cl-table-mse",
-            "CL-SemFace, MSE to the table's rows at norm sqrt(d)",
+            "cl-unit-mse",
+            "CL-SemFace, MSE to the table's rows at unit norm",
             "joint",
             "cl",
-            {"cl_unit_mse": False},
+            {"cl_unit_mse": True},
         ),
         System(
             "cl-raw-memory",
@@ -344,7 +344,7 @@ ABLATIONS: dict[str, System] = {
             "CL-SemFace as printed",
             "joint",
             "cl",
-            {"cl_trainable": False, "decoder_memory_norm": False},
+            {"cl_trainable": False, "decoder_memory_norm": False, "cl_unit_mse": True},
         ),
         System(
             "vq-paper",

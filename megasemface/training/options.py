@@ -85,9 +85,10 @@ class TrainConfig:
     """CL-SemFace: Eq. 1's MSE pulls the encoder's activations before its final LayerNorm to
     the table's rows divided by sqrt(d_model), unit vectors as the paper's VecMap
     embeddings are, so the squared distance stays near 2 - 2 cos at any width (weight 1 by
-    default). --no-cl-unit-mse: to the rows as they are, at norm sqrt(d_model), a distance
-    that grows with the width and outweighs the MLM. Default: on in the encoder and joint
-    stages."""
+    default). Off (the default): to the rows as they are, at norm sqrt(d_model), the scale
+    of the encoder's activations and of the memory the decoder reads; the distance grows
+    with the width, so its weight defaults to 1 up to d_model 128 and 0.01 wider. May be
+    set in the encoder and joint stages."""
     decoder_memory_norm: bool | None = None
     """The decoder stage reads the interface's memory through the encoder's final LayerNorm
     (its weights held fixed), the normalisation the connected decoder's memory, the
