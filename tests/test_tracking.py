@@ -90,8 +90,9 @@ def test_run_receives_params_metrics_tags_and_artifacts(tmp_path: Path, template
     out = _output_dir(tmp_path, template_db)
     tracker = MLflowTracker(None, out, "nmt", "base-run", tags={"team": "mt"}, system_metrics=False)
     assert tracker.tracking_uri == f"sqlite:///{out}/mlflow.db"
-    run_id = tracker.run_id
-    assert run_id is not None  # created synchronously by the constructor
+    # The constructor waits for the run; on a loaded machine it may come a moment later.
+    run_id = tracker.wait_for_run()
+    assert run_id is not None
     assert tracker.reachable
 
     many = {f"p{i:03d}": i for i in range(250)}  # more than one 100-param batch
@@ -267,7 +268,7 @@ def test_system_metrics_follow_the_training_step(tmp_path: Path, template_db: Pa
     pytest.importorskip("psutil")
     out = _output_dir(tmp_path, template_db)
     tracker = MLflowTracker(None, out, "nmt", None, system_metrics_interval=0.1)
-    run_id = tracker.run_id
+    run_id = tracker.wait_for_run()
     assert run_id is not None
     tracker.log_metrics({"loss": 1.0}, step=7)
     client = MlflowClient(tracker.tracking_uri)
@@ -392,14 +393,14 @@ def test_crash_without_end_leaves_the_run_failed_not_running(
         f"""
         from megasemface.tracking.mlflow_tracker import MLflowTracker
         tracker = MLflowTracker(None, {str(out)!r}, "nmt", None, system_metrics=False)
-        print(tracker.run_id, flush=True)
+        print(tracker.wait_for_run(), flush=True)
         tracker.log_metrics({{"loss": 2.0}}, step=3)
         raise RuntimeError("training crashed")
         """
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=180
     )
     assert proc.returncode == 1 and "training crashed" in proc.stderr
     run_id = proc.stdout.strip().splitlines()[-1]
