@@ -319,6 +319,13 @@ ABLATIONS: dict[str, System] = {
             {"cl_unit_mse": True},
         ),
         System(
+            "cl-mse-half",
+            "CL-SemFace, Eq. 1 at half weight",
+            "joint",
+            "cl",
+            {"mse_weight": 0.5},
+        ),
+        System(
             "cl-raw-memory",
             "CL-SemFace, decoder on the table's rows as they are",
             "joint",
