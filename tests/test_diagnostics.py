@@ -348,14 +348,26 @@ def test_cl_figures_equal_the_direct_computation(cl_run: Path, data: dict) -> No
 def test_a_cl_decoder_pretrained_on_the_encoders_output_reads_it_as_its_interface(
     cl_run: Path, data: dict
 ) -> None:
-    """A CL run with --decoder-codes encoder(-trained): its interface memory is the
-    encoder's own output, the memory the connected model's decoder reads."""
-    models = dataclasses.replace(load_models(cl_run), decoder_codes="encoder-trained")
-    result = diagnose_interface(_config(data, measures=("nll",)), models)
-    table = diagnose_interface(_config(data, measures=("nll",)), load_models(cl_run))
-    for figures, from_table in zip(result.languages, table.languages, strict=True):
-        assert figures.nll["interface"] == figures.nll["encoder"]
-        assert figures.nll["interface"] != from_table.nll["interface"]
+    """A CL run with --decoder-codes encoder(-trained) read the encoder's own output at every
+    token (--decoder-continuous 1): that is its interface memory. At a share below 1 it read
+    the table's rows of the sentence's tokens too: those are its interface memory, as in a
+    run on the rows alone, with the row of the </s> the encoder reads after them."""
+    run = load_models(cl_run)
+    config = _config(data, measures=("nll",))
+    table = diagnose_interface(config, run)
+    output = dataclasses.replace(run, decoder_codes="encoder-trained", decoder_continuous=1.0)
+    mixed = dataclasses.replace(output, decoder_continuous=0.5)
+    for kind, models in (("output", output), ("mixed", mixed)):
+        result = diagnose_interface(config, models)
+        for figures, from_table in zip(result.languages, table.languages, strict=True):
+            assert figures.nll["encoder"] == from_table.nll["encoder"]
+            if kind == "output":
+                assert figures.nll["interface"] == figures.nll["encoder"]
+            else:
+                assert figures.nll["interface"] != figures.nll["encoder"]
+                assert figures.nll["interface"] == pytest.approx(
+                    from_table.nll["interface"], abs=0.1
+                ), (kind, figures.nll, from_table.nll)
 
 
 @pytest.mark.launcher

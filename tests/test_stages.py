@@ -262,7 +262,8 @@ def test_trained_encoder_codes_are_the_same_memory_and_train_the_encoder() -> No
 
 
 def test_cl_decoder_stage_can_read_the_encoders_output() -> None:
-    """CL-SemFace with --decoder-codes encoder / encoder-trained: the decoder stage reads the
+    """CL-SemFace with --decoder-codes encoder / encoder-trained and --decoder-continuous 1 (the
+    default with them): the decoder stage reads the
     encoder's own output for ``x </s>``, as the connected model's decoder does (a direct
     computation through the diagnostics' teacher-forced NLL), not the table's rows; its
     loss reaches the encoder only when trained, and never the table."""
@@ -270,7 +271,9 @@ def test_cl_decoder_stage_can_read_the_encoders_output() -> None:
     src, src_lengths = append_token(batch.tokens_BT, batch.lengths_B, SPECIAL.eos, SPECIAL.pad)
     mask = lengths_to_mask(src_lengths, src.shape[1])
     for codes in ("encoder", "encoder-trained"):
-        model = model_for("cl", config, decoder_codes=codes, decoder_noise=False).eval()
+        model = model_for(
+            "cl", config, decoder_codes=codes, decoder_continuous=1.0, decoder_noise=False
+        ).eval()
         out = model.decoder_loss(batch, torch.Generator().manual_seed(0))
         with torch.no_grad():
             hidden = model.encoder(src, mask, batch.langs_B).hidden_BTD
@@ -317,7 +320,7 @@ def test_the_memory_norm_feeds_the_decoder_stage_the_table_rows_through_the_enco
 def test_decoder_continuous_reads_the_encoders_output_at_its_share_in_training() -> None:
     """--decoder-continuous: in training, that share of tokens reads the encoder's own
     output instead of its code; at share 1 the decoder stage reads the output alone (a direct
-    computation), at 0 the codes alone, and in evaluation the codes whatever the share."""
+    computation), at 0 the codes alone, and in evaluation the codes at any share below 1."""
     config, batch = tiny(), random_batch(tiny())
     src, src_lengths = append_token(batch.tokens_BT, batch.lengths_B, SPECIAL.eos, SPECIAL.pad)
     mask = lengths_to_mask(src_lengths, src.shape[1])
@@ -348,6 +351,40 @@ def test_decoder_continuous_reads_the_encoders_output_at_its_share_in_training()
         )
         > 1e-3
     )  # codes and outputs differ: the check can fail
+
+
+def test_cl_decoder_continuous_mixes_the_encoders_output_with_its_normed_rows() -> None:
+    """CL-SemFace with --decoder-codes encoder and --decoder-continuous 0.5: in training the
+    decoder stage reads, token by token, the encoder's output or the table's row of the
+    token through the encoder's final norm, drawn from the step's generator; a direct
+    computation with the same draw gives its loss, and in evaluation it reads the rows."""
+    config, batch = tiny(), random_batch(tiny())
+    src, src_lengths = append_token(batch.tokens_BT, batch.lengths_B, SPECIAL.eos, SPECIAL.pad)
+    mask = lengths_to_mask(src_lengths, src.shape[1])
+    model = model_for(
+        "cl",
+        config,
+        decoder_codes="encoder",
+        decoder_continuous=0.5,
+        decoder_memory_norm=True,
+        decoder_noise=False,
+    )
+    norm = model.encoder.final_norm
+    out = model.decoder_loss(batch, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hidden = model.encoder(src, mask, batch.langs_B).hidden_BTD
+        rows = torch.nn.functional.layer_norm(
+            model.interface.table[src], (config.d_model,), norm.weight, norm.bias, norm.eps
+        )
+        drawn = torch.rand(mask.shape, generator=torch.Generator().manual_seed(3)) < 0.5
+        assert 0 < int(drawn[mask].sum()) < int(mask.sum())  # both kinds are read
+        mixed = torch.where(drawn[..., None], hidden, rows)
+        nll, count = teacher_forced_nll(model.decoder, SPECIAL, batch, mixed, mask)
+        rows_nll, _ = teacher_forced_nll(model.decoder, SPECIAL, batch, rows, mask)
+    torch.testing.assert_close(out.components["dec_clm"], torch.tensor(nll / count))
+    evaluated = model.eval().decoder_loss(batch, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(evaluated.components["dec_clm"], torch.tensor(rows_nll / count))
+    assert abs(nll - rows_nll) > 1e-3  # the output and the rows differ: the check can fail
 
 
 def test_extractor_diversity_trains_the_extractor_with_the_encoders_terms() -> None:

@@ -156,7 +156,12 @@ def test_the_connection_options_default_by_stage_and_refuse_where_they_mean_noth
     assert joint.decoder_continuous == 0  # CL's memory: the table's rows
     own = ["--decoder-codes", "encoder-trained"]
     cl_own = parse_train_argv(["--stage", "joint", "--interface", "cl", *own, *base])
+    assert cl_own.decoder_continuous == 1  # the encoder's output at every token
     assert not cl_own.decoder_memory_norm  # the encoder's output is normed already
+    half = parse_train_argv(
+        ["--stage", "joint", "--interface", "cl", *own, "--decoder-continuous", "0.5", *base]
+    )
+    assert half.decoder_memory_norm  # the table's rows at the other half, normed
     with pytest.raises(ValueError, match="--cl-unit-mse"):
         TrainConfig(stage="joint", interface="vq", cl_unit_mse=True, **PATHS)
     with pytest.raises(ValueError, match="--decoder-memory-norm"):
@@ -166,6 +171,7 @@ def test_the_connection_options_default_by_stage_and_refuse_where_they_mean_noth
             stage="joint",
             interface="vq",
             decoder_codes="encoder-trained",
+            decoder_continuous=1.0,
             decoder_memory_norm=True,
             **PATHS,
         )

@@ -80,10 +80,12 @@ class SemanticInterface(nn.Module, abc.ABC):
     ) -> InterfaceMemory:
         """The decoder's cross-attention memory for a (noised) sentence."""
 
-    def features_memory(self, features_BTD: torch.Tensor, mask_BT: torch.Tensor) -> InterfaceMemory:
-        """The decoder's memory of given features (the encoder's outputs) instead of the
-        interface's own reading of the tokens: a VQ codebook quantises them, CL-SemFace
-        passes them on."""
+    def features_memory(
+        self, features_BTD: torch.Tensor, mask_BT: torch.Tensor, tokens_BT: torch.Tensor
+    ) -> InterfaceMemory:
+        """The interface's memory of the encoder's outputs ``features`` for ``tokens``,
+        instead of its own reading of the tokens: a VQ codebook quantises the outputs,
+        CL-SemFace gives the table rows Eq. 1 pulls them to."""
         raise ValueError(f"the {self.kind!r} interface reads tokens, not features")
 
     @abc.abstractmethod

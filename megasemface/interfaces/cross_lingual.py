@@ -106,10 +106,13 @@ class CrossLingualInterface(SemanticInterface):
         memory = self(tokens_BT).detach()  # the decoder's loss does not train the table
         return InterfaceMemory(memory, mask_BT, {})
 
-    def features_memory(self, features_BTD: torch.Tensor, mask_BT: torch.Tensor) -> InterfaceMemory:
-        """The encoder's outputs themselves, as the connected model's decoder reads them
-        (``--decoder-codes encoder`` or ``encoder-trained``)."""
-        return InterfaceMemory(features_BTD, mask_BT, {})
+    def features_memory(
+        self, features_BTD: torch.Tensor, mask_BT: torch.Tensor, tokens_BT: torch.Tensor
+    ) -> InterfaceMemory:
+        """The table rows of ``tokens``, the targets Eq. 1 pulls the encoder's outputs to
+        (``--decoder-codes encoder`` or ``encoder-trained``; ``--decoder-continuous`` sets
+        the share of tokens read as the outputs themselves)."""
+        return InterfaceMemory(self(tokens_BT).detach(), mask_BT, {})
 
     def fingerprint(self) -> dict[str, Any]:
         return {

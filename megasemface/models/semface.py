@@ -168,12 +168,11 @@ class SemFaceModel(nn.Module):
             trained = obj.decoder_codes == "encoder-trained"
             memory = self._encoder_codes(source, source_lengths, batch.langs_B, trained, generator)
         else:
-            memory = self.interface.decoder_memory(
-                source, lengths_to_mask(source_lengths, source.shape[1]), batch.langs_B
+            memory = self._normed(
+                self.interface.decoder_memory(
+                    source, lengths_to_mask(source_lengths, source.shape[1]), batch.langs_B
+                )
             )
-        if obj.decoder_memory_norm:
-            normed = through_final_norm(self.encoder, memory.memory_BSD)
-            memory = dataclasses.replace(memory, memory_BSD=normed)
         if obj.decoder_objective == "clm":
             tags = torch.tensor(sp.lang_tags, device=batch.langs_B.device)[batch.langs_B]
             inputs, lengths = prepend_tokens(batch.tokens_BT, batch.lengths_B, tags)
@@ -217,25 +216,35 @@ class SemFaceModel(nn.Module):
         generator: torch.Generator,
     ) -> InterfaceMemory:
         """The interface's memory of the encoder's own output for ``tokens</s>`` (as the
-        encoder reads a sentence): its codes (VQ) or the output itself (CL); the decoder
+        encoder reads a sentence): its codes (VQ) or its table rows (CL); the decoder
         stage's gradient reaches the encoder only when ``trained``, and never the VQ layer's
         weights. With ``decoder_continuous``, that share of the tokens, drawn from
-        ``generator``, reads the output itself."""
+        ``generator``, reads the output itself (all of them at 1, without a draw)."""
         tokens_BT, lengths_B = append_token(
             tokens_BT, lengths_B, self.special.eos, self.special.pad
         )
         mask_BT = lengths_to_mask(lengths_B, tokens_BT.shape[1])
         with torch.set_grad_enabled(trained and torch.is_grad_enabled()):
             hidden_BTD = self.encoder(tokens_BT, mask_BT, langs_B).hidden_BTD
-        memory = self.interface.features_memory(hidden_BTD, mask_BT)
+        memory = self._normed(self.interface.features_memory(hidden_BTD, mask_BT, tokens_BT))
         share = self.objective.decoder_continuous
-        if share > 0 and self.training:
+        if share >= 1:
+            memory = dataclasses.replace(memory, memory_BSD=hidden_BTD)
+        elif share > 0 and self.training:
             drawn = torch.rand(mask_BT.shape, generator=generator, device=generator.device)
             continuous = (drawn < share).to(hidden_BTD.device)[..., None]
             codes = memory.memory_BSD
             mixed = torch.where(continuous, hidden_BTD.to(codes.dtype), codes)
             memory = dataclasses.replace(memory, memory_BSD=mixed)
         return memory
+
+    def _normed(self, memory: InterfaceMemory) -> InterfaceMemory:
+        """The interface's memory through the encoder's final norm with
+        ``decoder_memory_norm``, as the connected decoder's memory comes."""
+        if not self.objective.decoder_memory_norm:
+            return memory
+        normed = through_final_norm(self.encoder, memory.memory_BSD)
+        return dataclasses.replace(memory, memory_BSD=normed)
 
     def joint_loss(
         self,

@@ -319,6 +319,13 @@ ABLATIONS: dict[str, System] = {
             {"cl_unit_mse": True},
         ),
         System(
+            "cl-half-output",
+            "CL-SemFace, decoder on the encoder's output at half the tokens",
+            "joint",
+            "cl",
+            {"decoder_codes": "encoder-trained", "decoder_continuous": 0.5},
+        ),
+        System(
             "cl-mse-half",
             "CL-SemFace, Eq. 1 at half weight",
             "joint",

@@ -62,26 +62,28 @@ def fill_interface_options(config: TrainConfig) -> None:
         f"scales the target of CL-SemFace's MSE term: {where}",
         default=False,
     )
-    from_table = run_interface.table and run_stage.joint and config.decoder_codes == "extractor"
-    if config.decoder_memory_norm is None:
-        config.decoder_memory_norm = from_table
-    if config.decoder_memory_norm and not (
-        run_interface.semface and run_stage.joint and config.decoder_codes == "extractor"
-    ):
-        raise ValueError(
-            "--decoder-memory-norm passes the decoder stage's interface memory through the "
-            "encoder's final norm: use it with --stage joint, --interface cl or vq and "
-            "--decoder-codes extractor (the encoder's own output is normed already)"
-        )
+    own_codes = config.decoder_codes != "extractor"
     if config.decoder_continuous is None:
-        own_codes = run_interface.codebook and config.decoder_codes != "extractor"
-        config.decoder_continuous = 0.5 if own_codes else 0.0
+        # VQ: half the tokens (measured better on validation and in the connected decoder's
+        # NLL, docs/reproduce.md); CL: every token, the encoder's output alone.
+        config.decoder_continuous = (1.0 if run_interface.table else 0.5) if own_codes else 0.0
     if not 0 <= config.decoder_continuous <= 1:
         raise ValueError("--decoder-continuous must be in [0, 1]")
-    if config.decoder_continuous and config.decoder_codes == "extractor":
+    if config.decoder_continuous and not own_codes:
         raise ValueError(
             "--decoder-continuous mixes the encoder's output into the decoder stage's "
             "memory: use it with --decoder-codes encoder or encoder-trained"
+        )
+    # The decoder stage reads the interface's memory at some tokens: the table's rows or,
+    # of the encoder's own output, the codes or rows where it does not read the output.
+    reads_interface = run_interface.semface and run_stage.joint and config.decoder_continuous < 1
+    if config.decoder_memory_norm is None:
+        config.decoder_memory_norm = run_interface.table and reads_interface
+    if config.decoder_memory_norm and not reads_interface:
+        raise ValueError(
+            "--decoder-memory-norm passes the decoder stage's interface memory through the "
+            "encoder's final norm: use it with --stage joint, --interface cl or vq and "
+            "--decoder-continuous below 1 (the encoder's own output is normed already)"
         )
 
 

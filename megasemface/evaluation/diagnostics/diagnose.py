@@ -235,7 +235,7 @@ def _nll_side(
     own = None
     if isinstance(interface, VectorQuantizedInterface) and models.encoder is not None:
         own = models.encoder(*src, batch.langs_B) if encoded is None else encoded
-        codes = interface.features_memory(own.hidden_BTD, src[1])
+        codes = interface.features_memory(own.hidden_BTD, src[1], src[0])
         memories["codes"] = (codes.memory_BSD, codes.mask_BS)
     if models.interface_decoder is not None and interface is not None:
         if models.decoder_codes == "extractor":
@@ -248,8 +248,13 @@ def _nll_side(
             memories["interface"] = memories["codes"]
         elif models.encoder is not None:  # CL-SemFace's decoder read the encoder's output
             own = models.encoder(*src, batch.langs_B) if encoded is None else encoded
-            memory = interface.features_memory(own.hidden_BTD, src[1])
-            memories["interface"] = (memory.memory_BSD, memory.mask_BS)
+            memory_BSD = own.hidden_BTD
+            if models.decoder_continuous < 1:  # and the table's rows of its tokens
+                rows = interface.features_memory(own.hidden_BTD, src[1], src[0]).memory_BSD
+                memory_BSD = (
+                    through_final_norm(models.encoder, rows) if models.memory_norm else rows
+                )
+            memories["interface"] = (memory_BSD, src[1])
     if models.connected_encoder is not None:
         connected = encoded
         if models.connected_encoder is not models.encoder or connected is None:

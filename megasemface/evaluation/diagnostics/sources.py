@@ -83,6 +83,9 @@ class DiagnosticModels:
     memory_norm: bool
     """The stage's decoder read its interface memory through the encoder's final LayerNorm
     (``--decoder-memory-norm``)."""
+    decoder_continuous: float
+    """The share of tokens at which the stage's decoder read the encoder's output instead of
+    the interface's memory of it (``--decoder-continuous``)."""
     step: int | None
     """The checkpoint's training step (None when unknown)."""
     mlflow_run_id: str | None
@@ -236,6 +239,7 @@ def load_models(
         bridge=bridge,
         decoder_codes=meta.get("train_config", {}).get("decoder_codes", "extractor"),
         memory_norm=bool(meta.get("train_config", {}).get("decoder_memory_norm")),
+        decoder_continuous=float(meta.get("train_config", {}).get("decoder_continuous") or 0.0),
         step=stage_step(meta),
         mlflow_run_id=meta.get("mlflow_run_id") or None,
         sources=sources,

@@ -87,9 +87,12 @@ class VectorQuantizedInterface(SemanticInterface):
     def decoder_memory(
         self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
     ) -> InterfaceMemory:
-        return self.features_memory(self.extractor(tokens_BT, mask_BT, langs_B).hidden_BTD, mask_BT)
+        features_BTD = self.extractor(tokens_BT, mask_BT, langs_B).hidden_BTD
+        return self.features_memory(features_BTD, mask_BT, tokens_BT)
 
-    def features_memory(self, features_BTD: torch.Tensor, mask_BT: torch.Tensor) -> InterfaceMemory:
+    def features_memory(
+        self, features_BTD: torch.Tensor, mask_BT: torch.Tensor, tokens_BT: torch.Tensor
+    ) -> InterfaceMemory:
         """The code vectors the fixed codebook picks for ``features`` by Eq. 5."""
         rows = positions(mask_BT)
         out: VQOutput = self.quantizer(features_BTD.flatten(0, 1)[rows], detach_weights=True)
