@@ -75,7 +75,8 @@ class ObjectiveConfig:
     the stages are then pre-trained together, as a denoising autoencoder through the codes
     beside the MLM, not separately. CL-SemFace: ``extractor`` is the table's rows of the
     noised copy (the paper's), ``encoder`` and ``encoder-trained`` the encoder's outputs for
-    it, as the connected decoder reads them."""
+    it, as the connected decoder reads them, at the share ``decoder_continuous`` of the
+    tokens, and the table's rows at the rest."""
     decoder_memory_norm: bool = False
     """The decoder stage reads its interface memory through the encoder's final LayerNorm,
     with the norm's weights held fixed (the decoder's loss trains only the decoder). The
@@ -85,9 +86,10 @@ class ObjectiveConfig:
     decoder_continuous: float = 0.0
     """With ``decoder_codes`` ``encoder`` or ``encoder-trained``: the share of tokens at which
     the decoder stage reads the encoder's continuous output instead of the interface's
-    memory of it (VQ: its code), drawn per token, so that the cross-attention is
-    pre-trained on the memory the connected model gives it too. 0: the interface's memory
-    alone."""
+    memory of it (VQ: its code; CL: the table's row of the token), drawn per token in
+    training, so that the cross-attention is pre-trained on the memory the connected model
+    gives it too. 0: the interface's memory alone; 1: the output alone, in training and
+    evaluation."""
     infill_ratio: float = 0.35
     """mBART baseline: share of tokens masked in Poisson spans."""
     poisson_lambda: float = 3.5
