@@ -66,23 +66,31 @@ def test_semface_steps(interface: str, stage: str, codes: str, overrides: tuple[
     torch.manual_seed(0)
     table = torch.randn(config.vocab_size, config.d_model) * 0.3
     built = build_interface(interface, config, cl_table=table if interface == "cl" else None)
-    objective = ObjectiveConfig(decoder_noise=False, decoder_codes=codes)  # type: ignore[arg-type]
-    model = SemFaceModel(config, built, SPECIAL, objective).train()
-    model.stage = stage  # type: ignore[assignment]
-    if stage == "decoder" and interface == "vq":
-        model.interface.quantizer.freeze()  # as the decoder stage's unit loads it
-    batch = sentences(config, 1)
-    flops, out = counted(lambda: model(batch, torch.Generator().manual_seed(2)))
-    formula = model_flops.semface_step(
-        config,
-        interface=interface,
-        stage=stage,
-        decoder_codes=codes,
-        batch=batch.tokens_BT.shape[0],
-        length=batch.tokens_BT.shape[1],
-        tokens=int(batch.lengths_B.sum()),
-    ) + model_flops.output_layer(config, out.num_targets)
-    assert formula == flops
+    # CL on the encoder's outputs: all of them (train.py's default) or half, the rows at the
+    # rest; a share below 1 costs the same, as the rows' gradient is zero, not absent.
+    shares = (1.0, 0.5) if interface == "cl" and codes != "extractor" else (0.0,)
+    for share in shares:
+        objective = ObjectiveConfig(
+            decoder_noise=False,
+            decoder_codes=codes,  # type: ignore[arg-type]
+            decoder_continuous=share,
+        )
+        model = SemFaceModel(config, built, SPECIAL, objective).train()
+        model.stage = stage  # type: ignore[assignment]
+        if stage == "decoder" and interface == "vq":
+            model.interface.quantizer.freeze()  # as the decoder stage's unit loads it
+        batch = sentences(config, 1)
+        flops, out = counted(lambda m=model, b=batch: m(b, torch.Generator().manual_seed(2)))
+        formula = model_flops.semface_step(
+            config,
+            interface=interface,
+            stage=stage,
+            decoder_codes=codes,
+            batch=batch.tokens_BT.shape[0],
+            length=batch.tokens_BT.shape[1],
+            tokens=int(batch.lengths_B.sum()),
+        ) + model_flops.output_layer(config, out.num_targets)
+        assert formula == flops, share
 
 
 @pytest.mark.parametrize(

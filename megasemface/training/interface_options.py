@@ -74,6 +74,11 @@ def fill_interface_options(config: TrainConfig) -> None:
             "--decoder-continuous mixes the encoder's output into the decoder stage's "
             "memory: use it with --decoder-codes encoder or encoder-trained"
         )
+    if own_codes and run_interface.table and not config.decoder_continuous:
+        raise ValueError(
+            "--decoder-continuous 0 with CL-SemFace's --decoder-codes encoder reads the table's "
+            "rows alone: use --decoder-codes extractor for that"
+        )
     # The decoder stage reads the interface's memory at some tokens: the table's rows or,
     # of the encoder's own output, the codes or rows where it does not read the output.
     reads_interface = run_interface.semface and run_stage.joint and config.decoder_continuous < 1

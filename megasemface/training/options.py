@@ -93,17 +93,15 @@ class TrainConfig:
     """The decoder stage reads the interface's memory through the encoder's final LayerNorm
     (its weights held fixed), the normalisation the connected decoder's memory, the
     encoder's output, comes through: CL-SemFace's table rows of the noised copy become
-    LN(E(C(x))). Default: on for --interface cl --stage joint wherever it reads the table's
-    rows (--decoder-codes extractor, or the encoder's codes with --decoder-continuous below
-    1)."""
+    LN(E(C(x))). Default: on for --interface cl --stage joint where it reads the table's
+    rows (--decoder-codes extractor, or --decoder-continuous below 1)."""
     decoder_continuous: float | None = None
     """With --decoder-codes encoder or encoder-trained: the share of tokens, drawn per
     token, at which the decoder stage reads the encoder's continuous output instead of the
-    interface's memory of it (VQ: its code; CL: the table's row of the token), so that the
+    interface's memory of it (VQ: its code; CL: the token's table row), so that the
     cross-attention is pre-trained on what the connected model gives it too (not in the
     paper). Default with the encoder's codes: 0.5 for VQ (measured better on validation and
-    in the connected decoder's NLL, docs/reproduce.md), 1 for CL (the output alone); else
-    0, the interface's memory alone."""
+    in the connected decoder's NLL, docs/reproduce.md), 1 for CL; else 0."""
     init_from: Path | None = None
     """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
     finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
@@ -129,11 +127,10 @@ class TrainConfig:
     extractor), ``encoder`` (the encoder's own codes, without gradient; not in the paper) or
     ``encoder-trained`` (the encoder's own codes, and the decoder's loss trains the encoder
     too; not in the paper). CL (joint stage): ``extractor`` is the table's rows (the
-    paper's), ``encoder`` and ``encoder-trained`` the encoder's outputs (at the share
-    --decoder-continuous of the tokens, the table's rows at the rest). Default:
-    ``encoder-trained`` for --interface vq --stage joint (measured better on validation,
-    docs/reproduce.md), else ``extractor``, the only choice of the separate stages and
-    --extractor-diversity."""
+    paper's), ``encoder`` and ``encoder-trained`` the encoder's outputs (--decoder-continuous
+    says at which share). Default: ``encoder-trained`` for --interface vq --stage joint
+    (measured better on validation, docs/reproduce.md), else ``extractor``, the only choice
+    of the separate stages and --extractor-diversity."""
     token_entropy_weight: float = 0.5
     """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
     on by default, measured better on validation); 0: off."""
@@ -536,18 +533,17 @@ FILLED_IN = (
 chosen from the other fields."""
 
 
-_GIVEN = object()
-"""A default no value equals: the option is always on the command line."""
+_GIVEN = object()  # a default no value equals: the option is always on the command line
 
 
 def _default(config: TrainConfig, action: argparse.Action) -> object:
     """What ``config`` would hold without the option: its parser default, or what
     ``__post_init__`` fills in for this config (``FILLED_IN``)."""
     if action.dest in FILLED_IN:
-        try:
+        try:  # refused without it: the other options need this one as given
             return getattr(dataclasses.replace(config, **{action.dest: None}), action.dest)
-        except ValueError:  # the other options need this one as given (a CL --decoder-codes
-            return _GIVEN  # encoder with --decoder-continuous): never left out
+        except ValueError:
+            return _GIVEN
     return action.default
 
 
