@@ -179,14 +179,9 @@ def test_the_connection_options_default_by_stage_and_refuse_where_they_mean_noth
         TrainConfig(stage="joint", interface="vq", decoder_continuous=1.5, **PATHS)
     with pytest.raises(ValueError, match="--decoder-continuous"):
         TrainConfig(stage="joint", interface="cl", decoder_continuous=0.5, **PATHS)
+    rows_alone = {"decoder_codes": "encoder", "decoder_continuous": 0.0}
     with pytest.raises(ValueError, match="--decoder-codes extractor"):
-        TrainConfig(
-            stage="joint",
-            interface="cl",
-            decoder_codes="encoder",
-            decoder_continuous=0.0,
-            **PATHS,
-        )
+        TrainConfig(stage="joint", interface="cl", **rows_alone, **PATHS)  # type: ignore[arg-type]
 
 
 def test_the_cl_table_is_trained_by_default_in_the_joint_stage_only() -> None:
