@@ -349,15 +349,17 @@ def test_a_cl_decoder_pretrained_on_the_encoders_output_reads_it_as_its_interfac
     cl_run: Path, data: dict
 ) -> None:
     """A CL run with --decoder-codes encoder(-trained) read the encoder's own output at every
-    token (--decoder-continuous 1): that is its interface memory. At a share below 1 it read
+    token (--decoder-continuous 1, or 0 as recorded before a share could be set for CL): that
+    is its interface memory. At a share below 1 it read
     the table's rows of the sentence's tokens too: those are its interface memory, as in a
     run on the rows alone, with the row of the </s> the encoder reads after them."""
     run = load_models(cl_run)
     config = _config(data, measures=("nll",))
     table = diagnose_interface(config, run)
     output = dataclasses.replace(run, decoder_codes="encoder-trained", decoder_continuous=1.0)
+    recorded_before = dataclasses.replace(output, decoder_continuous=0.0)
     mixed = dataclasses.replace(output, decoder_continuous=0.5)
-    for kind, models in (("output", output), ("mixed", mixed)):
+    for kind, models in (("output", output), ("output", recorded_before), ("mixed", mixed)):
         result = diagnose_interface(config, models)
         for figures, from_table in zip(result.languages, table.languages, strict=True):
             assert figures.nll["encoder"] == from_table.nll["encoder"]

@@ -249,7 +249,9 @@ def _nll_side(
         elif models.encoder is not None:  # CL-SemFace's decoder read the encoder's output
             own = models.encoder(*src, batch.langs_B) if encoded is None else encoded
             memory_BSD = own.hidden_BTD
-            if models.decoder_continuous < 1:  # and the table's rows of its tokens
+            # and, at a share in (0, 1), the table's rows of its tokens; a recorded 0, which
+            # train.py refuses for CL, is a run whose encoder codes meant the output alone
+            if 0 < models.decoder_continuous < 1:
                 rows = interface.features_memory(own.hidden_BTD, src[1], src[0]).memory_BSD
                 memory_BSD = (
                     through_final_norm(models.encoder, rows) if models.memory_norm else rows
