@@ -30,6 +30,7 @@ from megasemface.checkpoints import (
     connect_mbart,
     connect_runs,
     gather_codebook_states,
+    keep_part,
     last_checkpoints,
     load_stage,
     quantizer_state,
@@ -49,6 +50,7 @@ from megasemface.models.model_dir import load_model_dir, load_seq2seq
 from megasemface.models.seq2seq_init import ConnectError
 from megasemface.nn.bridge import bridge_sources
 from megasemface.nn.config import config_from_dict
+from megasemface.nn.transformer import Seq2SeqModel
 
 pytestmark = pytest.mark.launcher
 
@@ -291,6 +293,49 @@ def test_xlm_style_and_mbart_initialisations(
     _assert_equal(mbart.state, {k[len("model.") :]: v for k, v in trained.items()})
     _, info = load_seq2seq(write_seq2seq_dir(tmp_path / "mbart", mbart))
     assert info.meta["mode"] == "mbart"
+
+
+def test_one_half_kept_and_the_other_drawn_as_a_fresh_model(
+    encoder_run: Path,
+    decoder_run: Path,
+    mbart_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    mbart = connect_mbart(mbart_run)
+    torch.manual_seed(5)
+    fresh = Seq2SeqModel(mbart.config).state_dict()
+    for part, drawn in (("encoder", "decoder."), ("decoder", "encoder.")):
+        half = keep_part(mbart, part, seed=5)
+        assert half.mode == f"mbart, {part} alone" and half.config == mbart.config
+        for key, value in half.state.items():
+            source = fresh if key.startswith(drawn) else mbart.state
+            assert torch.equal(value, source[key]), key
+            assert (half.parameters[key] == "random") == key.startswith(drawn)
+    assert keep_part(mbart, "whole") is mbart
+    with pytest.raises(ValueError, match="part 'both': choose from whole, encoder, decoder"):
+        keep_part(mbart, "both")
+
+    # A SemFace connection keeps its decoder's pre-trained cross-attention, the encoder drawn.
+    semface = keep_part(connect_runs(encoder_run, decoder_run), "decoder", seed=1)
+    assert semface.parameters["decoder.layers.0.cross_attn.q_proj.weight"].startswith(
+        "decoder-stage:"
+    )
+    assert semface.parameters["encoder.layers.0.ffn.fc1.weight"] == "random"
+
+    # The command line writes the half with its provenance.
+    out = tmp_path / "mbart-decoder"
+    args = ["connect", "--mbart", str(mbart_run), "--part", "decoder", "--seed", "5"]
+    assert merge_main([*args, "--out", str(out)]) == 0
+    model, info = load_seq2seq(out)
+    assert info.meta["mode"] == "mbart, decoder alone"
+    _assert_equal(model.state_dict(), keep_part(mbart, "decoder", seed=5).state)
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["parameters"]["encoder.final_norm.weight"] == "random"
+    capsys.readouterr()
+    fused = ["connect", "--encoder", str(encoder_run), "--fusion", "deep", "--part", "encoder"]
+    assert merge_main([*fused, "--out", str(tmp_path / "x")]) == 2
+    assert "deep fusion's decoder is random" in capsys.readouterr().err
 
 
 def _tool(*args: str) -> subprocess.CompletedProcess[str]:

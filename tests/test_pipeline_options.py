@@ -327,6 +327,25 @@ def test_deep_fusion_shares_its_encoders_run_and_fine_tunes_with_four_losses(
     assert fusion.runs_in("supervised") and not fusion.runs_in("unsupervised")
 
 
+@pytest.mark.parametrize("base", ["mbart", "cl", "vq"])
+def test_each_half_of_a_pre_training_shares_its_run_and_connection(
+    base: str, tmp_path: Path
+) -> None:
+    """``<system>-encoder`` and ``<system>-decoder`` fine-tune one half of the system's own
+    pre-training run, connected as it is; only the connected model's other half differs."""
+    pipeline = _pipeline(tmp_path, (0,))
+    whole = SYSTEMS[base]
+    for part in ("encoder", "decoder"):
+        half = ABLATIONS[f"{base}-{part}"]
+        assert (half.part, half.pretraining, half.connect) == (part, base, whole.connect)
+        assert pipeline.pretrain_config(half, 0) == pipeline.pretrain_config(whole, 0)
+        init = tmp_path / "models" / half.key
+        finetune = pipeline.finetune_config(half, "supervised", init, 0)
+        plain = pipeline.finetune_config(whole, "supervised", init, 0)
+        same = {"tags": plain.tags, "run_name": plain.run_name, "output_dir": plain.output_dir}
+        assert dataclasses.replace(finetune, **same) == plain
+
+
 def test_veco_pretrains_on_the_mixed_shards_and_connects_as_it_is(tmp_path: Path) -> None:
     """VECO is a related system, not one of the paper's: its pre-training reads the
     monolingual and parallel shards in one directory, with no dictionary; the run connects
@@ -383,6 +402,9 @@ def test_a_system_s_fine_tuning_options_are_checked_when_it_is_made(
         ({"model": {"d_model": 1.5}}, "model option d_model takes int, got 1.5"),
         ({"interface": "cl", "options": {"extractor_diversity": True}}, "--extractor-diversity"),
         ({"stage": None, "options": {"mse_weight": 0.0}}, "belong to a pre-training run"),
+        ({"part": "both"}, "part 'both': choose from whole, encoder, decoder"),
+        ({"stage": None, "part": "encoder"}, "keeps a half of a pre-trained model"),
+        ({"connect": "fusion", "part": "decoder"}, "keeps a half of a pre-trained model"),
     ],
 )
 def test_a_system_s_options_are_checked_when_it_is_made(values: dict, message: str) -> None:

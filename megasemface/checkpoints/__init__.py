@@ -8,7 +8,8 @@
   VQ layer one model-parallel rank of a decoder stage loads from an encoder stage.
 - :func:`average_checkpoints`: the exact fp32 mean of checkpoints of one stage.
 - :func:`connect_runs`, :func:`connect_mbart`, :func:`connect_fusion`: sequence-to-sequence
-  initialisations (deep fusion: an encoder stage through the layer-wise coordinator).
+  initialisations (deep fusion: an encoder stage through the layer-wise coordinator);
+  :func:`keep_part`: one half of such an initialisation, the other drawn at random.
 - :func:`write_pretraining_dir`, :func:`write_seq2seq_dir`: self-contained model directories.
 
 ``tools/merge_checkpoints.py`` is the command line over these.
@@ -22,10 +23,12 @@ from megasemface.checkpoints.codebook import (
     vq_fingerprint,
 )
 from megasemface.checkpoints.connect import (
+    PARTS,
     Connected,
     connect_fusion,
     connect_mbart,
     connect_runs,
+    keep_part,
 )
 from megasemface.checkpoints.consolidate import (
     Codebook,
@@ -48,6 +51,7 @@ from megasemface.checkpoints.layout import (
 )
 
 __all__ = [
+    "PARTS",
     "CheckpointError",
     "CheckpointInfo",
     "Codebook",
@@ -61,6 +65,7 @@ __all__ = [
     "consolidate_checkpoint",
     "find_checkpoint",
     "gather_codebook_states",
+    "keep_part",
     "last_checkpoints",
     "load_checkpoint",
     "load_codebook",

@@ -32,7 +32,7 @@ from megasemface.nn.config import ModelConfig, config_from_dict
 from megasemface.nn.transformer import Seq2SeqModel, parameter_shapes
 from megasemface.stages import stage_names
 
-__all__ = ["Connected", "connect_fusion", "connect_mbart", "connect_runs"]
+__all__ = ["PARTS", "Connected", "connect_fusion", "connect_mbart", "connect_runs", "keep_part"]
 
 
 @dataclasses.dataclass
@@ -192,3 +192,30 @@ def connect_fusion(
         state[key] = source.to(value.dtype)
         parameters[key] = f"{origin}{key}"
     return Connected(state, config, "fusion", {"encoder": meta}, parameters)
+
+
+PARTS = ("whole", "encoder", "decoder")
+"""What of a connected model :func:`keep_part` keeps from pre-training."""
+
+
+def keep_part(connected: Connected, part: str, *, seed: int = 0) -> Connected:
+    """``connected`` with one half kept and the other drawn at random, as a model trained
+    from scratch starts: fine-tuning each half alone says which half of a pre-training
+    carries its gain. ``encoder`` keeps ``encoder.*`` (its own embeddings included) and draws
+    the decoder; ``decoder`` keeps ``decoder.*`` (its cross-attention, embeddings and output
+    bias) and draws the encoder; ``whole`` returns ``connected`` as it is. Anything outside
+    both (a bridge) stays as connected."""
+    if part not in PARTS:
+        raise ValueError(f"part {part!r}: choose from {', '.join(PARTS)}")
+    if part == "whole":
+        return connected
+    drawn = "decoder." if part == "encoder" else "encoder."
+    torch.manual_seed(seed)
+    fresh = Seq2SeqModel(connected.config).state_dict()
+    state, parameters = dict(connected.state), dict(connected.parameters)
+    for key in state:
+        if key.startswith(drawn):
+            state[key] = fresh[key].to(state[key].dtype)
+            parameters[key] = "random"
+    mode = f"{connected.mode}, {part} alone"
+    return dataclasses.replace(connected, state=state, parameters=parameters, mode=mode)

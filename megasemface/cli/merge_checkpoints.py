@@ -9,6 +9,8 @@ Examples::
     python tools/merge_checkpoints.py connect --encoder runs/xlm --out models/xlm
     python tools/merge_checkpoints.py connect --encoder runs/xlm --fusion deep --out models/fusion
     python tools/merge_checkpoints.py connect --mbart runs/mbart --out models/mbart
+    python tools/merge_checkpoints.py connect --mbart runs/mbart --part encoder \\
+        --out models/mbart-encoder
     python tools/merge_checkpoints.py connect --mbart runs/mrasp --out models/mrasp
     python tools/merge_checkpoints.py connect --mbart runs/veco --out models/veco
     python tools/merge_checkpoints.py average runs/vq-encoder --last 5 --out models/enc-avg5
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megasemface.checkpoints.connect import PARTS
 from megasemface.cli.parsing import CommandParser
 
 __all__ = ["build_parser", "main"]
@@ -96,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="deep: the --encoder stage's encoder fused into a random decoder through the "
         "layer-wise coordinator of deep fusion (fine-tune with --finetune-mode fusion)",
+    )
+    connect.add_argument(
+        "--part",
+        choices=PARTS,
+        default="whole",
+        help="keep the encoder or the decoder alone and draw the other half at random from "
+        "--seed, to measure which half of a pre-training carries its gain (default: whole)",
     )
     connect.add_argument(
         "--part-layers",
@@ -170,6 +180,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         connected = ckpt.connect_runs(
             args.encoder, args.decoder, seed=args.seed, bridge=args.bridge
         )
+    if args.part != "whole":
+        if args.fusion != "none":
+            raise ValueError("--part keeps a half of a model; deep fusion's decoder is random")
+        connected = ckpt.keep_part(connected, args.part, seed=args.seed)
     out = ckpt.write_seq2seq_dir(
         args.out, connected, spm_model=args.spm_model, overwrite=args.overwrite
     )

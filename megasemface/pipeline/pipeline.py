@@ -29,6 +29,7 @@ from megasemface.checkpoints import (
     connect_fusion,
     connect_mbart,
     connect_runs,
+    keep_part,
     write_seq2seq_dir,
 )
 from megasemface.checkpoints.connect import SEQ2SEQ_STAGES
@@ -234,8 +235,10 @@ class Pipeline:
             if system.stage is None:
                 inits[system.key] = None
                 continue
+            # A system that connects another's run names the run it trains (or reuses).
+            trained = cfg.system(system.pretraining) if system.pretraining else system
             self._step(
-                f"pre-training {system.display} ({system.stage} stage){of_seed}", "pre-training"
+                f"pre-training {trained.display} ({system.stage} stage){of_seed}", "pre-training"
             )
             run = self.pretrain(system, seed)
             inits[system.key] = self.connect(system, run, seed)
@@ -434,6 +437,7 @@ class Pipeline:
             connected = connect_fusion(run_dir)
         else:  # the joint stage trained both: its encoder and decoder, minus the interface
             connected = connect_runs(run_dir, run_dir, bridge=system.bridge)
+        connected = keep_part(connected, system.part, seed=seed)
         write_seq2seq_dir(out, connected, spm_model=self.spm)
         taken = sum(1 for origin in connected.parameters.values() if origin != "random")
         print(f"connected {out}: {taken} of {len(connected.parameters)} tensors pre-trained")

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megasemface.checkpoints.connect import PARTS
 from megasemface.interfaces.registry import NONE
 from megasemface.nn.config import model_option
 from megasemface.stages import stage
@@ -93,11 +94,15 @@ class System:
     is connected (that run is trained once and shared); None: its own."""
     finetune: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     """TrainConfig fields of its fine-tuning runs by name, e.g. ``{"finetune_ras": True}``."""
+    part: str = "whole"
+    """What of the connected model fine-tuning starts from (``checkpoints.keep_part``):
+    whole, or the encoder or the decoder alone with the other half drawn at random."""
 
     def __post_init__(self) -> None:
         try:
             options = self._checked_options()
             finetune = self._checked_finetune()
+            self._check_part()
         except ValueError as exc:
             raise ValueError(f"system {self.key!r}: {exc}") from None
         # Read-only, as the rest of a frozen System.
@@ -159,6 +164,12 @@ class System:
         paths |= {"ras_dictionary": _RAS_FILE} if ras else {}
         TrainConfig(stage=self.stage, interface=self.interface, **paths, **options)
         return options
+
+    def _check_part(self) -> None:
+        if self.part not in PARTS:
+            raise ValueError(f"part {self.part!r}: choose from {', '.join(PARTS)}")
+        if self.part != "whole" and (self.stage is None or self.fusion):
+            raise ValueError("part keeps a half of a pre-trained model; it has none to keep")
 
     def _checked_finetune(self) -> dict[str, Any]:
         reserved = sorted((RUN_FIELDS | FINETUNE_FIELDS) & set(self.finetune))
@@ -367,6 +378,21 @@ ABLATIONS: dict[str, System] = {
             "vq",
             {"decoder_codes": "extractor", "token_entropy_weight": 0.0, "diversity_weight": 1.0},
             model={"vq.logits": "mlp", "vq.diversity_loss": "eq6", "extractor_layers": 2},
+        ),
+        # Which half of a pre-training carries its gain: the other half starts as the
+        # Transformer's does.
+        *(
+            System(
+                f"{base.key}-{part}",
+                f"{base.display}, {part} alone",
+                base.stage,
+                base.interface,
+                connect=base.connect,
+                pretraining=base.key,
+                part=part,
+            )
+            for base in (SYSTEMS["mbart"], SYSTEMS["cl"], SYSTEMS["vq"])
+            for part in ("encoder", "decoder")
         ),
         System(
             "vq-bt-len",
