@@ -327,7 +327,7 @@ def test_deep_fusion_shares_its_encoders_run_and_fine_tunes_with_four_losses(
     assert fusion.runs_in("supervised") and not fusion.runs_in("unsupervised")
 
 
-@pytest.mark.parametrize("base", ["mbart", "cl", "vq"])
+@pytest.mark.parametrize("base", ["xlm", "mbart", "cl", "vq"])
 def test_each_half_of_a_pre_training_shares_its_run_and_connection(
     base: str, tmp_path: Path
 ) -> None:

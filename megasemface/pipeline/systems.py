@@ -391,7 +391,7 @@ ABLATIONS: dict[str, System] = {
                 pretraining=base.key,
                 part=part,
             )
-            for base in (SYSTEMS["mbart"], SYSTEMS["cl"], SYSTEMS["vq"])
+            for base in (SYSTEMS["xlm"], SYSTEMS["mbart"], SYSTEMS["cl"], SYSTEMS["vq"])
             for part in ("encoder", "decoder")
         ),
         System(
