@@ -308,6 +308,7 @@ def test_one_half_kept_and_the_other_drawn_as_a_fresh_model(
     for part, drawn in (("encoder", "decoder."), ("decoder", "encoder.")):
         half = keep_part(mbart, part, seed=5)
         assert half.mode == f"mbart, {part} alone" and half.config == mbart.config
+        assert half.sources == mbart.sources  # both halves come from the one run
         for key, value in half.state.items():
             source = fresh if key.startswith(drawn) else mbart.state
             assert torch.equal(value, source[key]), key
@@ -322,6 +323,7 @@ def test_one_half_kept_and_the_other_drawn_as_a_fresh_model(
         "decoder-stage:"
     )
     assert semface.parameters["encoder.layers.0.ffn.fc1.weight"] == "random"
+    assert list(semface.sources) == ["decoder"]  # the drawn encoder names no stage
 
     # The command line writes the half with its provenance.
     out = tmp_path / "mbart-decoder"

@@ -217,5 +217,15 @@ def keep_part(connected: Connected, part: str, *, seed: int = 0) -> Connected:
         if key.startswith(drawn):
             state[key] = fresh[key].to(state[key].dtype)
             parameters[key] = "random"
+    # The drawn half's stage is no longer a source, unless it is the only one (XLM's copy of
+    # its encoder into the decoder, or a whole sequence-to-sequence run).
+    half = drawn.rstrip(".")
+    sources = {role: meta for role, meta in connected.sources.items() if role != half}
     mode = f"{connected.mode}, {part} alone"
-    return dataclasses.replace(connected, state=state, parameters=parameters, mode=mode)
+    return dataclasses.replace(
+        connected,
+        state=state,
+        parameters=parameters,
+        mode=mode,
+        sources=sources or connected.sources,
+    )
