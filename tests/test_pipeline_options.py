@@ -249,10 +249,10 @@ def test_an_ablation_changes_only_its_options(tmp_path: Path) -> None:
     pipeline.config.model_options = ("dropout=0.2",)
     for key, system in ABLATIONS.items():
         config = pipeline.pretrain_config(system, 0)
-        base = pipeline.pretrain_config(SYSTEMS[system.interface], 0)
         if system.pretraining is not None:  # another connection of that system's run
             assert config == pipeline.pretrain_config(pipeline.config.system(system.pretraining), 0)
             continue
+        base = pipeline.pretrain_config(SYSTEMS[system.interface], 0)
         # A default filled in from other options (FILLED_IN) follows what the system sets.
         changed = {
             f.name

@@ -392,7 +392,8 @@ ABLATIONS: dict[str, System] = {
                 part=part,
             )
             for base in (SYSTEMS["xlm"], SYSTEMS["mbart"], SYSTEMS["cl"], SYSTEMS["vq"])
-            for part in ("encoder", "decoder")
+            for part in PARTS
+            if part != "whole"
         ),
         System(
             "vq-bt-len",
