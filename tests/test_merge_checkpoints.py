@@ -338,6 +338,7 @@ def test_one_half_kept_and_the_other_drawn_as_a_fresh_model(
     fused = ["connect", "--encoder", str(encoder_run), "--fusion", "deep", "--part", "encoder"]
     assert merge_main([*fused, "--out", str(tmp_path / "x")]) == 2
     assert "deep fusion's decoder is random" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # refused before anything is connected or written
 
 
 def _tool(*args: str) -> subprocess.CompletedProcess[str]:

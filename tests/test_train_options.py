@@ -37,6 +37,7 @@ def test_every_option_survives_the_command_line() -> None:
         init_from=Path("runs/encoder"),
         decoder_objective="mlm",
         decoder_memory_norm=True,
+        decoder_word_drop=0.3,
         mse_weight=0.5,
         diversity_weight=1.0,
         l2_weight=0.0,
@@ -182,6 +183,36 @@ def test_the_connection_options_default_by_stage_and_refuse_where_they_mean_noth
     rows_alone = {"decoder_codes": "encoder", "decoder_continuous": 0.0}
     with pytest.raises(ValueError, match="--decoder-codes extractor"):
         TrainConfig(stage="joint", interface="cl", **rows_alone, **PATHS)  # type: ignore[arg-type]
+
+
+def test_the_decoder_stages_word_drop_reaches_its_noise_and_nothing_else_takes_it() -> None:
+    """--decoder-word-drop sets the share of words C(x) drops in the SemFace decoder stage
+    (the paper's 0.1 by default); a stage without that copy, or a share of 1 that would leave
+    the interface nothing to read, is refused."""
+    from megasemface.training.units.base import objective_config_from
+
+    base = ["--data", "d", "--spm-model", "s", "--output-dir", "o", "--cl-table", "t"]
+    base += ["--init-from", "runs/encoder"]  # the VQ decoder stage's codebook
+    for interface in ("cl", "vq"):
+        for stage in ("decoder", "joint"):
+            default = parse_train_argv(["--stage", stage, "--interface", interface, *base])
+            assert objective_config_from(default).word_drop == 0.1
+            assert "--decoder-word-drop" not in train_argv(default)
+            heavy = [*base, "--decoder-word-drop", "0.3"]
+            config = parse_train_argv(["--stage", stage, "--interface", interface, *heavy])
+            assert objective_config_from(config).word_drop == 0.3
+            assert train_argv(config)[-2:] == ["--decoder-word-drop", "0.3"]
+    for stage, interface in (("encoder", "cl"), ("mbart", "none"), ("finetune", "cl")):
+        with pytest.raises(ValueError, match="--decoder-word-drop noises"):
+            TrainConfig(
+                stage=stage,
+                interface=interface,
+                init_from=Path("m"),
+                decoder_word_drop=0.3,
+                **PATHS,
+            )
+    with pytest.raises(ValueError, match=r"--decoder-word-drop must be in \[0, 1\)"):
+        TrainConfig(stage="joint", interface="vq", decoder_word_drop=1.0, **PATHS)
 
 
 def test_the_cl_table_is_trained_by_default_in_the_joint_stage_only() -> None:

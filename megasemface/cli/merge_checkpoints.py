@@ -164,6 +164,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         summary = _summary("pretraining", out, state, meta["source"], meta["interface"])
         summary["averaged_steps"] = meta["averaged"]["steps"]
         return summary
+    if args.part != "whole" and args.fusion != "none":
+        raise ValueError("--part keeps a half of a model; deep fusion's decoder is random")
     if args.mbart is not None:
         if args.encoder is not None or args.decoder is not None or args.fusion != "none":
             raise ValueError(
@@ -181,8 +183,6 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             args.encoder, args.decoder, seed=args.seed, bridge=args.bridge
         )
     if args.part != "whole":
-        if args.fusion != "none":
-            raise ValueError("--part keeps a half of a model; deep fusion's decoder is random")
         connected = ckpt.keep_part(connected, args.part, seed=args.seed)
     out = ckpt.write_seq2seq_dir(
         args.out, connected, spm_model=args.spm_model, overwrite=args.overwrite

@@ -364,6 +364,18 @@ ABLATIONS: dict[str, System] = {
             "vq",
             model={"vq.temperature_decay": 0.995},
         ),
+        # The decoder stage rebuilding more of the sentence than a light copy leaves out; for
+        # VQ, whose decoder's loss trains its encoder, the encoder too must carry more of it.
+        *(
+            System(
+                f"{base.key}-drop30",
+                f"{base.display}, 30% of the copy's words dropped",
+                base.stage,
+                base.interface,
+                {"decoder_word_drop": 0.3},
+            )
+            for base in (SYSTEMS["cl"], SYSTEMS["vq"])
+        ),
         System(
             "cl-paper",
             "CL-SemFace as printed",

@@ -11,10 +11,14 @@ from megasemface.stages import stage
 if TYPE_CHECKING:
     from megasemface.training.options import TrainConfig
 
-__all__ = ["DECODER_CODES", "fill_interface_options"]
+__all__ = ["DECODER_CODES", "PAPER_WORD_DROP", "fill_interface_options"]
 
 # ObjectiveConfig.decoder_codes's values, repeated so that parsing options imports no torch.
 DECODER_CODES = ("extractor", "encoder", "encoder-trained")
+
+PAPER_WORD_DROP = 0.1
+"""The share of words the decoder stage's noise C(x) drops by default, Lample et al.'s, which
+the paper uses."""
 
 
 def fill_interface_options(config: TrainConfig) -> None:
@@ -29,6 +33,14 @@ def fill_interface_options(config: TrainConfig) -> None:
         raise ValueError(
             "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
             "--interface vq and --stage decoder or joint"
+        )
+    if not 0 <= config.decoder_word_drop < 1:
+        raise ValueError("--decoder-word-drop must be in [0, 1)")
+    noises_copy = run_interface.semface and run_stage.decoder
+    if config.decoder_word_drop != PAPER_WORD_DROP and not noises_copy:
+        raise ValueError(
+            "--decoder-word-drop noises the SemFace decoder stage's copy: use it with "
+            "--interface cl or vq and --stage decoder or joint"
         )
     if config.cl_trainable is None:
         config.cl_trainable = run_interface.table and run_stage.joint

@@ -20,7 +20,11 @@ from megasemface.interfaces.registry import DEFAULT, NONE, interface, interface_
 from megasemface.nn.config import ModelConfig, build_model_config
 from megasemface.stages import stage, stage_names
 from megasemface.training.fusion_options import parse_fusion_weights
-from megasemface.training.interface_options import DECODER_CODES, fill_interface_options
+from megasemface.training.interface_options import (
+    DECODER_CODES,
+    PAPER_WORD_DROP,
+    fill_interface_options,
+)
 from megasemface.training.schedules import parse_schedule
 
 __all__ = [
@@ -70,31 +74,27 @@ class TrainConfig:
     tools/build_cl_embeddings.py)."""
     cl_trainable: bool | None = None
     """CL-SemFace: train the table with the encoder, as Algorithm 1 updates the interface
-    (--no-cl-trainable: the table stays the cross-lingual embeddings it was built as).
-    Default: on in the joint stage (measured better on validation, docs/reproduce.md), off
-    in the separate stages, whose decoder stage reads the table from --cl-table."""
+    (--no-cl-trainable: the table stays as built). Default: on in the joint stage
+    (docs/reproduce.md), off in the separate stages, whose decoder stage reads --cl-table."""
     cl_unit_logits: bool | None = None
     """CL-SemFace: the encoder's MLM output layer reads the table's rows divided by
-    sqrt(d_model), at the unit norm of the VecMap embeddings the paper ties there. The rows
-    themselves have norm sqrt(d_model) (the scale of the encoder's activations, which the
-    MSE term and the decoder's memory need), so tied as they are (--no-cl-unit-logits) they
-    give logits of d_model times a cosine and an MLM loss at chance. Default: on in the
-    encoder and joint stages (ahead on validation at the study budget on both seeds
-    measured, level at the demo budget over three; docs/reproduce.md)."""
+    sqrt(d_model), at the unit norm of the VecMap embeddings the paper ties there; the rows
+    as they are (--no-cl-unit-logits) give logits of d_model times a cosine and an MLM loss
+    at chance. Default: on in the encoder and joint stages (docs/reproduce.md)."""
     cl_unit_mse: bool | None = None
     """CL-SemFace: Eq. 1's MSE pulls the encoder's activations before its final LayerNorm to
     the table's rows divided by sqrt(d_model), unit vectors as the paper's VecMap
-    embeddings are, so the squared distance stays near 2 - 2 cos at any width (weight 1 by
-    default). Off (the default): to the rows as they are, at norm sqrt(d_model), the scale
-    of the encoder's activations and of the memory the decoder reads; the distance grows
-    with the width, so its weight defaults to 1 up to d_model 128 and 0.01 wider. May be
-    set in the encoder and joint stages."""
+    embeddings are (weight 1 by default). Off (the default): to the rows as they are, at
+    norm sqrt(d_model), the scale of the encoder's activations; the distance then grows with
+    the width, so its weight defaults to 1 up to d_model 128 and 0.01 wider."""
     decoder_memory_norm: bool | None = None
     """The decoder stage reads the interface's memory through the encoder's final LayerNorm
     (its weights held fixed), the normalisation the connected decoder's memory, the
     encoder's output, comes through: CL-SemFace's table rows of the noised copy become
     LN(E(C(x))). Default: on for --interface cl --stage joint where it reads the table's
     rows (--decoder-codes extractor, or --decoder-continuous below 1)."""
+    decoder_word_drop: float = PAPER_WORD_DROP
+    """SemFace decoder stage: the share of words C(x) drops from the copy the interface reads."""
     decoder_continuous: float | None = None
     """With --decoder-codes encoder or encoder-trained: the share of tokens, drawn per
     token, at which the decoder stage reads the encoder's continuous output instead of the
@@ -107,8 +107,7 @@ class TrainConfig:
     finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
     makes one; none: random, no pre-training)."""
     decoder_objective: str = "clm"
-    """Decoder stage loss: clm (causal LM, Eq. 3) or mlm (masked LM over a bidirectional
-    decoder, Eq. 2)."""
+    """Decoder stage loss: clm (causal LM, Eq. 3) or mlm (a bidirectional decoder, Eq. 2)."""
     mse_weight: float | None = None
     """CL-SemFace: weight of the MSE term of Eq. 1; 0: off (the 'w/o MSE' ablation).
     Default: 1 up to d_model 128, 0.01 wider, where the term, summed over the dimensions,
@@ -448,6 +447,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--decoder-codes", default=None, choices=DECODER_CODES)  # by stage: __post_init__
     add("--decoder-memory-norm", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--decoder-continuous", type=float, default=None)  # by interface: __post_init__
+    add("--decoder-word-drop", type=float, default=d.decoder_word_drop)
     add("--codebook-warn-fraction", type=float, default=d.codebook_warn_fraction)
     add("--mp-size", type=int, default=d.mp_size)
     add("--steps", type=int, default=d.steps)

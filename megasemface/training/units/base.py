@@ -100,6 +100,7 @@ def objective_config_from(config: TrainConfig) -> ObjectiveConfig:
         decoder_codes=config.decoder_codes,  # type: ignore[arg-type]  # checked by TrainConfig
         decoder_memory_norm=bool(config.decoder_memory_norm),
         decoder_continuous=config.decoder_continuous or 0.0,
+        word_drop=config.decoder_word_drop,
     )
 
 
