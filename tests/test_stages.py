@@ -115,6 +115,30 @@ def test_cl_encoder_loss_is_eq_1(unit_logits: bool, unit_mse: bool) -> None:
     torch.testing.assert_close(out.loss, (nll + sq) / count)
 
 
+def test_cl_table_input_starts_the_encoders_input_embeddings_at_the_tables_unit_rows() -> None:
+    """With --cl-table-input every row but padding's is the table's row divided by sqrt(d);
+    nothing else in the model changes, and without it the table reaches no input row."""
+    config = tiny()
+    torch.manual_seed(0)
+    table = torch.randn(config.vocab_size, config.d_model) * 3
+    models = {}
+    for table_input in (False, True):
+        torch.manual_seed(1)
+        interface = build_interface("cl", config, cl_table=table, cl_table_input=table_input)
+        models[table_input] = SemFaceModel(config, interface, SPECIAL)
+    weight = models[True].encoder.embed.tokens.weight
+    others = [i for i in range(config.vocab_size) if i != SPECIAL.pad]
+    torch.testing.assert_close(weight[others], table[others] / math.sqrt(config.d_model))
+    assert not weight[SPECIAL.pad].any()
+    plain = models[False].encoder.embed.tokens.weight
+    assert not torch.isclose(plain[others], weight[others]).any()
+    for (name, a), (_, b) in zip(
+        models[False].named_parameters(), models[True].named_parameters(), strict=True
+    ):
+        if name != "encoder.embed.tokens.weight":
+            assert torch.equal(a, b), name
+
+
 def test_clm_decoder_loss_is_eq_3_and_causal() -> None:
     """-log p(y_j | y_<j, E(C(x))): each position scored from its prefix alone."""
     config = tiny()

@@ -89,10 +89,11 @@ def test_every_option_survives_the_command_line() -> None:
         if getattr(config, f.name) == getattr(defaults, f.name)
     ]
     # --register-model needs a tracked fine-tuning run, --finetune-ras supervised
-    # fine-tuning, --cl-unit-mse CL-SemFace, --decoder-codes encoder (and
+    # fine-tuning, --cl-unit-mse and --cl-table-input CL-SemFace, --decoder-codes encoder (and
     # --decoder-continuous, which reads the encoder's codes) no --extractor-diversity: below.
     assert same == [
         "cl_unit_mse",
+        "cl_table_input",
         "decoder_continuous",
         "decoder_codes",
         "finetune_ras",
@@ -114,7 +115,7 @@ def test_every_option_survives_the_command_line() -> None:
         assert parse_train_argv(train_argv(tied)) == tied
     mixed = TrainConfig(stage="joint", interface="vq", decoder_continuous=0.25, **PATHS)
     assert parse_train_argv(train_argv(mixed)) == mixed
-    for changed in ({"cl_unit_logits": False}, {"cl_unit_mse": True}):
+    for changed in ({"cl_unit_logits": False}, {"cl_unit_mse": True}, {"cl_table_input": True}):
         table_rows = TrainConfig(stage="joint", interface="cl", **changed, **PATHS)
         assert parse_train_argv(train_argv(table_rows)) == table_rows
     raw = TrainConfig(stage="joint", interface="cl", decoder_memory_norm=False, **PATHS)
@@ -133,6 +134,22 @@ def test_the_cl_mlm_reads_unit_rows_by_default_where_there_is_one() -> None:
     assert not parse_train_argv(["--stage", "joint", "--interface", "vq", *base]).cl_unit_logits
     with pytest.raises(ValueError, match="--interface cl and --stage encoder or joint"):
         TrainConfig(stage="decoder", interface="cl", cl_unit_logits=True, **PATHS)
+
+
+def test_the_table_input_is_off_by_default_and_only_where_cl_has_an_encoder_stage() -> None:
+    """--cl-table-input reaches the interface in CL-SemFace's encoder and joint stages, is off
+    without the flag and refuses the decoder stage (its encoder comes from --init-from) and
+    VQ-SemFace (no table)."""
+    base = ["--data", "d", "--spm-model", "s", "--output-dir", "o", "--cl-table", "t"]
+    for stage in ("encoder", "joint"):
+        assert (
+            parse_train_argv(["--stage", stage, "--interface", "cl", *base]).cl_table_input is False
+        )
+        on = ["--stage", stage, "--interface", "cl", "--cl-table-input", *base]
+        assert parse_train_argv(on).cl_table_input is True
+    for stage, kind in (("decoder", "cl"), ("joint", "vq"), ("encoder", "none")):
+        with pytest.raises(ValueError, match="--cl-table-input initialises CL-SemFace's encoder"):
+            TrainConfig(stage=stage, interface=kind, cl_table_input=True, **PATHS)
 
 
 def test_the_connection_options_default_by_stage_and_refuse_where_they_mean_nothing() -> None:

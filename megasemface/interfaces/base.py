@@ -96,6 +96,10 @@ class SemanticInterface(nn.Module, abc.ABC):
     def has_decoder_stage(self) -> bool:
         return True
 
+    def initialise_encoder(self, encoder: TransformerEncoder) -> None:
+        """Sets the new encoder's starting weights from the interface; by default none."""
+        del encoder
+
     def health(self) -> dict[str, float]:
         """The interface's own health figures over the steps since the last call, then a new
         window (VQ-SemFace: the codes the model picks). A collective over the data-parallel

@@ -70,6 +70,7 @@ class CrossLingualInterface(SemanticInterface):
         trainable: bool = False,
         unit_logits: bool = False,
         unit_mse: bool = False,
+        table_input: bool = False,
     ) -> None:
         super().__init__()
         # A Parameter (not a buffer) so that it is checkpointed and can be tuned on request;
@@ -81,6 +82,21 @@ class CrossLingualInterface(SemanticInterface):
         self.output_scale = table_VD.shape[1] ** -0.5 if unit_logits else 1.0
         # Eq. 1's target at the unit length of VecMap's vectors (see the module docstring).
         self.mse_scale = table_VD.shape[1] ** -0.5 if unit_mse else 1.0
+        self.table_input = table_input
+
+    def initialise_encoder(self, encoder: TransformerEncoder) -> None:
+        """With ``table_input``, the encoder's input token embeddings start as the table's
+        rows at unit norm, the scale of their own initialisation: XLM's code, which the
+        paper builds on, ties them to the output layer the paper initialises with the
+        table. The padding row stays zero."""
+        if not self.table_input:
+            return
+        weight = encoder.embed.tokens.weight
+        with torch.no_grad():
+            rows = self.table.detach() * self.table.shape[1] ** -0.5
+            keep = weight[encoder.embed.tokens.padding_idx].clone()
+            weight.copy_(rows.to(weight.dtype))
+            weight[encoder.embed.tokens.padding_idx] = keep
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The table rows of ``ids``. Read through this module call rather than by indexing

@@ -24,6 +24,7 @@ def build_interface(
     cl_trainable: bool = False,
     cl_unit_logits: bool = False,
     cl_unit_mse: bool = False,
+    cl_table_input: bool = False,
 ) -> SemanticInterface:
     """The interface ``kind`` for a model of shape ``config``.
 
@@ -40,5 +41,6 @@ def build_interface(
         cl_trainable=cl_trainable,
         cl_unit_logits=cl_unit_logits,
         cl_unit_mse=cl_unit_mse,
+        cl_table_input=cl_table_input,
     )
     return spec.build(config, options)

@@ -57,6 +57,7 @@ class BuildOptions:
     cl_trainable: bool = False
     cl_unit_logits: bool = False
     cl_unit_mse: bool = False
+    cl_table_input: bool = False
 
 
 Builder = Callable[["ModelConfig", BuildOptions], "SemanticInterface"]
@@ -169,6 +170,7 @@ def _build_cl(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
         trainable=options.cl_trainable,
         unit_logits=options.cl_unit_logits,
         unit_mse=options.cl_unit_mse,
+        table_input=options.cl_table_input,
     )
 
 

@@ -64,6 +64,7 @@ class SemFaceModel(nn.Module):
         self.special = special
         self.objective = (objective or ObjectiveConfig()).for_width(config.d_model)
         self.encoder = TransformerEncoder(config)
+        interface.initialise_encoder(self.encoder)
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.interface = interface
         self.decoder = TransformerDecoder(config) if interface.has_decoder_stage else None

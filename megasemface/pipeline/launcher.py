@@ -207,6 +207,7 @@ def changed_settings(run_dir: Path, config: TrainConfig) -> list[str]:
     defaults["decoder_codes"] = "extractor"
     defaults["cl_unit_logits"] = False
     defaults["cl_unit_mse"] = False
+    defaults["cl_table_input"] = False
     defaults["decoder_memory_norm"] = False
     defaults["decoder_continuous"] = 0.0
     changes = []

@@ -330,6 +330,13 @@ ABLATIONS: dict[str, System] = {
             {"cl_unit_mse": True},
         ),
         System(
+            "cl-table-input",
+            "CL-SemFace, encoder input embeddings from the table",
+            "joint",
+            "cl",
+            {"cl_table_input": True},
+        ),
+        System(
             "cl-half-output",
             "CL-SemFace, decoder on the encoder's output at half the tokens",
             "joint",

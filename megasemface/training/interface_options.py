@@ -74,6 +74,13 @@ def fill_interface_options(config: TrainConfig) -> None:
         f"scales the target of CL-SemFace's MSE term: {where}",
         default=False,
     )
+    _default_where_it_applies(
+        config,
+        "cl_table_input",
+        cl_mlm,
+        f"initialises CL-SemFace's encoder input embeddings from the table: {where}",
+        default=False,
+    )
     own_codes = config.decoder_codes != "extractor"
     if config.decoder_continuous is None:
         # VQ: half the tokens (measured better on validation and in the connected decoder's

@@ -87,6 +87,10 @@ class TrainConfig:
     embeddings are (weight 1 by default). Off (the default): to the rows as they are, at
     norm sqrt(d_model), the scale of the encoder's activations; the distance then grows with
     the width, so its weight defaults to 1 up to d_model 128 and 0.01 wider."""
+    cl_table_input: bool | None = None
+    """CL-SemFace: the encoder's input token embeddings start as the table's rows at unit
+    norm (XLM's code ties them to the output layer the paper initialises with the table).
+    Off by default (docs/reproduce.md); encoder and joint stages."""
     decoder_memory_norm: bool | None = None
     """The decoder stage reads the interface's memory through the encoder's final LayerNorm
     (its weights held fixed), the normalisation the connected decoder's memory, the
@@ -158,20 +162,17 @@ class TrainConfig:
     log_interval: int = 10
     """Steps between logged metrics (progress line, metrics.jsonl, MLflow)."""
     max_consecutive_skips: int = 8
-    """Stop when the loss was non-finite this many steps in a row (such a step is skipped
-    on every rank)."""
+    """Stop after this many non-finite steps in a row (each is skipped on every rank)."""
     experiment: str = "megasemface"
     """MLflow experiment."""
     run_name: str | None = None
     """MLflow run name."""
     tracking_uri: str | None = None
-    """MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite in the output
-    directory)."""
+    """MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite in output_dir)."""
     no_tracking: bool = False
     """Do not log to MLflow."""
     log_sample_ids: bool = False
-    """Write the sentence ids of every step and the rank's own loss to samples-rank*.jsonl
-    (for audits)."""
+    """Write every step's sentence ids and the rank's loss to samples-rank*.jsonl (audits)."""
     inject_nan_at: list[int] = dataclasses.field(default_factory=list)
     """Make the loss non-finite at these steps (to test the skip logic)."""
     tags: list[str] = dataclasses.field(default_factory=list)
@@ -211,15 +212,12 @@ class TrainConfig:
     valid_beam: int = 1
     """Beam size of validation (1: greedy)."""
     max_len_a: float = 1.2
-    """Generation (validation, back-translation) stops after a x source length + b tokens;
-    this is a."""
+    """Generation stops after a x source length + b tokens (validation, back-translation)."""
     max_len_b: int = 10
-    """Generation (validation, back-translation) stops after a x source length + b tokens;
-    this is b."""
+    """Generation stops after a x source length + b tokens; this is b."""
     no_repeat_ngram_size: int = 0
     """Generation (validation, back-translation): no n-gram of this size twice in one output
-    (0: no limit). Keeps a weak model's loops ("the the the") out of the back-translations
-    it then learns from."""
+    (0: no limit), which keeps a weak model's loops out of its back-translations."""
     bt_min_len_a: float = 0.0
     """Back-translation only: a generated sentence may not end before this share of its
     source's length (0: no minimum). Keeps a direction that has collapsed onto a few short
@@ -436,6 +434,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--cl-trainable", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--cl-unit-logits", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--cl-unit-mse", action=argparse.BooleanOptionalAction, default=None)  # by stage
+    add("--cl-table-input", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--init-from", type=Path)
     add("--decoder-objective", default=d.decoder_objective, choices=("clm", "mlm"))
     add("--mse-weight", type=float, default=d.mse_weight)
@@ -525,6 +524,7 @@ FILLED_IN = (
     "cl_trainable",
     "cl_unit_logits",
     "cl_unit_mse",
+    "cl_table_input",
     "decoder_codes",
     "decoder_memory_norm",
     "decoder_continuous",

@@ -71,6 +71,7 @@ class SemFaceUnit(_MonolingualUnit):
             cl_trainable=config.cl_trainable,
             cl_unit_logits=config.cl_unit_logits,
             cl_unit_mse=config.cl_unit_mse,
+            cl_table_input=config.cl_table_input,
         )
         model = SemFaceModel(
             self.model_config, interface, data.special, objective_config_from(config)
