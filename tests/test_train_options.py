@@ -89,11 +89,10 @@ def test_every_option_survives_the_command_line() -> None:
         if getattr(config, f.name) == getattr(defaults, f.name)
     ]
     # --register-model needs a tracked fine-tuning run, --finetune-ras supervised
-    # fine-tuning, --cl-unit-mse and --cl-table-input CL-SemFace, --decoder-codes encoder (and
+    # fine-tuning, --cl-unit-mse CL-SemFace, --decoder-codes encoder (and
     # --decoder-continuous, which reads the encoder's codes) no --extractor-diversity: below.
     assert same == [
         "cl_unit_mse",
-        "cl_table_input",
         "decoder_continuous",
         "decoder_codes",
         "finetune_ras",
@@ -115,7 +114,7 @@ def test_every_option_survives_the_command_line() -> None:
         assert parse_train_argv(train_argv(tied)) == tied
     mixed = TrainConfig(stage="joint", interface="vq", decoder_continuous=0.25, **PATHS)
     assert parse_train_argv(train_argv(mixed)) == mixed
-    for changed in ({"cl_unit_logits": False}, {"cl_unit_mse": True}, {"cl_table_input": True}):
+    for changed in ({"cl_unit_logits": False}, {"cl_unit_mse": True}, {"cl_table_input": False}):
         table_rows = TrainConfig(stage="joint", interface="cl", **changed, **PATHS)
         assert parse_train_argv(train_argv(table_rows)) == table_rows
     raw = TrainConfig(stage="joint", interface="cl", decoder_memory_norm=False, **PATHS)
@@ -136,18 +135,17 @@ def test_the_cl_mlm_reads_unit_rows_by_default_where_there_is_one() -> None:
         TrainConfig(stage="decoder", interface="cl", cl_unit_logits=True, **PATHS)
 
 
-def test_the_table_input_is_off_by_default_and_only_where_cl_has_an_encoder_stage() -> None:
-    """--cl-table-input reaches the interface in CL-SemFace's encoder and joint stages, is off
-    without the flag and refuses the decoder stage (its encoder comes from --init-from) and
-    VQ-SemFace (no table)."""
+def test_the_table_input_is_on_where_cl_has_an_encoder_stage_and_refused_elsewhere() -> None:
+    """--cl-table-input is on in CL-SemFace's encoder and joint stages unless turned off, and
+    refused by the decoder stage (its encoder comes from --init-from) and by the other
+    interfaces (no table), where it is off."""
     base = ["--data", "d", "--spm-model", "s", "--output-dir", "o", "--cl-table", "t"]
     for stage in ("encoder", "joint"):
-        assert (
-            parse_train_argv(["--stage", stage, "--interface", "cl", *base]).cl_table_input is False
-        )
-        on = ["--stage", stage, "--interface", "cl", "--cl-table-input", *base]
-        assert parse_train_argv(on).cl_table_input is True
+        assert parse_train_argv(["--stage", stage, "--interface", "cl", *base]).cl_table_input
+        off = ["--stage", stage, "--interface", "cl", "--no-cl-table-input", *base]
+        assert parse_train_argv(off).cl_table_input is False
     for stage, kind in (("decoder", "cl"), ("joint", "vq"), ("encoder", "none")):
+        assert TrainConfig(stage=stage, interface=kind, **PATHS).cl_table_input is False
         with pytest.raises(ValueError, match="--cl-table-input initialises CL-SemFace's encoder"):
             TrainConfig(stage=stage, interface=kind, cl_table_input=True, **PATHS)
 

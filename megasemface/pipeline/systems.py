@@ -330,11 +330,11 @@ ABLATIONS: dict[str, System] = {
             {"cl_unit_mse": True},
         ),
         System(
-            "cl-table-input",
-            "CL-SemFace, encoder input embeddings from the table",
+            "cl-own-input",
+            "CL-SemFace, encoder input embeddings of its own",
             "joint",
             "cl",
-            {"cl_table_input": True},
+            {"cl_table_input": False},
         ),
         System(
             "cl-half-output",
@@ -388,7 +388,12 @@ ABLATIONS: dict[str, System] = {
             "CL-SemFace as printed",
             "joint",
             "cl",
-            {"cl_trainable": False, "decoder_memory_norm": False, "cl_unit_mse": True},
+            {
+                "cl_trainable": False,
+                "decoder_memory_norm": False,
+                "cl_unit_mse": True,
+                "cl_table_input": False,
+            },
         ),
         System(
             "vq-paper",

@@ -90,7 +90,7 @@ class TrainConfig:
     cl_table_input: bool | None = None
     """CL-SemFace: the encoder's input token embeddings start as the table's rows at unit
     norm (XLM's code ties them to the output layer the paper initialises with the table).
-    Off by default (docs/reproduce.md); encoder and joint stages."""
+    Default: on in the encoder and joint stages (docs/reproduce.md)."""
     decoder_memory_norm: bool | None = None
     """The decoder stage reads the interface's memory through the encoder's final LayerNorm
     (its weights held fixed), the normalisation the connected decoder's memory, the
