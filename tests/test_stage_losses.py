@@ -44,6 +44,12 @@ RUNS: dict[str, tuple[int, str, tuple[str, ...], str | None]] = {
         ("--stage", "joint", "--interface", "cl", "--no-cl-trainable"),
         None,
     ),
+    "cl-joint-own-input": (
+        2,
+        "mono",
+        ("--stage", "joint", "--interface", "cl", "--no-cl-table-input"),
+        None,
+    ),
     "cl-joint-unit-mse-table-rows": (
         2,
         "mono",
