@@ -3,10 +3,12 @@ tests read back of it: the nodes' output and the MLflow server's runs."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from cluster import Cluster, Host, in_namespace
 from launch import DEEPSPEED, ROOT, environment, losses, train_command
@@ -77,7 +79,12 @@ def server_run(up: Cluster, out: Path, keys: tuple[str, ...] | None = None) -> d
         artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
         return {"run": run, "history": history, "artifacts": artifacts}
 
-    return in_namespace(up.mlflow.name, read)
+    # The test's own reads retry, as a user's client does by default: megasemface's tracking
+    # turns MLflow's retries off in any process that imports it, and a pooled keep-alive
+    # connection the server closed (or one to a server since restarted) is reset on reuse.
+    retries = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+    with mock.patch.dict(os.environ, retries):
+        return in_namespace(up.mlflow.name, read)
 
 
 def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
