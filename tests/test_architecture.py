@@ -101,3 +101,48 @@ def test_objectives_hold_losses_not_models() -> None:
                 modules.append(f"{path.relative_to(ROOT)}: {node.name}")
     assert not modules, modules
     assert (PACKAGE / "models" / "semface.py").exists()
+
+
+# What the rest of the package may import of interfaces/: the abstraction, the registry and
+# the builder. An interface's own modules (interfaces/vq/, interfaces/cross_lingual.py) stay
+# behind them, so that a new interface is its folder and one registration.
+INTERFACE_SURFACE = frozenset(
+    f"megasemface.interfaces.{name}" for name in ("base", "factory", "registry", "weights")
+)
+
+
+def _interface_imports(path: Path) -> set[str]:
+    """The interfaces/ modules ``path`` imports (``from megasemface.interfaces import vq``
+    names the module ``megasemface.interfaces.vq``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module == "megasemface.interfaces":
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("megasemface.interfaces.")}
+
+
+def test_only_interfaces_import_an_interfaces_own_modules() -> None:
+    internal = {}
+    for path in _modules():
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] == "interfaces":
+            continue
+        if names := sorted(_interface_imports(path) - INTERFACE_SURFACE):
+            internal[relative.as_posix()] = names
+    assert not internal, internal
+
+
+def test_the_interface_check_sees_an_internal_import(tmp_path: Path) -> None:
+    path = tmp_path / "bad.py"
+    path.write_text(
+        "from megasemface.interfaces import registry, vq\n"
+        "import megasemface.interfaces.cross_lingual\n"
+    )
+    assert _interface_imports(path) - INTERFACE_SURFACE == {
+        "megasemface.interfaces.vq",
+        "megasemface.interfaces.cross_lingual",
+    }

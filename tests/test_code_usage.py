@@ -146,3 +146,34 @@ def test_the_share_of_uniform_codes_is_the_option() -> None:
     # 40 codes are 7.8% of the 512 a uniform choice picks: a share below that is silent.
     assert math.isclose(40 / uniform_codes(40_960, 512), 0.078, abs_tol=0.001)
     assert collapse_warning(figures, codes_share=0.05, part="encoder", step=3) is None
+
+
+def test_the_vq_interface_warns_of_its_own_collapse_and_counts_its_own_codes() -> None:
+    """What the pre-training unit and the validation read through the interface: the
+    collapse warning of the window the health figures cover, and the usage of the codes the
+    encoder head picked, against a direct count."""
+    from megasemface.interfaces.base import NoInterface
+    from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
+    from megasemface.nn.config import PRESETS
+
+    config = PRESETS["tiny"]()
+    vq = VectorQuantizedInterface(config, ParallelGroups.single(), seed=0)
+    codes = config.vq.num_codes
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(TINY_WINDOW[0]):
+        vq.encoder_usage.update(_few(codes, 8)(generator, TINY_WINDOW[1]))
+    figures = vq.health()
+    (warning,) = vq.health_warnings(figures, codes_share=0.25, step=7)
+    assert f"picked 8 of {codes:,} VQ codes" in warning and "step 7: the encoder" in warning
+    assert vq.health_warnings(vq.health(), codes_share=0.25, step=8) == []  # a new window
+    assert NoInterface().health_warnings(figures, codes_share=0.25, step=7) == []
+
+    picked = _few(codes, 8)(generator, 1000)
+    usage = vq.code_figures(picked)
+    share = torch.bincount(picked).double()
+    share = share[share > 0] / 1000
+    assert usage["codes_used"] == len(torch.unique(picked)) == 8
+    assert usage["code_tokens"] == 1000 and usage["codewords"] == codes
+    assert usage["code_perplexity"] == pytest.approx(math.exp(-(share * share.log()).sum()))
+    with pytest.raises(ValueError, match="picks no codes"):
+        NoInterface().code_figures(picked)

@@ -30,20 +30,21 @@ from megasemface.data.text.textio import parse_lang_path
 from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.evaluation.diagnostics import (
+    CodeUsageFigures,
     DiagnosticModels,
     DiagnosticsConfig,
     DiagnosticsError,
     WordCodes,
     code_agreement,
-    code_log_probs,
-    code_usage,
     diagnose_interface,
     load_models,
     word_codes,
 )
 from megasemface.evaluation.diagnostics.dictionary import whole_word_occurrences
+from megasemface.interfaces.vq.code_probabilities import code_log_probs
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.nn.config import VQConfig
+from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
+from megasemface.nn.config import PRESETS, VQConfig
 
 SENTENCES = 24
 
@@ -52,11 +53,18 @@ SENTENCES = 24
 
 
 def test_code_usage_by_hand() -> None:
-    usage = code_usage(torch.tensor([5, 5, 1, 7, 5, 1]), 8)
+    config = PRESETS["tiny"]()
+    config = dataclasses.replace(config, vq=dataclasses.replace(config.vq, num_codes=8))
+    vq = VectorQuantizedInterface(config, ParallelGroups.single(), seed=0)
+
+    def code_usage(codes: list[int]) -> CodeUsageFigures:
+        return CodeUsageFigures.of(vq.code_figures(torch.tensor(codes)))
+
+    usage = code_usage([5, 5, 1, 7, 5, 1])
     assert (usage.tokens, usage.used, usage.dead, usage.fraction) == (6, 3, 5, 3 / 8)
     p = [3 / 6, 2 / 6, 1 / 6]
     assert usage.perplexity == pytest.approx(math.exp(-sum(x * math.log(x) for x in p)))
-    assert code_usage(torch.tensor([2, 2, 2]), 8).perplexity == pytest.approx(1.0)
+    assert code_usage([2, 2, 2]).perplexity == pytest.approx(1.0)
 
 
 def test_code_agreement_by_hand() -> None:
@@ -104,7 +112,7 @@ def test_code_log_probs_are_the_layers_distribution(layout: str, logits: str) ->
     layer = GumbelVectorQuantizer(vq, 8, ParallelGroups.single(), seed=3).eval()
     h = torch.randn(30, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        log_probs = code_log_probs(layer, vq, h)
+        log_probs = code_log_probs(layer, h)
         assert log_probs.shape == (30, vq.combinations)
         torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(30))
         assert torch.equal(log_probs.argmax(-1), layer(h, sample=False).codes)

@@ -29,23 +29,20 @@ from megasemface.checkpoints import (
     codebook_state_for_rank,
     connect_mbart,
     connect_runs,
-    gather_codebook_states,
     keep_part,
     last_checkpoints,
     load_stage,
-    quantizer_state,
-    resplit_codebook,
-    vq_fingerprint,
     write_pretraining_dir,
     write_seq2seq_dir,
 )
-from megasemface.checkpoints.codebook import SPLIT_KEYS
 from megasemface.cli.merge_checkpoints import main as merge_main
 from megasemface.data.shards.shard_build_config import ShardBuildConfig
 from megasemface.data.shards.shard_builder import build_shards
 from megasemface.data.text.textio import parse_lang_path
 from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces.registry import recorded_weights
 from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
+from megasemface.interfaces.vq.weights import SPLIT_KEYS, CodebookWeights
 from megasemface.models.model_dir import load_model_dir, load_seq2seq
 from megasemface.models.seq2seq_init import ConnectError
 from megasemface.nn.bridge import bridge_sources
@@ -190,6 +187,9 @@ def test_deepspeeds_zero_to_fp32_script_agrees(
 
 def test_model_parallel_codebook_is_gathered_and_resplit_exactly(split_run: Path) -> None:
     state, meta = load_stage(split_run)
+    config = config_from_dict(meta["model"])
+    weights = recorded_weights(meta)
+    assert isinstance(weights, CodebookWeights)
     shards = [_live(split_run, 2, rank) for rank in (0, 1)]
     assert meta["source"]["gathered"] == [k for k in SPLIT_KEYS if k in state]
     assert "interface.quantizer.codebook" in meta["source"]["gathered"]
@@ -201,22 +201,21 @@ def test_model_parallel_codebook_is_gathered_and_resplit_exactly(split_run: Path
                 state[key], shards[1][key]
             )
     for size in (1, 2, 4):
-        parts = resplit_codebook(state, size)
-        _assert_equal(gather_codebook_states(parts), state)
-    two = resplit_codebook(state, 2)
+        parts = weights.resplit(state, config, size)
+        _assert_equal(weights.gather(parts, config), state)
+    two = weights.resplit(state, config, 2)
     for rank in (0, 1):
         _assert_equal(two[rank], shards[rank])
         layer = codebook_state_for_rank(split_run, rank, 2)
-        _assert_equal(layer, quantizer_state(shards[rank]))
+        _assert_equal(layer, weights.own_state(shards[rank]))
 
     # meta.json's fingerprint hashes rank 0's shard; loading replaced it by the gathered
     # layer's, which is what a model-parallel-size-1 layer holding the codebook records.
     recorded = json.loads((_checkpoint(split_run, 2) / "meta.json").read_text())["interface"]
     assert meta["interface_recorded"] == recorded != meta["interface"]
-    config = config_from_dict(meta["model"])
-    assert vq_fingerprint(two[0], config, mp_size=2) == recorded
+    assert weights.fingerprint(two[0], config, torch.float32, mp_size=2) == recorded
     single = VectorQuantizedInterface(config, ParallelGroups.single(), seed=5)
-    single.quantizer.load_state_dict(quantizer_state(state))
+    single.quantizer.load_state_dict(weights.own_state(state))
     assert single.fingerprint() == meta["interface"]
 
 
@@ -235,7 +234,9 @@ def test_averaging_is_the_exact_mean_of_the_consolidated_weights(
         else:
             assert torch.equal(value, (states[0][key] + states[1][key] + states[2][key]) / 3)
     assert meta["averaged"]["steps"] == [1, 2, 3]
-    assert meta["interface"] == vq_fingerprint(mean, config_from_dict(meta["model"]))
+    assert meta["interface"] == CodebookWeights().fingerprint(
+        mean, config_from_dict(meta["model"]), torch.float32
+    )
     with pytest.raises(CheckpointError, match="different stage"):
         average_checkpoints([sources[-1], _checkpoint(decoder_run, 2)])
     with pytest.raises(CheckpointError, match="4 were asked for"):
@@ -412,7 +413,7 @@ def test_the_codebook_bridge_keeps_the_encoder_stages_vq_layer(
     model, info = load_seq2seq(out)
     assert info.model.bridge == "codebook" and model.bridge is not None
     encoder, _ = load_stage(encoder_run)
-    vq = quantizer_state(encoder)
+    vq = CodebookWeights().own_state(encoder)
     provenance = json.loads((out / "provenance.json").read_text())["parameters"]
     assert info.model.vq.logits == "distance"
     for name, key in bridge_sources(info.model.vq.logits).items():

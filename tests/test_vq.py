@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from megasemface.distributed.groups import DeepSpeedMpu, ParallelGroups
-from megasemface.evaluation.diagnostics.figures import code_log_probs
 from megasemface.flop_count import flop_counter
 from megasemface.interfaces.vq import randomness as vq_random
+from megasemface.interfaces.vq.code_probabilities import code_log_probs
 from megasemface.interfaces.vq.gumbel_quantizer import (
     SPLIT_PARAMETERS,
     GumbelVectorQuantizer,
@@ -238,7 +238,7 @@ def test_distance_logits_pick_the_nearest_code(layout: str, distance_width: int)
     scale = _distance_scale(width, distance_width)
     norms = (parts.square().sum(-1) * scale).repeat_interleave(entries, dim=1)
     torch.testing.assert_close(vq.code_logits(h), dense_logits(vq, h) + norms)
-    log_probs = code_log_probs(vq, vq.config, h)  # checks itself against the layer's argmax
+    log_probs = code_log_probs(vq, h)  # checks itself against the layer's argmax
     assert log_probs.shape == (17, vq.num_codes)
 
 

@@ -3,9 +3,10 @@
 - :func:`load_stage`: a pre-training stage's full fp32 weights and metadata from a run,
   checkpoint or model directory (DeepSpeed's consolidation per model-parallel rank, the
   flat codebook gathered, the interface fingerprint recomputed for the gathered layer).
-- :func:`resplit_codebook`, :func:`gather_codebook_states`: a model state's codebook cut for
-  another model-parallel size and put back together; :func:`codebook_state_for_rank`: the
-  VQ layer one model-parallel rank of a decoder stage loads from an encoder stage.
+- :func:`codebook_state_for_rank`: the interface weights (VQ-SemFace's layer) one
+  model-parallel rank of a decoder stage loads from an encoder stage. How an interface's
+  weights split, gather and fingerprint is the interface's own
+  (:class:`~megasemface.interfaces.weights.TrainedWeights`).
 - :func:`average_checkpoints`: the exact fp32 mean of checkpoints of one stage.
 - :func:`connect_runs`, :func:`connect_mbart`, :func:`connect_fusion`: sequence-to-sequence
   initialisations (deep fusion: an encoder stage through the layer-wise coordinator);
@@ -16,12 +17,6 @@
 """
 
 from megasemface.checkpoints.average import average_checkpoints, last_checkpoints
-from megasemface.checkpoints.codebook import (
-    gather_codebook_states,
-    quantizer_state,
-    resplit_codebook,
-    vq_fingerprint,
-)
 from megasemface.checkpoints.connect import (
     PARTS,
     Connected,
@@ -64,16 +59,12 @@ __all__ = [
     "connect_runs",
     "consolidate_checkpoint",
     "find_checkpoint",
-    "gather_codebook_states",
     "keep_part",
     "last_checkpoints",
     "load_checkpoint",
     "load_codebook",
     "load_stage",
-    "quantizer_state",
     "resolve_spm_model",
-    "resplit_codebook",
-    "vq_fingerprint",
     "write_pretraining_dir",
     "write_seq2seq_dir",
 ]

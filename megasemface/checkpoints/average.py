@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megasemface.checkpoints.codebook import tensor_digest, vq_fingerprint
 from megasemface.checkpoints.consolidate import DTYPES, load_checkpoint
 from megasemface.checkpoints.layout import (
     CheckpointError,
@@ -27,7 +26,8 @@ from megasemface.checkpoints.layout import (
     complete_checkpoints,
     find_checkpoint,
 )
-from megasemface.interfaces.registry import records_codebook
+from megasemface.interfaces.base import tensor_sha256
+from megasemface.interfaces.registry import recorded_weights
 from megasemface.nn.config import config_from_dict
 
 __all__ = ["average_checkpoints", "last_checkpoints"]
@@ -57,8 +57,9 @@ def _check_compatible(infos: Sequence[CheckpointInfo]) -> None:
                     "checkpoints of one stage and model shape"
                 )
         mine, theirs = first.meta.get("interface", {}), info.meta.get("interface", {})
-        # A codebook trains (its hash changes); any other interface is fixed.
-        trains = records_codebook(first.meta)
+        # Trained interface weights (a codebook) change their hash; any other interface is
+        # fixed.
+        trains = recorded_weights(first.meta) is not None
         if mine.get("kind") != theirs.get("kind") or (not trains and mine != theirs):
             raise CheckpointError(
                 f"cannot average {first.path} and {info.path}: they were trained against "
@@ -108,13 +109,13 @@ def average_checkpoints(
         metas.append(meta)
         if index == 0:
             total = state  # fp32 and ours alone: the running sum, without a copy
-            first_hash = {k: tensor_digest(v) for k, v in state.items()}
+            first_hash = {k: tensor_sha256(v) for k, v in state.items()}
             constant = set(state)
             continue
         _check_same_tensors(total, state, info.path)
         last = index == len(infos) - 1
         for key, value in state.items():
-            if key in constant and tensor_digest(value) != first_hash[key]:
+            if key in constant and tensor_sha256(value) != first_hash[key]:
                 constant.discard(key)
             if last and key in constant:
                 total[key] = value.to(torch.float32, copy=True)
@@ -125,9 +126,10 @@ def average_checkpoints(
         if key not in constant:
             value.div_(len(infos))
     meta = dict(metas[-1])
-    if records_codebook(meta):
+    weights = recorded_weights(meta)
+    if weights is not None:
         config = config_from_dict(meta["model"])
-        meta["interface"] = vq_fingerprint(total, config, dtype=DTYPES[meta["param_dtype"]])
+        meta["interface"] = weights.fingerprint(total, config, dtype=DTYPES[meta["param_dtype"]])
         meta.pop("interface_recorded", None)
     meta["averaged"] = {
         "count": len(infos),

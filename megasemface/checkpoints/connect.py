@@ -23,10 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megasemface.checkpoints.codebook import quantizer_state, vq_fingerprint
 from megasemface.checkpoints.consolidate import DTYPES, load_stage
 from megasemface.checkpoints.layout import CheckpointError
-from megasemface.interfaces.registry import records_codebook
+from megasemface.interfaces.registry import recorded_weights
 from megasemface.models.seq2seq_init import ConnectError, connect_stages
 from megasemface.nn.config import ModelConfig, config_from_dict
 from megasemface.nn.transformer import Seq2SeqModel, parameter_shapes
@@ -98,9 +97,10 @@ def connect_runs(
         dec_state, dec_meta = _stage(decoder, "decoder", stage_names(lambda spec: spec.decoder))
         dec_config = config_from_dict(dec_meta["model"])
         config = dataclasses.replace(config, decoder_layers=dec_config.decoder_layers)
-        if records_codebook(enc_meta) and quantizer_state(enc_state):
+        weights = recorded_weights(enc_meta)
+        if weights is not None and weights.own_state(enc_state):
             dtype = DTYPES[dec_meta.get("param_dtype", "float32")]
-            enc_check["interface"] = vq_fingerprint(enc_state, config, dtype=dtype)
+            enc_check["interface"] = weights.fingerprint(enc_state, config, dtype=dtype)
     try:
         model, parameters = connect_stages(
             config,
@@ -108,7 +108,7 @@ def connect_runs(
             enc_check,
             dec_state,
             dec_meta,
-            encoder_codebook=records_codebook(enc_meta),
+            encoder_codebook=recorded_weights(enc_meta) is not None,
             seed=seed,
         )
     except ConnectError as exc:

@@ -57,15 +57,6 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from megasemface.checkpoints.codebook import (
-    QUANTIZER_PREFIX,
-    SPLIT_KEYS,
-    gather_codebook_states,
-    quantizer_state,
-    split_model_state,
-    tensor_digest,
-    vq_fingerprint,
-)
 from megasemface.checkpoints.layout import (
     CheckpointError,
     CheckpointInfo,
@@ -74,8 +65,9 @@ from megasemface.checkpoints.layout import (
     read_ds_header,
 )
 from megasemface.distributed.engine import UnsafeCheckpointError, consolidated_state
-from megasemface.interfaces.registry import records_codebook
-from megasemface.interfaces.vq.gumbel_quantizer import shard_state_dict
+from megasemface.interfaces.base import tensor_sha256
+from megasemface.interfaces.registry import recorded_weights
+from megasemface.interfaces.weights import TrainedWeights
 from megasemface.models.model_dir import load_model_dir, read_model_dir_info
 from megasemface.nn.config import config_from_dict
 from megasemface.stages import find_stage
@@ -179,8 +171,11 @@ def consolidate_checkpoint(info: CheckpointInfo) -> Consolidated:
     zero_stage = None
     if isinstance(ds_config, dict):
         zero_stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    layout = info.meta.get("model", {}).get("vq", {}).get("layout", "flat")
-    split_keys = SPLIT_KEYS if layout == "flat" and info.mp_size > 1 else ()
+    weights = recorded_weights(info.meta)
+    config = config_from_dict(info.meta["model"]) if weights is not None else None
+    split_keys: tuple[str, ...] = ()
+    if weights is not None and config is not None and info.mp_size > 1:
+        split_keys = weights.split_keys(config)
     shards: list[dict[str, Tensor]] = []
     replicated: list[dict[str, str]] = []
     filled: set[str] = set()
@@ -189,13 +184,13 @@ def consolidate_checkpoint(info: CheckpointInfo) -> Consolidated:
         filled.update(from_module)
         # Copies: a view would keep this rank's whole consolidated vector alive.
         shards.append({k: state.pop(k).clone() for k in split_keys if k in state})
-        replicated.append({k: tensor_digest(v) for k, v in state.items()})
+        replicated.append({k: tensor_sha256(v) for k, v in state.items()})
         del state
     state, from_module = _rank_state(info, 0, header, zero_stage)
     filled.update(from_module)
     gathered: list[str] = []
     if info.mp_size > 1:
-        mine = {k: tensor_digest(v) for k, v in state.items() if k not in split_keys}
+        mine = {k: tensor_sha256(v) for k, v in state.items() if k not in split_keys}
         for rank, theirs in enumerate(replicated, start=1):
             differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
             if differ:
@@ -211,14 +206,11 @@ def consolidate_checkpoint(info: CheckpointInfo) -> Consolidated:
                     f"{info.path}: model-parallel rank {rank} holds the split tensors "
                     f"{sorted(shard)}, rank 0 {sorted(gathered)}"
                 )
-        ranks = [{k: state[k] for k in gathered}, *shards]
-        state.update(gather_codebook_states(ranks, layout=layout))
-        num_codes = info.meta.get("model", {}).get("vq", {}).get("num_codes")
-        if gathered and num_codes is not None and state[gathered[-1]].shape[0] != num_codes:
-            raise CheckpointError(
-                f"{info.path}: the gathered codebook has {state[gathered[-1]].shape[0]} codes, "
-                f"meta.json's model {num_codes}"
-            )
+        if weights is not None and config is not None:
+            try:
+                state.update(weights.gather([{k: state[k] for k in gathered}, *shards], config))
+            except ValueError as exc:
+                raise CheckpointError(f"{info.path}: {exc}") from None
     return Consolidated(state, param_dtype(ds_config), zero_stage, gathered, sorted(filled))
 
 
@@ -228,31 +220,32 @@ def _checked_fingerprint(
     """(fingerprint of the gathered interface, the training dtype that reproduces meta.json)."""
     recorded = dict(info.meta.get("interface") or {})
     fallback = configured or torch.float32
-    if not records_codebook(info.meta):
+    weights = recorded_weights(info.meta)
+    if weights is None:
         return recorded, fallback  # no interface, or a fixed one (a CL table, never split)
     config = config_from_dict(info.meta["model"])
-    mp_size = info.mp_size if config.vq.layout == "flat" else 1
-    if not quantizer_state(state):
+    mp_size = info.mp_size if weights.split_keys(config) else 1
+    if not weights.own_state(state):
         if mp_size == 1:
             return recorded, fallback
         raise CheckpointError(
-            f"{info.path}: the VQ layer's weights are not in the checkpoint, so the codebook "
-            "split over model-parallel ranks cannot be gathered"
+            f"{info.path}: the interface's weights are not in the checkpoint, so its "
+            f"{weights.noun} split over model-parallel ranks cannot be gathered"
         )
-    local = split_model_state(state, 0, mp_size)  # what model-parallel rank 0 fingerprinted
+    local = weights.split(state, config, 0, mp_size)  # what model-parallel rank 0 hashed
     candidates = dict.fromkeys([fallback, torch.float32, torch.bfloat16, torch.float16])
     for dtype in candidates:
-        if vq_fingerprint(local, config, dtype=dtype, mp_size=mp_size) == recorded:
+        if weights.fingerprint(local, config, dtype=dtype, mp_size=mp_size) == recorded:
             break
     else:
         raise CheckpointError(
-            f"the VQ weights of {info.path} do not reproduce the interface fingerprint in its "
-            "meta.json: the checkpoint's files do not belong together (copied from another "
-            "run or step?)"
+            f"the interface weights of {info.path} do not reproduce the interface fingerprint "
+            "in its meta.json: the checkpoint's files do not belong together (copied from "
+            "another run or step?)"
         )
     if mp_size == 1:
         return recorded, dtype
-    return vq_fingerprint(state, config, dtype=dtype), dtype
+    return weights.fingerprint(state, config, dtype=dtype), dtype
 
 
 def load_checkpoint(info: CheckpointInfo) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -310,25 +303,24 @@ def load_stage(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
 
 @dataclasses.dataclass
 class Codebook:
-    """A VQ encoder stage's full quantizer state (``quantizer.load_state_dict`` keys)."""
+    """An encoder stage's full interface weights (VQ-SemFace's layer), keyed as in the
+    model's state dict."""
 
     state: dict[str, Tensor]
-    layout: str
+    weights: TrainedWeights
     meta: dict[str, Any]
 
     def for_rank(self, mp_rank: int, mp_size: int) -> dict[str, Tensor]:
-        """The state model-parallel rank ``mp_rank`` of ``mp_size`` loads."""
+        """The state model-parallel rank ``mp_rank`` of ``mp_size`` loads, keyed as the
+        interface's own module loads it (``quantizer.load_state_dict`` keys)."""
         if mp_size < 1 or not 0 <= mp_rank < mp_size:
             raise ValueError(f"invalid model-parallel rank {mp_rank} of size {mp_size}")
-        if self.layout != "flat" or mp_size == 1:
-            return dict(self.state)
-        rows = self.state["codebook"].shape[0]
-        if rows % mp_size:
-            raise CheckpointError(
-                f"the codebook's {rows} codes cannot be split over {mp_size} model-parallel "
-                "ranks (vq.num_codes must be divisible by --mp-size)"
-            )
-        return shard_state_dict(self.state, mp_rank, mp_size)
+        config = config_from_dict(self.meta["model"])
+        try:
+            part = self.weights.split(self.state, config, mp_rank, mp_size)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        return self.weights.own_state(part)
 
 
 def load_codebook(source: str | Path) -> Codebook:
@@ -340,22 +332,24 @@ def load_codebook(source: str | Path) -> Codebook:
     source = Path(source)
     if is_model_dir(source):
         meta = _model_dir_meta(source)
+        weights = recorded_weights(meta)
         state = {}
-        with safe_open(str(source / "model.safetensors"), framework="pt") as weights:
-            for key in weights.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if key.startswith(QUANTIZER_PREFIX):
-                    state[key] = weights.get_tensor(key)
+        with safe_open(str(source / "model.safetensors"), framework="pt") as stored:
+            for key in stored.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if weights is not None and key.startswith(weights.prefix):
+                    state[key] = stored.get_tensor(key)
     else:
         state, meta = load_checkpoint(find_checkpoint(source))
+        weights = recorded_weights(meta)
     kind, stage = meta.get("interface", {}).get("kind"), meta.get("stage")
     trained = find_stage(stage)
-    if not records_codebook(meta) or trained is None or not trained.encoder:
+    if weights is None or trained is None or not trained.encoder:
         raise CheckpointError(
             f"{source} is not a VQ encoder-stage run (stage {stage!r}, interface {kind!r}); "
             "the VQ decoder stage needs the run whose codebook it uses"
         )
-    layout = meta.get("model", {}).get("vq", {}).get("layout", "flat")
-    return Codebook(quantizer_state(state), layout, meta)
+    own = {key: value for key, value in state.items() if key.startswith(weights.prefix)}
+    return Codebook(own, weights, meta)
 
 
 def codebook_state_for_rank(source: str | Path, mp_rank: int, mp_size: int) -> dict[str, Tensor]:

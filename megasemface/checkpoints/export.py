@@ -20,11 +20,10 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import Tensor
 
-from megasemface.checkpoints.codebook import SPLIT_KEYS, quantizer_state, resplit_codebook
 from megasemface.checkpoints.connect import Connected
 from megasemface.checkpoints.layout import CheckpointError
 from megasemface.files import replace_directory, write_atomically
-from megasemface.interfaces.registry import records_codebook
+from megasemface.interfaces.registry import recorded_weights
 from megasemface.models.model_dir import ModelDirError, save_model_dir
 from megasemface.nn.config import config_from_dict
 
@@ -115,12 +114,13 @@ def write_pretraining_dir(
     spm = resolve_spm_model(meta, spm_model)
     kept = {k: meta[k] for k in _KEPT if k in meta}
     shard_files: list[str] = []
-    if mp_size is not None and records_codebook(meta):
+    weights = recorded_weights(meta)
+    if mp_size is not None and weights is not None:
         shard_files = [f"codebook-mp{mp_size}-rank{r}.safetensors" for r in range(mp_size)]
         kept["codebook_shards"] = {
             "mp_size": mp_size,
             "files": shard_files,
-            "split": [k for k in SPLIT_KEYS if config.vq.layout == "flat" and k in state],
+            "split": [k for k in weights.split_keys(config) if k in state],
         }
     elif mp_size is not None:
         raise CheckpointError(f"--mp-size re-splits a VQ codebook; {meta.get('stage')} has none")
@@ -138,9 +138,13 @@ def write_pretraining_dir(
         meta=kept,
     )
     if shard_files:
-        parts = resplit_codebook(state, mp_size or 1, layout=config.vq.layout)
+        assert weights is not None
+        try:
+            parts = weights.resplit(state, config, mp_size or 1)
+        except ValueError as exc:
+            raise CheckpointError(f"--mp-size {mp_size}: {exc}") from None
         for name, part in zip(shard_files, parts, strict=True):
-            tensors = {k: v.contiguous() for k, v in quantizer_state(part).items()}
+            tensors = {k: v.contiguous() for k, v in weights.own_state(part).items()}
             write_atomically(
                 tmp / name,
                 lambda target, t=tensors: save_file(

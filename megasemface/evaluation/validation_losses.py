@@ -24,7 +24,6 @@ import torch
 
 from megasemface.data.text.lines import read_lines
 from megasemface.data.text.tokenizer import Tokenizer
-from megasemface.interfaces.vq.code_usage import count_codes, usage_figures
 from megasemface.objectives.objective import StageOutput
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.stages import STAGES, Stage
@@ -108,8 +107,8 @@ class PartLosses:
     """language -> (summed loss, predicted tokens)."""
     codes: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """The encoder's noise-free codes of every token (a VQ encoder)."""
-    num_codes: int | None = None
-    """The codewords of that encoder's codebook."""
+    code_usage: Callable[[torch.Tensor], dict[str, float]] | None = None
+    """The figures of those codes (the interface's ``code_figures``)."""
 
     @property
     def mean(self) -> float:
@@ -121,15 +120,11 @@ class PartLosses:
         return total / max(targets, 1)
 
     def figures(self) -> dict[str, float]:
-        """``valid_<loss>`` and, with a VQ encoder's codes, their usage."""
+        """``valid_<loss>`` and, with a VQ encoder's codes, their usage (``valid_enc_*``)."""
         figures = {f"valid_{self.loss_name}": self.mean}
-        num_codes = self.num_codes
-        if self.codes and num_codes is not None:
-            usage = usage_figures(count_codes(torch.cat(self.codes), num_codes), num_codes)
-            figures["valid_enc_codes_used"] = usage["codes_used"]
-            figures["valid_enc_code_perplexity"] = usage["code_perplexity"]
-            figures["valid_enc_code_tokens"] = usage["tokens"]
-            figures["valid_enc_codewords"] = float(num_codes)
+        if self.codes and self.code_usage is not None:
+            usage = self.code_usage(torch.cat(self.codes))
+            figures.update({f"valid_enc_{name}": value for name, value in usage.items()})
         return figures
 
 
@@ -152,10 +147,10 @@ def score_part(
             losses.targets += out.num_targets
             total, targets = losses.by_lang.get(item.lang, (0.0, 0))
             losses.by_lang[item.lang] = (total + summed, targets + out.num_targets)
-            last = getattr(interface, "last_output", None)
-            if part.encoder and last is not None:
-                losses.codes.append(last.greedy_codes.cpu())
-                losses.num_codes = interface.encoder_usage.num_codes
+            codes = interface.encoder_codes() if part.encoder else None
+            if codes is not None:
+                losses.codes.append(codes.cpu())
+                losses.code_usage = interface.code_figures
     return losses
 
 

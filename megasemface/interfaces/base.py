@@ -27,6 +27,7 @@ from megasemface.nn.transformer import EncoderOutput, TransformerEncoder
 
 __all__ = [
     "EncoderHeadOutput",
+    "EncoderTargets",
     "InterfaceMemory",
     "NoInterface",
     "SemanticInterface",
@@ -55,10 +56,23 @@ class InterfaceMemory:
     token entropy); the objective decides whether they train the extractor."""
 
 
+@dataclasses.dataclass
+class EncoderTargets:
+    """What the diagnostics compare the encoder's outputs with, at N tokens."""
+
+    outputs_ND: torch.Tensor
+    """The encoder's outputs where the interface reads them."""
+    targets_ND: torch.Tensor
+    """What the interface pulls them toward (VQ-SemFace: the code vector of the argmax code;
+    CL-SemFace: the token's table row)."""
+    codes_N: torch.Tensor | None = None
+    """The codes the interface picks for them, without noise (None: it picks none)."""
+
+
 def tensor_sha256(tensor: torch.Tensor) -> str:
-    """A stable hash of a tensor's values (as fp32), for interface fingerprints."""
-    data = tensor.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()
+    """A stable hash of a tensor's values (as fp32), for fingerprints and for comparing
+    weights; a CPU fp32 tensor is hashed without a copy."""
+    return hashlib.sha256(tensor.detach().to("cpu", torch.float32).contiguous().numpy()).hexdigest()
 
 
 class SemanticInterface(nn.Module, abc.ABC):
@@ -100,11 +114,64 @@ class SemanticInterface(nn.Module, abc.ABC):
         """Sets the new encoder's starting weights from the interface; by default none."""
         del encoder
 
+    def set_step(self, step: int) -> None:
+        """Advances the interface's own schedules to ``step`` (VQ-SemFace: the Gumbel
+        temperature); by default it has none."""
+        del step
+
+    def load_trained(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads an encoder stage's trained interface weights (this model-parallel rank's
+        part, as :class:`~megasemface.interfaces.weights.TrainedWeights` cuts them) and
+        freezes them: the decoder stage reads them fixed."""
+        del state
+        raise ValueError(f"the {self.kind!r} interface has no trained weights to load")
+
     def health(self) -> dict[str, float]:
         """The interface's own health figures over the steps since the last call, then a new
         window (VQ-SemFace: the codes the model picks). A collective over the data-parallel
         group: every rank calls it at the same step."""
         return {}
+
+    def health_warnings(
+        self, figures: dict[str, float], *, codes_share: float, step: int
+    ) -> list[str]:
+        """Warnings on :meth:`health`'s ``figures`` at ``step`` (VQ-SemFace: a codebook whose
+        choices collapsed onto fewer than ``codes_share`` of the codes a uniform choice
+        picks); by default none."""
+        del figures, codes_share, step
+        return []
+
+    def encoder_codes(self) -> torch.Tensor | None:
+        """The noise-free codes of every token of the encoder head's last call, None for an
+        interface that picks none."""
+        return None
+
+    def code_figures(self, codes: torch.Tensor) -> dict[str, float]:
+        """Figures of codes the interface picked over a set: ``codes_used``,
+        ``code_perplexity`` (of their histogram), ``code_tokens`` and ``codewords``."""
+        del codes
+        raise ValueError(f"the {self.kind!r} interface picks no codes")
+
+    def diagnostic_targets(
+        self, hidden_ND: torch.Tensor, pre_norm_ND: torch.Tensor, tokens_N: torch.Tensor
+    ) -> EncoderTargets:
+        """The encoder's outputs at ``tokens`` (after and before its final norm) beside what
+        the interface pulls them toward."""
+        del hidden_ND, pre_norm_ND, tokens_N
+        raise ValueError(f"the {self.kind!r} interface has no vector to compare the encoder with")
+
+    def reading_codes(
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
+    ) -> torch.Tensor:
+        """The noise-free codes the decoder stage's own reading of a sentence picks for its
+        tokens [N] (VQ-SemFace: the feature extractor's, through the codebook)."""
+        del tokens_BT, mask_BT, langs_B
+        raise ValueError(f"the {self.kind!r} interface picks no codes")
+
+    def code_log_probs(self, features_ND: torch.Tensor) -> torch.Tensor:
+        """log p(code | features) [N, K] over every code, without noise."""
+        del features_ND
+        raise ValueError(f"the {self.kind!r} interface picks no codes")
 
     def external_parameters(self) -> list[nn.Parameter]:
         """Weights read by the interface's methods rather than inside the forward of the

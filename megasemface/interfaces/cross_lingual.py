@@ -23,6 +23,7 @@ from torch import nn
 
 from megasemface.interfaces.base import (
     EncoderHeadOutput,
+    EncoderTargets,
     InterfaceMemory,
     SemanticInterface,
     select_targets,
@@ -129,6 +130,12 @@ class CrossLingualInterface(SemanticInterface):
         (``--decoder-codes encoder`` or ``encoder-trained``; ``--decoder-continuous`` sets
         the share of tokens read as the outputs themselves)."""
         return InterfaceMemory(self(tokens_BT).detach(), mask_BT, {})
+
+    def diagnostic_targets(
+        self, hidden_ND: torch.Tensor, pre_norm_ND: torch.Tensor, tokens_N: torch.Tensor
+    ) -> EncoderTargets:
+        # Eq. 1 pulls the encoder's output before its final norm to the token's row.
+        return EncoderTargets(pre_norm_ND, self.table[tokens_N])
 
     def fingerprint(self) -> dict[str, Any]:
         return {

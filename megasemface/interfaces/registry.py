@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from megasemface.distributed.groups import ParallelGroups
     from megasemface.interfaces.base import SemanticInterface
+    from megasemface.interfaces.weights import TrainedWeights
     from megasemface.nn.config import ModelConfig
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "interface",
     "interface_names",
     "recorded_interface",
+    "recorded_weights",
     "records_codebook",
     "register_interface",
 ]
@@ -87,6 +89,9 @@ class Interface:
     stage; diagnostics compare an encoder output with its code."""
     check: Callable[[Any, Stage], None] = _no_check
     """The interface's own checks of a run's options (a ``TrainConfig``) in ``stage``."""
+    weights: Callable[[], TrainedWeights] | None = None
+    """How the checkpoint tools handle its own weights that train and split over
+    model-parallel ranks (None: it has none; a fixed table is the model's like any other)."""
 
     @property
     def target(self) -> str:
@@ -127,6 +132,13 @@ def records_codebook(meta: Mapping[str, Any]) -> bool:
     trained, possibly split codebook and fingerprint it by its weights)."""
     spec = recorded_interface(meta)
     return spec is not None and spec.codebook
+
+
+def recorded_weights(meta: Mapping[str, Any]) -> TrainedWeights | None:
+    """How the interface the metadata records keeps its own trained weights, None when it
+    keeps none (see :attr:`Interface.weights`)."""
+    spec = recorded_interface(meta)
+    return spec.weights() if spec is not None and spec.weights is not None else None
 
 
 def interface(name: str) -> Interface:
@@ -181,6 +193,12 @@ def _build_vq(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
     return VectorQuantizedInterface(config, options.groups or ParallelGroups.single(), options.seed)
 
 
+def _vq_weights() -> TrainedWeights:
+    from megasemface.interfaces.vq.weights import CodebookWeights
+
+    return CodebookWeights()
+
+
 def _check_none(options: Any, spec: Stage) -> None:
     if spec.decoder:
         raise ValueError("--interface none (XLM) has only an encoder stage")
@@ -195,6 +213,8 @@ def _check_vq(options: Any, spec: Stage) -> None:
 
 
 register_interface(Interface(name="cl", build=_build_cl, table=True))
-register_interface(Interface(name="vq", build=_build_vq, codebook=True, check=_check_vq))
+register_interface(
+    Interface(name="vq", build=_build_vq, codebook=True, check=_check_vq, weights=_vq_weights)
+)
 
 register_interface(Interface(name=NONE, build=_build_none, semface=False, check=_check_none))

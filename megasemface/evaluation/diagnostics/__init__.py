@@ -7,9 +7,11 @@ connected translation model:
 - :func:`diagnose_interface` with a :class:`DiagnosticsConfig`: every figure over text,
   returned as :class:`Diagnostics` (JSON, MLflow metrics, a table);
 - :func:`load_models`: the parts a stage and a model directory contribute;
-- :mod:`.figures`: each figure as a function of tensors (code usage, cosine, NLL with a
-  given memory, code agreement of translation pairs); :mod:`.dictionary`: the gold
-  dictionary's words in text and their codes.
+- :mod:`.figures`: each figure as a function of tensors (cosine, NLL with a given memory,
+  code agreement of translation pairs); :mod:`.dictionary`: the gold dictionary's words in
+  text and their codes. What depends on the interface (its codes and their usage, what the
+  encoder's outputs are compared with) is the interface's own: ``SemanticInterface``'s
+  ``diagnostic_targets``, ``reading_codes``, ``code_figures`` and ``code_log_probs``.
 
 ``tools/diagnose_interface.py`` is the command line over these.
 """
@@ -24,8 +26,6 @@ from megasemface.evaluation.diagnostics.figures import (
     CodeUsageFigures,
     WordCodes,
     code_agreement,
-    code_log_probs,
-    code_usage,
     teacher_forced_nll,
     word_codes,
 )
@@ -53,8 +53,6 @@ __all__ = [
     "LanguageFigures",
     "WordCodes",
     "code_agreement",
-    "code_log_probs",
-    "code_usage",
     "diagnose_interface",
     "load_models",
     "log_to_run",

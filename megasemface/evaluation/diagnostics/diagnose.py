@@ -33,8 +33,8 @@ from megasemface.evaluation.diagnostics.dictionary import (
     words_codes,
 )
 from megasemface.evaluation.diagnostics.figures import (
+    CodeUsageFigures,
     code_agreement,
-    code_usage,
     cosine_sum,
     teacher_forced_nll,
 )
@@ -49,9 +49,8 @@ from megasemface.evaluation.diagnostics.sources import (
     load_models,
 )
 from megasemface.inference.translate import token_batches
-from megasemface.interfaces.cross_lingual import CrossLingualInterface
+from megasemface.interfaces.base import SemanticInterface
 from megasemface.interfaces.registry import find_interface
-from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
 from megasemface.models.semface import through_final_norm
 from megasemface.nn.transformer import EncoderOutput
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
@@ -209,14 +208,13 @@ def _encoder_side(
     interface, mask = models.interface, batch.mask_BT
     length = batch.tokens_BT.shape[1]
     hidden_BTD = encoded.hidden_BTD[:, :length]  # the sentences' tokens, not </s>
-    if isinstance(interface, VectorQuantizedInterface):
-        out = interface.quantizer(hidden_BTD[mask], sample=False)
-        sums.encoder_codes.append(out.codes)
-        sums.cosine = (sums.cosine or 0.0) + cosine_sum(hidden_BTD[mask], out.quantized)
-    elif isinstance(interface, CrossLingualInterface):
+    spec = find_interface(models.interface_kind)
+    if interface is not None and spec is not None and spec.semface:
         pre_norm_ND = encoded.pre_norm_BTD[:, :length][mask]
-        rows_ND = interface.table[batch.tokens_BT[mask]]
-        sums.cosine = (sums.cosine or 0.0) + cosine_sum(pre_norm_ND, rows_ND)
+        targets = interface.diagnostic_targets(hidden_BTD[mask], pre_norm_ND, batch.tokens_BT[mask])
+        if targets.codes_N is not None:
+            sums.encoder_codes.append(targets.codes_N)
+        sums.cosine = (sums.cosine or 0.0) + cosine_sum(targets.outputs_ND, targets.targets_ND)
     for (i, t), row in wanted.items():
         sums.features[(i, t)] = hidden_BTD[row, t].clone()  # not a view: frees the batch
 
@@ -231,9 +229,10 @@ def _nll_side(
     """The decoder's summed NLL with each memory the sources give."""
     assert models.decoder is not None
     interface, mask = models.interface, batch.mask_BT
+    spec = find_interface(models.interface_kind)
     memories = {}
     own = None
-    if isinstance(interface, VectorQuantizedInterface) and models.encoder is not None:
+    if interface is not None and spec is not None and spec.codebook and models.encoder is not None:
         own = models.encoder(*src, batch.langs_B) if encoded is None else encoded
         codes = interface.features_memory(own.hidden_BTD, src[1], src[0])
         memories["codes"] = (codes.memory_BSD, codes.mask_BS)
@@ -299,10 +298,8 @@ def _language_pass(
             _encoder_side(models, batch, encoded, sums, found)
         reads_extractor = models.decoder_codes == "extractor"
         if "usage" in measures and models.interface_decoder is not None and reads_extractor:
-            assert isinstance(interface, VectorQuantizedInterface)
-            mask = batch.mask_BT
-            features = interface.extractor(batch.tokens_BT, mask, batch.langs_B).hidden_BTD
-            codes = interface.quantizer(features[mask], sample=False).codes
+            assert interface is not None
+            codes = interface.reading_codes(batch.tokens_BT, batch.mask_BT, batch.langs_B)
             sums.extractor_codes.append(codes)
             if sums.encoder_codes:  # the same tokens, in the same order
                 sums.same_codes += int((codes == sums.encoder_codes[-1]).sum())
@@ -312,14 +309,16 @@ def _language_pass(
 
 
 def _figures(
-    lang: str, ids: list[list[int]], cropped: int, sums: _Sums, k: int | None
+    lang: str, ids: list[list[int]], cropped: int, sums: _Sums, interface: SemanticInterface | None
 ) -> LanguageFigures:
     tokens = sum(len(s) for s in ids)
     figures = LanguageFigures(lang, len(ids), tokens, cropped)
-    if sums.encoder_codes and k is not None:
-        figures.encoder_codes = code_usage(torch.cat(sums.encoder_codes), k)
-    if sums.extractor_codes and k is not None:
-        figures.extractor_codes = code_usage(torch.cat(sums.extractor_codes), k)
+    if sums.encoder_codes and interface is not None:
+        usage = interface.code_figures(torch.cat(sums.encoder_codes))
+        figures.encoder_codes = CodeUsageFigures.of(usage)
+    if sums.extractor_codes and interface is not None:
+        usage = interface.code_figures(torch.cat(sums.extractor_codes))
+        figures.extractor_codes = CodeUsageFigures.of(usage)
         if sums.encoder_codes:
             figures.code_agreement = sums.same_codes / tokens
     if sums.cosine is not None:
@@ -369,11 +368,11 @@ def diagnose_interface(
                 occurrences = whole_word_occurrences(ids, forms, continues, cap)
             wanted = {p for positions in occurrences.values() for p in positions}
             sums = _language_pass(models, lang, ids, measures, wanted, config.batch_tokens)
-            languages.append(_figures(lang, ids, cropped, sums, models.num_codes))
+            languages.append(_figures(lang, ids, cropped, sums, models.interface))
             if occurrences:
-                assert isinstance(models.interface, VectorQuantizedInterface)
-                quantizer, vq = models.interface.quantizer, models.config.vq
-                words[lang] = words_codes(quantizer, vq, occurrences, sums.features, config.top_k)
+                assert models.interface is not None
+                log_probs = models.interface.code_log_probs
+                words[lang] = words_codes(log_probs, occurrences, sums.features, config.top_k)
     dictionary_figures = None
     if dictionary is not None:
         source = words.get(dictionary.source_lang, {})

@@ -12,17 +12,15 @@ of the VQ layer's noise-free p(code | h), h the encoder output there.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import torch
 
 from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.embeddings.gold import gold_languages, load_gold_dictionary
-from megasemface.evaluation.diagnostics.figures import WordCodes, code_log_probs, word_codes
+from megasemface.evaluation.diagnostics.figures import WordCodes, word_codes
 from megasemface.evaluation.diagnostics.sources import DiagnosticsError
-from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.nn.config import VQConfig
 
 __all__ = [
     "GoldPairs",
@@ -119,13 +117,13 @@ def whole_word_occurrences(
 
 
 def words_codes(
-    quantizer: GumbelVectorQuantizer,
-    vq: VQConfig,
+    code_log_probs: Callable[[torch.Tensor], torch.Tensor],
     occurrences: dict[Word, list[Position]],
     features: dict[Position, torch.Tensor],
     k: int,
 ) -> dict[Hashable, WordCodes]:
-    """Each word's codes from the encoder outputs ``features`` at its occurrences."""
+    """Each word's codes from the encoder outputs ``features`` at its occurrences, by
+    ``code_log_probs`` (the interface's distribution over its codes, [N, K])."""
     out: dict[Hashable, WordCodes] = {}
     words = sorted(occurrences)
     start = 0
@@ -138,7 +136,7 @@ def words_codes(
             size += len(occurrences[words[start]])
             start += 1
         h_ND = torch.stack([features[p] for word in chunk for p in occurrences[word]])
-        log_probs = code_log_probs(quantizer, vq, h_ND)
+        log_probs = code_log_probs(h_ND)
         offset = 0
         for word in chunk:
             count = len(occurrences[word])

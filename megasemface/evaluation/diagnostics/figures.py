@@ -19,9 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megasemface.interfaces.vq.code_usage import usage_figures
-from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
-from megasemface.nn.config import VQConfig
 from megasemface.nn.transformer import TransformerDecoder
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 from megasemface.objectives.teacher_forcing import teacher_forced_logits
@@ -31,15 +28,10 @@ __all__ = [
     "CodeUsageFigures",
     "WordCodes",
     "code_agreement",
-    "code_log_probs",
-    "code_usage",
     "cosine_sum",
     "teacher_forced_nll",
     "word_codes",
 ]
-
-_TIE = 1e-4
-"""Log-probability gap below which two codes count as tied (see :func:`code_log_probs`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,57 +68,20 @@ class CodeUsageFigures:
             "dead": self.dead,
         }
 
-
-def code_usage(codes_N: Tensor, num_codes: int) -> CodeUsageFigures:
-    """Usage figures of the chosen codes ``codes_N`` (global ids in ``[0, num_codes)``).
-
-    Counts only the codes that occur (``torch.unique``), so a product layout with billions of
-    combinations costs no [K] histogram.
-    """
-    _, counts = torch.unique(codes_N.reshape(-1), return_counts=True)
-    figures = usage_figures(counts, num_codes)
-    return CodeUsageFigures(
-        int(figures["tokens"]),
-        num_codes,
-        int(figures["codes_used"]),
-        figures["code_perplexity"],
-    )
+    @classmethod
+    def of(cls, figures: Mapping[str, float]) -> CodeUsageFigures:
+        """From the figures an interface's ``code_figures`` gives."""
+        return cls(
+            int(figures["code_tokens"]),
+            int(figures["codewords"]),
+            int(figures["codes_used"]),
+            figures["code_perplexity"],
+        )
 
 
 def cosine_sum(a_ND: Tensor, b_ND: Tensor) -> float:
     """Sum over rows of cos(a_i, b_i), in fp64 (the caller divides by its token count)."""
     return float(F.cosine_similarity(a_ND.double(), b_ND.double(), dim=-1).sum())
-
-
-def code_log_probs(quantizer: GumbelVectorQuantizer, vq: VQConfig, h_ND: Tensor) -> Tensor:
-    """log p(code | h) [N, K] over all K codes: Eq. 5 without the Gumbel noise, at tau = 1.
-
-    The logits are the layer's own (:meth:`GumbelVectorQuantizer.code_logits`). For the product
-    layout a combination's log-probability is the sum of its groups' log-softmaxes, indexed
-    like the layer's code ids (``sum_g idx_g V**(G-g-1)``). One token's ranking of the codes
-    does not depend on the temperature; only averages over tokens do.
-
-    Raises:
-        RuntimeError: the argmax disagrees with the layer's own noise-free choice
-            (``forward(h, sample=False).codes``) beyond float ties.
-    """
-    logits = quantizer.code_logits(h_ND)
-    if vq.layout == "flat":
-        log_probs = logits.log_softmax(dim=-1)
-    else:
-        groups = logits.view(-1, vq.groups, vq.entries).log_softmax(dim=-1)
-        log_probs = groups[:, 0]
-        for g in range(1, vq.groups):
-            log_probs = (log_probs[:, :, None] + groups[:, g, None, :]).flatten(1)
-    chosen = quantizer(h_ND, sample=False).codes
-    mine = log_probs.argmax(dim=-1)
-    gap = log_probs.max(dim=-1).values - log_probs.gather(1, chosen[:, None])[:, 0]
-    if bool(((mine != chosen) & (gap > _TIE)).any()):
-        raise RuntimeError(
-            "code_log_probs disagrees with the VQ layer's own argmax: code_logits no longer "
-            "computes the logits the layer's forward uses"
-        )
-    return log_probs
 
 
 @dataclasses.dataclass(frozen=True)

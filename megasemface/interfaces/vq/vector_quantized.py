@@ -24,11 +24,13 @@ import torch
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.base import (
     EncoderHeadOutput,
+    EncoderTargets,
     InterfaceMemory,
     SemanticInterface,
     tensor_sha256,
 )
-from megasemface.interfaces.vq.code_usage import CodeUsage
+from megasemface.interfaces.vq.code_probabilities import code_log_probs
+from megasemface.interfaces.vq.code_usage import CodeUsage, collapse_warning, usage_figures
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer, VQOutput
 from megasemface.nn.config import ModelConfig
 from megasemface.nn.layers import positions
@@ -113,9 +115,61 @@ class VectorQuantizedInterface(SemanticInterface):
             figures.update({prefix + k: v for k, v in usage.summary().items()})
         return figures
 
+    def health_warnings(
+        self, figures: dict[str, float], *, codes_share: float, step: int
+    ) -> list[str]:
+        warnings = []
+        for prefix, part in (("vq_", "encoder"), ("dec_vq_", "decoder-stage extractor")):
+            if f"{prefix}codes_used" not in figures:
+                continue
+            keys = ("tokens", "codes_used", "dead_codes", "code_perplexity")
+            warning = collapse_warning(
+                {key: figures[f"{prefix}{key}"] for key in keys},
+                codes_share=codes_share,
+                part=part,
+                step=step,
+            )
+            if warning is not None:
+                warnings.append(warning)
+        return warnings
+
+    def encoder_codes(self) -> torch.Tensor | None:
+        return None if self.last_output is None else self.last_output.greedy_codes
+
+    def code_figures(self, codes: torch.Tensor) -> dict[str, float]:
+        # The codes that occur, not a [K] histogram: a product layout has billions.
+        _, counts = torch.unique(codes.reshape(-1), return_counts=True)
+        num_codes = self.encoder_usage.num_codes
+        usage = usage_figures(counts, num_codes)
+        return {
+            "codes_used": usage["codes_used"],
+            "code_perplexity": usage["code_perplexity"],
+            "code_tokens": usage["tokens"],
+            "codewords": float(num_codes),
+        }
+
+    def diagnostic_targets(
+        self, hidden_ND: torch.Tensor, pre_norm_ND: torch.Tensor, tokens_N: torch.Tensor
+    ) -> EncoderTargets:
+        out = self.quantizer(hidden_ND, sample=False)
+        return EncoderTargets(hidden_ND, out.quantized, out.codes)
+
+    def reading_codes(
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
+    ) -> torch.Tensor:
+        features_BTD = self.extractor(tokens_BT, mask_BT, langs_B).hidden_BTD
+        return self.quantizer(features_BTD[mask_BT], sample=False).codes
+
+    def code_log_probs(self, features_ND: torch.Tensor) -> torch.Tensor:
+        return code_log_probs(self.quantizer, features_ND)
+
     def set_step(self, step: int) -> None:
         """Advances the Gumbel temperature schedule."""
         self.quantizer.set_step(step)
+
+    def load_trained(self, state: dict[str, torch.Tensor]) -> None:
+        self.quantizer.load_state_dict(state)
+        self.quantizer.freeze()
 
     def fingerprint(self) -> dict[str, Any]:
         vq = self.quantizer.config

@@ -15,7 +15,6 @@ from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces import registry
 from megasemface.interfaces.factory import build_interface
-from megasemface.interfaces.vq.code_usage import collapse_warning
 from megasemface.models.denoising import DenoisingSeq2Seq
 from megasemface.models.semface import SemFaceModel
 from megasemface.objectives.noising import sentence_boundary_ids
@@ -104,9 +103,7 @@ class SemFaceUnit(_MonolingualUnit):
         codebook = load_codebook(source)  # a run, a checkpoint or a pretraining model dir
         if codebook.meta.get("vocab_sha256") != self.data.tokenizer.sha256:
             raise ValueError(f"{source} was trained with another SentencePiece model")
-        quantizer = model.interface.quantizer  # type: ignore[union-attr]
-        quantizer.load_state_dict(codebook.for_rank(self.groups.mp_rank, self.groups.mp_size))
-        quantizer.freeze()
+        model.interface.load_trained(codebook.for_rank(self.groups.mp_rank, self.groups.mp_size))
         self.parent_runs["encoder"] = codebook.meta.get("mlflow_run_id") or ""
 
     def trainable(self) -> list[nn.Parameter]:
@@ -115,9 +112,7 @@ class SemFaceUnit(_MonolingualUnit):
     def loss(
         self, engine: DeepSpeedEngine, batch: TokenBatch, generator: torch.Generator, step: int
     ) -> StageOutput:
-        interface = engine.module.interface
-        if hasattr(interface, "set_step"):
-            interface.set_step(step)  # the Gumbel temperature schedule
+        engine.module.interface.set_step(step)
         sentences = self.sequence_batch(batch)
         self.body_flops = model_flops.semface_step(
             self.model_config,
@@ -140,20 +135,13 @@ class SemFaceUnit(_MonolingualUnit):
         return out
 
     def health(self, engine: DeepSpeedEngine, step: int) -> dict[str, float]:
-        """The interface's health over the logging window, with a warning on rank 0 when a
-        VQ codebook's argmax falls into a few codes (``collapse_warning``)."""
-        figures = engine.module.interface.health()
-        for prefix, part in (("vq_", "encoder"), ("dec_vq_", "decoder-stage extractor")):
-            if f"{prefix}codes_used" not in figures or rank() != 0:
-                continue
-            keys = ("tokens", "codes_used", "dead_codes", "code_perplexity")
-            warning = collapse_warning(
-                {key: figures[f"{prefix}{key}"] for key in keys},
-                codes_share=self.config.codebook_warn_fraction,
-                part=part,
-                step=step,
-            )
-            if warning is not None:
+        """The interface's health over the logging window, and its warnings on rank 0 (a VQ
+        codebook whose argmax falls into a few codes)."""
+        interface = engine.module.interface
+        figures = interface.health()
+        if rank() == 0:
+            share = self.config.codebook_warn_fraction
+            for warning in interface.health_warnings(figures, codes_share=share, step=step):
                 print(warning, flush=True)
         return figures
 
