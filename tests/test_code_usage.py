@@ -165,6 +165,9 @@ def test_the_vq_interface_warns_of_its_own_collapse_and_counts_its_own_codes() -
     figures = vq.health()
     (warning,) = vq.health_warnings(figures, codes_share=0.25, step=7)
     assert f"picked 8 of {codes:,} VQ codes" in warning and "step 7: the encoder" in warning
+    (field,) = vq.health_fields(figures)  # the progress line's, the extractor's window empty
+    perplexity = figures["vq_code_perplexity"]
+    assert field == f"enc codes 8/{codes:,} ppl {perplexity:,.1f}"
     assert vq.health_warnings(vq.health(), codes_share=0.25, step=8) == []  # a new window
     assert NoInterface().health_warnings(figures, codes_share=0.25, step=7) == []
 

@@ -337,3 +337,26 @@ def test_a_bad_cpu_product_setting_stops_commands_before_they_start(
     err = capsys.readouterr().err
     assert "error: MEGASEMFACE_CPU_GEMM must be auto, blas or onednn, got 'mkl'" in err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_the_progress_line_shows_the_loss_parts_and_the_units_fields(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The loop knows no stage: it prints the parts the step's loss names and the fields
+    the unit gives, nothing it would pick out of the metrics by name."""
+    from megasemface.training.trainer import _Progress
+
+    metrics = {
+        "loss": 2.5,
+        "mt": 2.25,
+        "mt_nll": 2.0,
+        "mt_accuracy": 0.5,
+        "denoise_weight": 0.1,
+        "lr": 1e-3,
+        "tokens_per_s": 1234.0,
+    }
+    _Progress(True, total=10, start=0).update(4, metrics, ["mt", "mt_nll"], ["enc codes 8/512"])
+    line = capsys.readouterr().out
+    assert line.startswith("step 4/10 | 1,234 tok/s | loss 2.500 mt=2.250 mt_nll=2.000 | ")
+    assert "| enc codes 8/512 | lr 1.00e-03 | ETA " in line
+    assert "accuracy" not in line and "denoise_weight" not in line

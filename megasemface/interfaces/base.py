@@ -141,6 +141,12 @@ class SemanticInterface(nn.Module, abc.ABC):
         del figures, codes_share, step
         return []
 
+    def health_fields(self, figures: dict[str, float]) -> list[str]:
+        """Short fields of the training's progress line from :meth:`health`'s ``figures``;
+        none by default."""
+        del figures
+        return []
+
     def encoder_codes(self) -> torch.Tensor | None:
         """The noise-free codes of every token of the encoder head's last call, None for an
         interface that picks none."""

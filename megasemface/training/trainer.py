@@ -28,6 +28,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -378,7 +379,7 @@ class Trainer:
                 )
                 metrics.update(speed.figures(window.tokens, window.flops, elapsed))
                 tracker.log_metrics(metrics, step)
-                progress.update(step, metrics)
+                progress.update(step, metrics, out.components, self.unit.health_fields(metrics))
                 window = _Window()
             self.unit.after_step(self.engine, step, tracker)
             saving = step % cfg.save_interval == 0 or step == cfg.steps
@@ -510,7 +511,8 @@ class _JsonLines:
 
 class _Progress:
     """One line on rank 0: step, tokens/s (all ranks, and per GPU with the model FLOPs
-    utilisation and the memory peak), losses, learning rate, ETA."""
+    utilisation and the memory peak), the loss and its parts, the unit's health fields,
+    learning rate, ETA."""
 
     def __init__(self, enabled: bool, total: int, start: int) -> None:
         self.enabled = enabled
@@ -518,26 +520,18 @@ class _Progress:
         self.start = start
         self.started = time.perf_counter()
 
-    def update(self, step: int, metrics: dict[str, float]) -> None:
+    def update(
+        self, step: int, metrics: dict[str, float], parts: Iterable[str], fields: list[str]
+    ) -> None:
+        """``parts``: the names of the loss's parts in ``metrics``; ``fields``: the unit's
+        health fields (VQ-SemFace's code usage)."""
         if not self.enabled:
             return
         done = step - self.start
         rate = done / max(time.perf_counter() - self.started, 1e-9)
         eta = (self.total - step) / max(rate, 1e-9)
-        losses = " ".join(
-            f"{k}={v:.3f}"
-            for k, v in metrics.items()
-            if k.startswith(("enc_", "dec_", "denoise"))
-            and "accuracy" not in k
-            and not k.startswith("dec_vq_")
-        )
-        codebook = "".join(
-            f" | {part} codes {metrics[f'{prefix}codes_used']:,.0f}/"
-            f"{metrics[f'{prefix}codes_used'] + metrics[f'{prefix}dead_codes']:,.0f} "
-            f"ppl {metrics[f'{prefix}code_perplexity']:,.1f}"
-            for prefix, part in (("vq_", "enc"), ("dec_vq_", "dec"))
-            if f"{prefix}codes_used" in metrics
-        )
+        losses = " ".join(f"{name}={metrics[name]:.3f}" for name in parts)
+        health = "".join(f" | {field}" for field in fields)
         speed = ""
         if "tokens_per_s_per_gpu" in metrics:
             memory = (
@@ -552,7 +546,7 @@ class _Progress:
             )
         print(
             f"step {step}/{self.total} | {metrics['tokens_per_s']:,.0f} tok/s{speed} | "
-            f"loss {metrics['loss']:.3f} {losses}{codebook} | lr {metrics['lr']:.2e} | "
+            f"loss {metrics['loss']:.3f} {losses}{health} | lr {metrics['lr']:.2e} | "
             f"ETA {eta:,.0f}s",
             file=sys.stdout,
             flush=True,

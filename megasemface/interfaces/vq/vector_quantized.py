@@ -133,6 +133,15 @@ class VectorQuantizedInterface(SemanticInterface):
                 warnings.append(warning)
         return warnings
 
+    def health_fields(self, figures: dict[str, float]) -> list[str]:
+        fields = []
+        for prefix, part in (("vq_", "enc"), ("dec_vq_", "dec")):
+            if f"{prefix}codes_used" in figures:
+                used, dead = figures[f"{prefix}codes_used"], figures[f"{prefix}dead_codes"]
+                perplexity = figures[f"{prefix}code_perplexity"]
+                fields.append(f"{part} codes {used:,.0f}/{used + dead:,.0f} ppl {perplexity:,.1f}")
+        return fields
+
     def encoder_codes(self) -> torch.Tensor | None:
         return None if self.last_output is None else self.last_output.greedy_codes
 

@@ -197,6 +197,12 @@ class TrainUnit(abc.ABC):
         """Figures over the logging window, logged with the losses (a collective)."""
         return {}
 
+    def health_fields(self, figures: dict[str, float]) -> list[str]:
+        """Short fields of the progress line from the logged ``figures`` (:meth:`health`'s
+        among them); none by default."""
+        del figures
+        return []
+
     def after_step(  # noqa: B027 (an optional hook)
         self, engine: DeepSpeedEngine, step: int, tracker: Tracker
     ) -> None:

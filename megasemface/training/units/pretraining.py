@@ -145,6 +145,9 @@ class SemFaceUnit(_MonolingualUnit):
                 print(warning, flush=True)
         return figures
 
+    def health_fields(self, figures: dict[str, float]) -> list[str]:
+        return self.model.interface.health_fields(figures)
+
     def after_step(self, engine: DeepSpeedEngine, step: int, tracker: Tracker) -> None:
         if self.validation.due(step):
             self.validation.run(engine, step, tracker)
