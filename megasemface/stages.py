@@ -1,8 +1,10 @@
-"""The training stages, by name: what each trains, reads and checks.
+"""The training stages and fine-tuning modes, by name: what each trains, reads and checks.
 
 Every module that needs to know about a stage asks :func:`stage` for its :class:`Stage`
-instead of comparing its name; its train unit is registered under the same name in
-``training/units/__init__.py``. Nothing here imports torch: parsing options reads it.
+instead of comparing its name, and :func:`finetune_mode` for a :class:`FinetuneMode`. Each
+names its train unit as ``module:Class`` (a stage that fine-tunes, its mode's), which
+``training/units`` imports when a run builds it. Nothing here imports torch: parsing
+options reads it.
 """
 
 from __future__ import annotations
@@ -12,9 +14,14 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 __all__ = [
+    "FINETUNE_MODES",
     "STAGES",
+    "FinetuneMode",
     "Stage",
     "find_stage",
+    "finetune_mode",
+    "finetune_mode_names",
+    "register_finetune_mode",
     "register_stage",
     "stage",
     "stage_names",
@@ -34,6 +41,8 @@ class Stage:
     """One training stage: a ``--stage`` value and the ``stage`` of its checkpoints."""
 
     name: str
+    unit: str | None
+    """Its train unit, ``module:Class`` (None: a stage that fine-tunes runs its mode's)."""
     encoder: bool = False
     """Trains the SemFace encoder: MLM through the semantic interface."""
     decoder: bool = False
@@ -69,9 +78,11 @@ STAGES: dict[str, Stage] = {}
 
 
 def register_stage(spec: Stage) -> Stage:
-    """Adds ``spec`` to :data:`STAGES`; its train unit is registered in ``training/units``."""
+    """Adds ``spec`` to :data:`STAGES`."""
     if spec.name in STAGES:
         raise ValueError(f"stage {spec.name!r} is registered already")
+    if (spec.unit is None) != spec.finetunes:
+        raise ValueError(f"stage {spec.name!r}: a unit of its own, unless its modes have them")
     STAGES[spec.name] = spec
     return spec
 
@@ -98,6 +109,51 @@ def stage(name: str) -> Stage:
     return spec
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FinetuneMode:
+    """One way to fine-tune a translation model: a ``--finetune-mode`` value."""
+
+    name: str
+    unit: str
+    """Its train unit, ``module:Class``."""
+    monolingual: bool = False
+    """Trains on monolingual text alone (denoising and back-translation), so every
+    language of the pair needs a direction that translates into it."""
+    substitutes: bool = False
+    """May substitute dictionary words in the source of its pairs (``--finetune-ras``)."""
+
+
+FINETUNE_MODES: dict[str, FinetuneMode] = {}
+"""Every fine-tuning mode by name, in the order ``--finetune-mode`` lists them."""
+
+
+def register_finetune_mode(spec: FinetuneMode) -> FinetuneMode:
+    """Adds ``spec`` to :data:`FINETUNE_MODES`."""
+    if spec.name in FINETUNE_MODES:
+        raise ValueError(f"fine-tuning mode {spec.name!r} is registered already")
+    FINETUNE_MODES[spec.name] = spec
+    return spec
+
+
+def finetune_mode_names() -> tuple[str, ...]:
+    """The fine-tuning modes' names, in registration order."""
+    return tuple(FINETUNE_MODES)
+
+
+def finetune_mode(name: str) -> FinetuneMode:
+    """The fine-tuning mode ``name``.
+
+    Raises:
+        ValueError: an unknown name, as ``--finetune-mode`` reports it.
+    """
+    if name not in FINETUNE_MODES:
+        raise ValueError(f"--finetune-mode must be one of {finetune_mode_names()}, got {name!r}")
+    return FINETUNE_MODES[name]
+
+
+_UNITS = "megasemface.training.units"
+
+
 def _check_seq2seq_pretraining(options: Any) -> None:
     """mBART, mRASP and VECO pre-train a sequence-to-sequence model whose validation belongs
     to its fine-tuning (the SemFace stages validate their MLM and decoder losses)."""
@@ -109,13 +165,22 @@ def _check_seq2seq_pretraining(options: Any) -> None:
         )
 
 
-register_stage(Stage(name="encoder", encoder=True))
-register_stage(Stage(name="decoder", decoder=True))
-register_stage(Stage(name="joint", encoder=True, decoder=True))
-register_stage(Stage(name="mbart", seq2seq=True, check=_check_seq2seq_pretraining))
+_SEMFACE_UNIT = f"{_UNITS}.pretraining:SemFaceUnit"
+register_stage(Stage(name="encoder", unit=_SEMFACE_UNIT, encoder=True))
+register_stage(Stage(name="decoder", unit=_SEMFACE_UNIT, decoder=True))
+register_stage(Stage(name="joint", unit=_SEMFACE_UNIT, encoder=True, decoder=True))
+register_stage(
+    Stage(
+        name="mbart",
+        unit=f"{_UNITS}.pretraining:DenoisingUnit",
+        seq2seq=True,
+        check=_check_seq2seq_pretraining,
+    )
+)
 register_stage(
     Stage(
         name="mrasp",
+        unit=f"{_UNITS}.mrasp:MraspUnit",
         seq2seq=True,
         data="parallel",
         substitutes=True,
@@ -126,10 +191,21 @@ register_stage(
 register_stage(
     Stage(
         name="veco",
+        unit=f"{_UNITS}.veco:VecoUnit",
         seq2seq=True,
         data="mixed",
         splits_codebook=False,
         check=_check_seq2seq_pretraining,
     )
 )
-register_stage(Stage(name="finetune", finetunes=True, splits_codebook=False))
+register_stage(Stage(name="finetune", unit=None, finetunes=True, splits_codebook=False))
+
+register_finetune_mode(
+    FinetuneMode(name="supervised", unit=f"{_UNITS}.translation:SupervisedUnit", substitutes=True)
+)
+register_finetune_mode(
+    FinetuneMode(
+        name="unsupervised", unit=f"{_UNITS}.translation:UnsupervisedUnit", monolingual=True
+    )
+)
+register_finetune_mode(FinetuneMode(name="fusion", unit=f"{_UNITS}.fusion:FusionUnit"))

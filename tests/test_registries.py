@@ -26,16 +26,17 @@ from megasemface.nn.config import ModelConfig, build_model_config
 from megasemface.nn.transformer import EncoderOutput, TransformerEncoder
 from megasemface.objectives.objective import ObjectiveConfig
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
-from megasemface.stages import STAGES, stage_names
+from megasemface.stages import FINETUNE_MODES, STAGES, finetune_mode_names, stage_names
 from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig, add_train_arguments, train_config_from_args
-from megasemface.training.units import UNITS
+from megasemface.training.units import TrainUnit, unit_class
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megasemface"
 REGISTRIES = {PACKAGE / "stages.py", PACKAGE / "interfaces"}
 """Where the names are defined, and only there compared."""
-NAMED = ("stage", "interface", "kind")
-"""What the compared expression is called when it holds a stage's or interface's name."""
+NAMED = ("stage", "interface", "kind", "finetune_mode")
+"""What the compared expression is called when it holds a stage's, interface's or
+fine-tuning mode's name."""
 
 
 def _literals(node: ast.expr) -> set[str]:
@@ -45,9 +46,9 @@ def _literals(node: ast.expr) -> set[str]:
 
 
 def name_comparisons(source: str) -> list[str]:
-    """Comparisons of a stage's or interface's name with a string literal, and literal
-    tuples of such names, in ``source``."""
-    names = set(stage_names()) | set(interface_names())
+    """Comparisons of a stage's, interface's or fine-tuning mode's name with a string
+    literal, and literal tuples of stage or interface names, in ``source``."""
+    names = set(stage_names()) | set(interface_names()) | set(finetune_mode_names())
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):
@@ -87,11 +88,18 @@ def test_the_name_check_sees_a_comparison() -> None:
     assert name_comparisons('INTERFACES = ("cl", "vq")\n')
     assert not name_comparisons('if stack == "encoder":\n    pass\n')
     assert not name_comparisons('if config.bridge != "none":\n    pass\n')
+    assert name_comparisons('if self.finetune_mode == "unsupervised":\n    pass\n')
 
 
-def test_every_stage_has_a_train_unit() -> None:
-    units = {name.partition("-")[0] for name in UNITS}
-    assert units == set(STAGES)
+def test_every_stage_and_fine_tuning_mode_names_a_train_unit() -> None:
+    paths = [spec.unit for spec in STAGES.values() if spec.unit is not None]
+    paths += [mode.unit for mode in FINETUNE_MODES.values()]
+    units = {unit_class(path) for path in paths}
+    assert all(issubclass(unit, TrainUnit) for unit in units)
+    assert len(units) == 7  # the SemFace stages share one
+    assert all(spec.finetunes for spec in STAGES.values() if spec.unit is None)
+    with pytest.raises(ValueError, match="names no train unit"):
+        unit_class("megasemface.training.units.base:model_config_from")
 
 
 SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))

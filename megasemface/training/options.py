@@ -18,7 +18,7 @@ from typing import Any
 
 from megasemface.interfaces.registry import DEFAULT, NONE, interface, interface_names
 from megasemface.nn.config import ModelConfig, build_model_config
-from megasemface.stages import stage, stage_names
+from megasemface.stages import finetune_mode, finetune_mode_names, stage, stage_names
 from megasemface.training.fusion_options import parse_fusion_weights
 from megasemface.training.interface_options import (
     DECODER_CODES,
@@ -39,7 +39,6 @@ __all__ = [
 ]
 
 LR_SCHEDULES = ("deepspeed", "inverse_sqrt")
-FINETUNE_MODES = ("supervised", "unsupervised", "fusion")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -260,8 +259,7 @@ class TrainConfig:
         run_interface.check(self, run_stage)
         if self.lr_schedule not in (None, *LR_SCHEDULES):
             raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}")
-        if self.finetune_mode not in FINETUNE_MODES:
-            raise ValueError(f"--finetune-mode must be one of {FINETUNE_MODES}")
+        mode = finetune_mode(self.finetune_mode)
         if not run_stage.splits_codebook and self.mp_size != 1:
             raise ValueError(f"--stage {self.stage} has no codebook to split: use --mp-size 1")
         self._check_ras()
@@ -290,7 +288,7 @@ class TrainConfig:
         # translates into has no back-translation, so its ranks would run other passes than
         # the rest (a collective mismatch under ZeRO-3) and none once denoising ends.
         targets = {text.partition("-")[2] for text in self.directions}
-        if run_stage.finetunes and self.finetune_mode == "unsupervised" and len(targets) == 1:
+        if run_stage.finetunes and mode.monolingual and len(targets) == 1:
             raise ValueError(
                 "unsupervised fine-tuning back-translates the batches of both languages: "
                 "give --direction for both directions of the pair, or leave it out"
@@ -324,7 +322,8 @@ class TrainConfig:
         run_stage = stage(self.stage)
         if not 0 <= self.ras_prob <= 1:
             raise ValueError("--ras-prob must be in [0, 1]")
-        if self.finetune_ras and (not run_stage.finetunes or self.finetune_mode != "supervised"):
+        substitutes = finetune_mode(self.finetune_mode).substitutes
+        if self.finetune_ras and not (run_stage.finetunes and substitutes):
             raise ValueError(
                 "--finetune-ras substitutes the source side of parallel pairs: use it with "
                 "--stage finetune --finetune-mode supervised"
@@ -468,7 +467,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--lr-schedule", choices=LR_SCHEDULES)
     add("--warmup-steps", type=int, default=d.warmup_steps)
     add = _adder(parser.add_argument_group("fine-tuning (--stage finetune)"), actions, docs)
-    add("--finetune-mode", default=d.finetune_mode, choices=FINETUNE_MODES)
+    add("--finetune-mode", default=d.finetune_mode, choices=finetune_mode_names())
     add("--direction", dest="directions", action="append", default=[], metavar="SRC-TGT")
     add("--label-smoothing", type=float, default=d.label_smoothing)
     add("--fusion-weights", default=d.fusion_weights, metavar="T,TWP,TSP,MLM")

@@ -17,7 +17,7 @@ from megasemface.interfaces.registry import interface
 from megasemface.nn import cpu_gemm
 from megasemface.tracking.mlflow_names import redact_uri
 from megasemface.training.options import TrainConfig, user_model_config
-from megasemface.training.units import UNITS, unit_name
+from megasemface.training.units import unit_class, unit_of
 
 __all__ = ["check_before_start", "lr_schedule_of", "tracking_server_problem"]
 
@@ -56,7 +56,7 @@ def lr_schedule_of(config: TrainConfig, ds_config: dict[str, Any]) -> str:
     """The learning-rate schedule megasemface runs: ``deepspeed`` (the config's optimizer
     and scheduler), ``constant`` (``--lr`` replaces the config's rate) or ``inverse_sqrt``;
     without ``--lr-schedule``, the stage's own default."""
-    schedule = config.lr_schedule or UNITS[unit_name(config)].lr_schedule
+    schedule = config.lr_schedule or unit_class(unit_of(config)).lr_schedule
     has_scheduler = bool(ds_config.get("scheduler"))
     if schedule != "deepspeed" and has_scheduler:
         raise ValueError(

@@ -1,48 +1,41 @@
-"""Train units by stage: what each stage contributes to the one training loop.
+"""Train units: what each stage, or fine-tuning mode, contributes to the one training loop.
 
-A new stage is a :class:`~megasemface.training.units.base.TrainUnit` subclass registered in
-:data:`UNITS` under the name :func:`unit_name` gives its config; the loop is not touched.
+A new stage is a :class:`~megasemface.training.units.base.TrainUnit` subclass that its
+:class:`~megasemface.stages.Stage` (or :class:`~megasemface.stages.FinetuneMode`) names as
+``module:Class``; the loop is not touched.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from megasemface.distributed.groups import ParallelGroups
-from megasemface.stages import stage
+from megasemface.stages import finetune_mode, stage
 from megasemface.training.options import TrainConfig
 from megasemface.training.run_data import RunData
 from megasemface.training.units.base import TrainUnit
-from megasemface.training.units.fusion import FusionUnit
-from megasemface.training.units.mrasp import MraspUnit
-from megasemface.training.units.pretraining import DenoisingUnit, SemFaceUnit
-from megasemface.training.units.translation import SupervisedUnit, UnsupervisedUnit
-from megasemface.training.units.veco import VecoUnit
 
-__all__ = ["UNITS", "TrainUnit", "build_unit", "unit_name"]
+__all__ = ["TrainUnit", "build_unit", "unit_class", "unit_of"]
 
 UnitFactory = Callable[[TrainConfig, RunData, ParallelGroups], TrainUnit]
 
-UNITS: dict[str, UnitFactory] = {
-    "encoder": SemFaceUnit,
-    "decoder": SemFaceUnit,
-    "joint": SemFaceUnit,
-    "mbart": DenoisingUnit,
-    "mrasp": MraspUnit,
-    "veco": VecoUnit,
-    "finetune-supervised": SupervisedUnit,
-    "finetune-unsupervised": UnsupervisedUnit,
-    "finetune-fusion": FusionUnit,
-}
+
+def unit_of(config: TrainConfig) -> str:
+    """The train unit of ``config``'s stage (for fine-tuning, of its mode) as ``module:Class``."""
+    spec = stage(config.stage)
+    return finetune_mode(config.finetune_mode).unit if spec.unit is None else spec.unit
 
 
-def unit_name(config: TrainConfig) -> str:
-    """The stage, and for fine-tuning its mode: the key of :data:`UNITS`."""
-    return (
-        f"{config.stage}-{config.finetune_mode}" if stage(config.stage).finetunes else config.stage
-    )
+def unit_class(path: str) -> type[TrainUnit]:
+    """The train unit ``module:Class`` names."""
+    module, _, name = path.partition(":")
+    unit = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(unit, type) and issubclass(unit, TrainUnit)):
+        raise ValueError(f"{path} names no train unit")
+    return unit
 
 
 def build_unit(config: TrainConfig, data: RunData, groups: ParallelGroups) -> TrainUnit:
     """The unit of ``config``'s stage, its model built (seed torch first: it initialises)."""
-    return UNITS[unit_name(config)](config, data, groups)
+    return unit_class(unit_of(config))(config, data, groups)
