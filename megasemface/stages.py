@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 __all__ = [
     "FINETUNE_MODES",
     "STAGES",
     "FinetuneMode",
     "Stage",
+    "add_record",
     "find_stage",
     "finetune_mode",
     "finetune_mode_names",
@@ -32,8 +33,19 @@ OptionCheck = Callable[[Any], None]
 ``ValueError`` with the message the command line prints."""
 
 
+_Record = TypeVar("_Record")
+
+
 def _no_check(options: Any) -> None:
     del options
+
+
+def add_record(records: dict[str, _Record], name: str, record: _Record, what: str) -> _Record:
+    """Adds ``record`` to a registry under ``name``, which names one record only."""
+    if name in records:
+        raise ValueError(f"{what} {name!r} is registered already")
+    records[name] = record
+    return record
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,12 +91,9 @@ STAGES: dict[str, Stage] = {}
 
 def register_stage(spec: Stage) -> Stage:
     """Adds ``spec`` to :data:`STAGES`."""
-    if spec.name in STAGES:
-        raise ValueError(f"stage {spec.name!r} is registered already")
     if (spec.unit is None) != spec.finetunes:
         raise ValueError(f"stage {spec.name!r}: a unit of its own, unless its modes have them")
-    STAGES[spec.name] = spec
-    return spec
+    return add_record(STAGES, spec.name, spec, "stage")
 
 
 def stage_names(where: Callable[[Stage], bool] = lambda spec: True) -> tuple[str, ...]:
@@ -129,10 +138,7 @@ FINETUNE_MODES: dict[str, FinetuneMode] = {}
 
 def register_finetune_mode(spec: FinetuneMode) -> FinetuneMode:
     """Adds ``spec`` to :data:`FINETUNE_MODES`."""
-    if spec.name in FINETUNE_MODES:
-        raise ValueError(f"fine-tuning mode {spec.name!r} is registered already")
-    FINETUNE_MODES[spec.name] = spec
-    return spec
+    return add_record(FINETUNE_MODES, spec.name, spec, "fine-tuning mode")
 
 
 def finetune_mode_names() -> tuple[str, ...]:

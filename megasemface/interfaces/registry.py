@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megasemface.stages import Stage
+from megasemface.stages import Stage, add_record
 
 if TYPE_CHECKING:
     import torch
@@ -105,10 +105,7 @@ INTERFACES: dict[str, Interface] = {}
 
 def register_interface(spec: Interface) -> Interface:
     """Adds ``spec`` to :data:`INTERFACES`."""
-    if spec.name in INTERFACES:
-        raise ValueError(f"interface {spec.name!r} is registered already")
-    INTERFACES[spec.name] = spec
-    return spec
+    return add_record(INTERFACES, spec.name, spec, "interface")
 
 
 def interface_names(where: Callable[[Interface], bool] = lambda spec: True) -> tuple[str, ...]:
