@@ -198,7 +198,7 @@ def test_each_loss_updates_only_its_partition(loss: str, partitions: set[str]) -
     only = {field.name: 0.0 for field in dataclasses.fields(FusionWeights)}
     only[loss] = 1.0
     model = fusion_model(FusionWeights(**only))
-    out = model("fusion", SRC, TGT, negatives(), MONO, torch.Generator().manual_seed(1))
+    out = model.fusion_loss(SRC, TGT, negatives(), MONO, torch.Generator().manual_seed(1))
     out.loss.backward()
     groups = model.partitions()
     owner = {id(p): name for name, params in groups.items() for p in params}
@@ -214,11 +214,11 @@ def test_the_sum_is_the_weighted_direct_losses() -> None:
     translation component against the plain model's loss on the same inputs."""
     weights = FusionWeights(translation=1.0, words=0.5, sentence=2.0, mlm=0.25)
     model = fusion_model(weights)
-    out = model("fusion", SRC, TGT, negatives(), MONO, torch.Generator().manual_seed(1))
+    out = model.fusion_loss(SRC, TGT, negatives(), MONO, torch.Generator().manual_seed(1))
     parts = out.components
     expected = parts["mt"] + 0.5 * parts["twp"] + 2.0 * parts["tsp"] + 0.25 * parts["mlm"]
     torch.testing.assert_close(out.loss.detach(), expected)
-    plain = model("supervised", SRC, TGT)
+    plain = model.translation_loss(SRC, TGT)
     torch.testing.assert_close(parts["mt"], plain.components["mt"])
     # MLM's term is MLM on the monolingual batch (the step's generator draws only its masks).
     mlm, _ = model.mlm_loss(MONO, torch.Generator().manual_seed(1))
@@ -260,7 +260,7 @@ def test_mlm_reads_the_monolingual_batch_against_a_direct_computation() -> None:
     torch.testing.assert_close(loss, total / count)
     # The MLM term of the sum is this loss on the monolingual batch, not on the pairs.
     with pytest.raises(ValueError, match="monolingual sentences"):
-        model("fusion", SRC, TGT, negatives(), None, torch.Generator().manual_seed(1))
+        model.fusion_loss(SRC, TGT, negatives(), None, torch.Generator().manual_seed(1))
 
 
 def test_weights_are_checked() -> None:

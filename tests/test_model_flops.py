@@ -101,7 +101,7 @@ def test_translation_step(overrides: tuple[str, ...]) -> None:
     torch.manual_seed(0)
     model = TranslationModel(config, SPECIAL).train()
     src, tgt = sentences(config, 3, length=9), sentences(config, 4, length=12)
-    flops, out = counted(lambda: model("supervised", src, tgt))
+    flops, out = counted(lambda: model.translation_loss(src, tgt))
     formula = model_flops.seq2seq_body(config, 5, 9, 12)
     assert formula + model_flops.output_layer(config, out.num_targets) == flops
 
@@ -112,7 +112,7 @@ def test_unsupervised_step_without_noise() -> None:
     model = TranslationModel(config, SPECIAL, word_drop=0.0, shuffle_window=0).train()
     mono, back = sentences(config, 5, length=10), sentences(config, 6, length=7)
     generator = torch.Generator().manual_seed(0)
-    flops, out = counted(lambda: model("unsupervised", mono, generator, back, 0.5))
+    flops, out = counted(lambda: model.unsupervised_loss(mono, generator, back, 0.5))
     body = model_flops.seq2seq_body(config, 5, 10, 10) + model_flops.seq2seq_body(config, 5, 7, 10)
     assert body + model_flops.output_layer(config, out.num_targets) == flops
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -487,7 +487,7 @@ def test_no_repeat_ngram_stops_a_loop(model: Seq2SeqModel, beam: int) -> None:
 
 class _ModelEngine:
     """The translation step's search through the training engine: each call's arguments pass
-    through ``on_device`` as ``DeepSpeedEngine.forward`` passes them, onto the model."""
+    through ``on_device`` as ``DeepSpeedEngine.run`` passes them, onto the model."""
 
     device = torch.device("cpu")
     """Where the model runs, as ``DeepSpeedEngine.device`` says (the search makes its
@@ -498,12 +498,11 @@ class _ModelEngine:
         self.cached: list[int] = []
         """Positions already in the cache at each decoding step."""
 
-    def forward(self, task: str, *args: object) -> object:
+    def run(self, task: Callable[..., object], *args: object) -> object:
         moved = [on_device(arg, self.device) for arg in args]
-        if task == "encode":
-            return self.model.encode(*moved)  # type: ignore[arg-type]
-        self.cached.append(moved[3].length)  # type: ignore[attr-defined]
-        return self.model.decode_step(*moved)  # type: ignore[arg-type]
+        if task == self.model.decode_step:
+            self.cached.append(moved[3].length)  # type: ignore[attr-defined]
+        return task(*moved)
 
 
 def test_search_through_the_engine_keeps_its_cache(model: Seq2SeqModel) -> None:
@@ -512,6 +511,6 @@ def test_search_through_the_engine_keeps_its_cache(model: Seq2SeqModel) -> None:
     batch = make_batch([5, 9, 3, 7])
     for config in (SearchConfig(), SearchConfig(beam=4)):
         engine = _ModelEngine(model)
-        through = run(_EngineScorer(engine), batch, config)  # type: ignore[arg-type]
+        through = run(_EngineScorer(engine, model), batch, config)  # type: ignore[arg-type]
         assert [h.tokens for h in through] == [h.tokens for h in run(model, batch, config)]
         assert engine.cached[:4] == [0, 1, 2, 3]

@@ -22,9 +22,9 @@ import tempfile
 import threading
 import warnings
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
@@ -47,6 +47,8 @@ __all__ = [
     "on_device",
     "unsafe_checkpoint_file",
 ]
+
+_T = TypeVar("_T")
 
 
 def init_distributed(mp_size: int) -> ParallelGroups:
@@ -229,6 +231,13 @@ class DeepSpeedEngine:
         batch) are moved to the engine's device: the loader reads batches into host memory."""
         device = self.device
         return self.engine(*(on_device(arg, device) for arg in args))
+
+    def run(self, task: Callable[..., _T], *args: Any) -> _T:
+        """``task(*args)``, a method of the wrapped model, run through the engine as the
+        model's call (a model with several entry points, such as ``TranslationModel``, has
+        a ``forward`` that runs the method it is given): ZeRO-3 gathers the weights around
+        it, and the tensors of ``args`` move to the engine's device as :meth:`forward`'s."""
+        return self.forward(task, *args)
 
     @contextlib.contextmanager
     def gathered(self, params: Iterable[nn.Parameter]) -> Iterator[None]:

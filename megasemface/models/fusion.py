@@ -30,7 +30,6 @@ Shapes: B batch, K synthetic negatives, S source length, T target length, D mode
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -121,12 +120,6 @@ class FusionTranslationModel(TranslationModel):
     def coordinator(self) -> LayerCoordinator:
         assert self.model.coordinator is not None  # checked in __init__
         return self.model.coordinator
-
-    def forward(self, task: str, *args: Any) -> Any:
-        """``fusion(src, tgt, negatives, mono, generator)``, or a translation model's task."""
-        if task == "fusion":
-            return self.fusion_loss(*args)
-        return super().forward(task, *args)
 
     def external_parameters(self) -> list[nn.Parameter]:
         """Read outside their modules' forward: the tied outputs and the heads' biases."""

@@ -1,10 +1,12 @@
 """Fine-tuning units: the translation model's losses and its generation entry points.
 
-``TranslationModel`` wraps the connected ``Seq2SeqModel``. Everything DeepSpeed must see runs
-through its ``forward`` (``task`` selects what): the supervised loss, the unsupervised loss
-(denoising plus back-translation), and the two generation calls ``encode`` and
-``decode_step``. Under ZeRO-3 a module call is what gathers the partitioned weights, so
-generation for back-translation and validation goes through the engine too.
+``TranslationModel`` wraps the connected ``Seq2SeqModel``. Its typed methods are what
+fine-tuning runs: the supervised loss (:meth:`~TranslationModel.translation_loss`), the
+unsupervised loss (denoising plus back-translation), and the two generation calls of its
+``Seq2SeqModel``, ``encode`` and ``decode_step``. Everything
+DeepSpeed must see runs through the module's ``forward``, which runs the method it is given
+(``DeepSpeedEngine.run``): under ZeRO-3 a module call is what gathers the partitioned
+weights, so generation for back-translation and validation goes through the engine too.
 
 Layouts (see ``sequences``): the encoder reads ``x </s>`` with the source language's
 embedding; the decoder reads ``<tgt> y`` and predicts ``y </s>``.
@@ -14,7 +16,8 @@ Shapes: B batch, S source length, T target length, V vocabulary.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -30,9 +33,9 @@ from megasemface.objectives.sequences import (
 )
 from megasemface.objectives.teacher_forcing import teacher_forced_hidden
 
-__all__ = ["TASKS", "TranslationModel"]
+__all__ = ["TranslationModel"]
 
-TASKS = ("supervised", "unsupervised", "encode", "decode_step")
+_T = TypeVar("_T")
 
 
 class TranslationModel(nn.Module):
@@ -56,18 +59,10 @@ class TranslationModel(nn.Module):
         self.shuffle_window = shuffle_window
         self.model = Seq2SeqModel(config)
 
-    def forward(self, task: str, *args: Any) -> Any:
-        """``supervised(src, tgt)``, ``unsupervised(mono, noise_generator, bt_src, weight)``,
-        ``encode(src_BS, mask_BS, langs_B)`` or ``decode_step(prefix_BT, langs_B, memory)``."""
-        if task == "supervised":
-            return self.translation_loss(*args)
-        if task == "unsupervised":
-            return self.unsupervised_loss(*args)
-        if task == "encode":
-            return self.model.encode(*args)
-        if task == "decode_step":
-            return self.model.decode_step(*args)
-        raise ValueError(f"unknown task {task!r}; one of {TASKS}")
+    def forward(self, task: Callable[..., _T], *args: Any) -> _T:
+        """``task``, one of this model's methods, run as the module's call (see the module
+        docstring): DeepSpeed's engine calls a model only through ``forward``."""
+        return task(*args)
 
     def external_parameters(self) -> list[nn.Parameter]:
         """The tied output layer, read outside the decoder's forward (ZeRO-3 registers it)."""

@@ -124,7 +124,9 @@ class FusionUnit(SupervisedUnit):
         )
         mono = self.mlm_batch()
         self.body_flops += self._ptm_flops(tgt, negatives, mono)
-        return engine.forward("fusion", src, tgt, negatives, mono, generator)
+        model = self.model
+        assert isinstance(model, FusionTranslationModel)  # build_model's
+        return engine.run(model.fusion_loss, src, tgt, negatives, mono, generator)
 
     def _ptm_flops(
         self, tgt: SequenceBatch, negatives: SequenceBatch, mono: SequenceBatch | None

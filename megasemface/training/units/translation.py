@@ -29,6 +29,7 @@ from megasemface.models.model_dir import ModelDirInfo, load_seq2seq_state
 from megasemface.models.seq2seq_init import ConnectError
 from megasemface.models.translation import TranslationModel
 from megasemface.nn.config import ModelConfig, apply_overrides
+from megasemface.nn.transformer import Seq2SeqModel
 from megasemface.objectives.objective import StageOutput
 from megasemface.objectives.sequences import SequenceBatch, append_token, lengths_to_mask
 from megasemface.tracking.tracker import Tracker
@@ -46,15 +47,17 @@ class _EngineScorer:
     """The search protocol (encode, decode_step) through the DeepSpeed engine, on the
     engine's device (the search makes its tensors there)."""
 
-    def __init__(self, engine: DeepSpeedEngine) -> None:
+    def __init__(self, engine: DeepSpeedEngine, seq2seq: Seq2SeqModel) -> None:
         self.engine = engine
+        self.seq2seq = seq2seq
+        """The sequence-to-sequence model inside the one the engine wraps."""
         self.device = engine.device
 
     def encode(self, *args: Any) -> Any:
-        return self.engine.forward("encode", *args)
+        return self.engine.run(self.seq2seq.encode, *args)
 
     def decode_step(self, *args: Any) -> torch.Tensor:
-        return self.engine.forward("decode_step", *args)
+        return self.engine.run(self.seq2seq.decode_step, *args)
 
 
 class TranslationUnit(TrainUnit):
@@ -175,7 +178,7 @@ class TranslationUnit(TrainUnit):
             no_repeat_ngram=cfg.no_repeat_ngram_size,
         )
         hypotheses = search(
-            _EngineScorer(engine),
+            _EngineScorer(engine, self.model.model),
             source,
             lengths_to_mask(lengths, source.shape[1]),
             src.langs_B,
@@ -279,7 +282,7 @@ class SupervisedUnit(TranslationUnit):
         generator: torch.Generator,
     ) -> StageOutput:
         """The step's loss on the direction's pairs (a subclass's hook)."""
-        return engine.forward("supervised", src, tgt)
+        return engine.run(self.model.translation_loss, src, tgt)
 
 
 class UnsupervisedUnit(TranslationUnit):
@@ -334,4 +337,4 @@ class UnsupervisedUnit(TranslationUnit):
         if back is not None:
             source = back.tokens_BT.shape[1]
             self.body_flops += model_flops.seq2seq_body(self.model_config, rows, source, width)
-        return engine.forward("unsupervised", mono, generator, back, weight)
+        return engine.run(self.model.unsupervised_loss, mono, generator, back, weight)
