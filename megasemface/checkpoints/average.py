@@ -3,7 +3,7 @@
 The mean is computed in fp32 as ``(((w_1 + w_2) + w_3) + ...) / n`` in the order given,
 checkpoint by checkpoint, so only the running sum and one consolidated checkpoint are held:
 about three times the model's fp32 size at the peak (the sum, and the consolidation's own
-twice; 3.2x measured for two checkpoints of a 444 MiB model). A tensor that is bitwise the
+twice; measured in docs/checkpoints.md). A tensor that is bitwise the
 same in every checkpoint (a parameter the stage keeps frozen, e.g. the decoder stage's
 codebook) is kept as it is rather than recomputed, so that the averaged stage keeps the
 interface fingerprint later stages check; sameness is decided by sha256 of the values, so

@@ -39,8 +39,7 @@ would keep the mapped partitions resident as long as the weights; they are detac
 afterwards only the weights remain. With model parallelism, ranks 1..m-1 are consolidated
 first and only copies of their codebook shards are kept (replicated tensors are compared
 through hashes), so a rank's peak adds (m-1)/m of the split tensors. The merge tool prints
-its peak RSS; measured on a 116M-parameter VQ model (444 MiB fp32, ZeRO-2, 2 ranks), the
-peak grew by 2.0x the fp32 size at model-parallel size 1 and by 1.75x at size 2.
+its peak RSS; what it measured is in docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ class VQConfig:
     is Eq. 4's nearest neighbour and the straight-through gradient pulls h towards the codes
     it picks (no logit weights);
     mlp: the Linear-ReLU-Linear of the paper's section 2.3 (as wav2vec 2.0), which leaves
-    the encoder's output far from its codes (cosine under 0.1) and measured 1.8 BLEU lower
-    on validation at the demo budget (docs/reproduce.md). See
+    the encoder's output far from its codes, which the connected decoder then reads instead
+    of the codes (validation chose ``distance``: docs/pretraining.md). See
     interfaces/vq/gumbel_quantizer.py."""
     distance_width: int = 128
     """distance: codes of width w up to this one divide the squared distance by sqrt(w),

@@ -20,8 +20,6 @@ from megasemface.pipeline.systems import (
 
 __all__ = [
     "BUDGETS",
-    "H200_FIXED_SECONDS",
-    "H200_STEP_SECONDS",
     "PipelineConfig",
     "parse_finetune_grid",
     "parse_languages",
@@ -448,53 +446,6 @@ stage. ``--seeds 0,1,2`` takes three times as long.
 
 gpu: the five systems of Table 3, supervised, at the paper preset (d 1,024, 6+6 layers,
 VQ-SemFace's 102,400-code codebook, a 60,000-piece vocabulary) on one H200 in at most 8
-minutes end to end, with 16,384-token batches. Not measured yet: the arithmetic below is
-built from :data:`H200_STEP_SECONDS` (measured) and :data:`H200_FIXED_SECONDS` (estimated),
-and most of the 8 minutes goes to what does not depend on the steps:
-
-- fixed, about 387 s: the data 30 s (the corpus, the 60,000-piece model and the shards took
-  33 s on the busy 2-core CPU machine), CL-SemFace's table at d 1,024 45 s, nine training
-  runs' start-up and final checkpoint (4 x 25 s pre-training, 5 x 20 s fine-tuning: 200 s),
-  4 connected models 32 s, 2 interface diagnostics 20 s, 5 validations 25 s and 5 test
-  translations (100 sentences each way) 30 s, the report 5 s;
-- pre-training, 40 steps each: XLM 40 x 0.164 s = 6.6 s, mBART 40 x 0.16 s = 6.4 s,
-  CL-SemFace and VQ-SemFace 40 x 0.34 s = 13.6 s each: 40 s;
-- fine-tuning, 40 steps each: 5 x 40 x 0.16 s = 32 s;
-- about 459 s (7 min 39 s) in all; ``checkpoints_per_run`` 1 saves each run once (a
-  paper-preset checkpoint takes about 10 s).
-
-So 40 steps is a check that every system runs end to end at the paper's size, not a
-comparison of their results: the pre-training curves at that size are
-tools/learning_curves.py's (three runs, no fine-tuning). The learning rates are the
-paper's for pre-training (1e-4, as the measured runs) and, for so short a fine-tuning,
-3e-4 after 10 warm-up steps; neither is tuned."""
-
-H200_STEP_SECONDS: dict[str, float] = {
-    "joint": 0.34,
-    "encoder": 16_384 / 100_000,
-    "mbart": 0.16,
-    "finetune": 0.16,
-}
-"""Seconds a step of each stage takes on one H200 at the paper preset with 16,384-token
-batches: the joint stage as measured (the main command, VQ-SemFace: 340 ms; CL-SemFace's
-has no 102,400-code layer and takes less); XLM's encoder stage at the lower end of the
-measured 100,000-125,000 tokens/s; a translation-shaped step (mBART's denoising and
-fine-tuning) from bench_gpu.py's 110 ms at 14,534 tokens, scaled to 16,384 tokens and by
-the main command's 1.19-1.26x over the benchmark's joint step (340 against 270-285
-ms): 124 ms x 1.26 = 0.156 s."""
-
-H200_FIXED_SECONDS: dict[str, float] = {
-    "data": 30,
-    "cl_table": 45,
-    "pretraining_run": 25,
-    "finetuning_run": 20,
-    "connect": 8,
-    "diagnostics": 10,
-    "validation": 5,
-    "test_translation": 6,
-    "report": 5,
-}
-"""Estimated seconds of the ``gpu`` budget's work besides the steps: the data steps, the CL
-table, each training run's start-up and final checkpoint, each connected model, each
-interface diagnostics, each fine-tuning's validation, each system's test translation and
-the report."""
+minutes end to end, with 16,384-token batches and 40 steps a run: a check that every system
+runs at the paper's size, not a comparison of their results. How its steps were sized:
+docs/reproduce.md#the-gpu-budget (tests/test_gpu_budget.py holds the arithmetic)."""

@@ -20,14 +20,14 @@ the global batch, with ``H`` its entropy and ``exp(H)`` its perplexity
 Logits (``VQConfig.logits``). The paper states the code of ``h`` as the nearest neighbour
 ``argmin_k ||h - z_k||`` (Eq. 4), then computes it with the Linear-ReLU-Linear above, as
 wav2vec 2.0 does (``mlp``). Those logits owe nothing to the codes' position, so ``h`` may lie
-anywhere relative to its code (cosine under 0.1 at the demo budget); when the stages are
+anywhere relative to its code; when the stages are
 connected without the interface, the pre-trained decoder reads ``h`` in place of the codes
 it was trained on. ``distance`` (the default) takes Eq. 4 literally: ``l_k = -s ||h -
 z_k||^2`` (s = 1 / sqrt(w) for codes of width w up to ``vq.distance_width``, sqrt(that) / w
 beyond: ``nn/code_distance.py``), so the noise-free code is the nearest one, the
 straight-through gradient moves ``h`` towards the codes that lower the loss and away from
-the others (cosine about 0.6), and the layer has no weights but the codebook; it measured
-1.8 BLEU better on validation (docs/reproduce.md). Both are the GEMM ``a W^T + b`` of the
+the others, and the layer has no weights but the codebook; validation chose it
+(docs/pretraining.md). Both are the GEMM ``a W^T + b`` of the
 flat kernel (for ``distance``: ``a = h``, ``W = 2 s z``, ``b = -s ||z||^2``; the flat kernel
 multiplies ``2 s h`` by the table itself rather than making ``W``).
 
