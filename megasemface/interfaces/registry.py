@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from megasemface.nn.config import ModelConfig
 
 __all__ = [
+    "DECODER_CODES",
     "DEFAULT",
     "INTERFACES",
     "NONE",
@@ -45,6 +46,9 @@ NONE = "none"
 stages."""
 DEFAULT = "vq"
 """The interface of a SemFace stage when ``--interface`` is not given."""
+DECODER_CODES = ("extractor", "encoder", "encoder-trained")
+"""What the decoder stage reads (``--decoder-codes``): the interface's own reading of the
+noised copy, the encoder's output through the interface without gradient, or with it."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -7,21 +7,17 @@ from typing import Literal
 
 import torch
 
+from megasemface.interfaces.registry import DECODER_CODES
 from megasemface.nn.config import ModelConfig
 from megasemface.objectives.sequences import SpecialTokens
 
 __all__ = [
-    "DECODER_CODES",
     "MSE_FULL_WIDTH",
     "ObjectiveConfig",
     "StageOutput",
     "check_languages",
     "default_mse_weight",
 ]
-
-
-DECODER_CODES = ("extractor", "encoder", "encoder-trained")
-"""The values of ``ObjectiveConfig.decoder_codes``."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megasemface.interfaces.registry import interface
+from megasemface.interfaces.registry import DECODER_CODES, interface
 from megasemface.stages import stage
 
 if TYPE_CHECKING:
     from megasemface.training.options import TrainConfig
 
-__all__ = ["DECODER_CODES", "PAPER_WORD_DROP", "fill_interface_options"]
-
-# ObjectiveConfig.decoder_codes's values, repeated so that parsing options imports no torch.
-DECODER_CODES = ("extractor", "encoder", "encoder-trained")
+__all__ = ["PAPER_WORD_DROP", "fill_interface_options"]
 
 PAPER_WORD_DROP = 0.1
 """The share of words the decoder stage's noise C(x) drops by default, Lample et al.'s, which

@@ -16,15 +16,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from megasemface.interfaces.registry import DEFAULT, NONE, interface, interface_names
+from megasemface.interfaces.registry import DECODER_CODES, DEFAULT, NONE, interface, interface_names
 from megasemface.nn.config import ModelConfig, build_model_config
 from megasemface.stages import finetune_mode, finetune_mode_names, stage, stage_names
 from megasemface.training.fusion_options import parse_fusion_weights
-from megasemface.training.interface_options import (
-    DECODER_CODES,
-    PAPER_WORD_DROP,
-    fill_interface_options,
-)
+from megasemface.training.interface_options import PAPER_WORD_DROP, fill_interface_options
 from megasemface.training.schedules import parse_schedule
 
 __all__ = [
