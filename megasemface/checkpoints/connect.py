@@ -93,11 +93,11 @@ def connect_runs(
     config = dataclasses.replace(config_from_dict(enc_meta["model"]), bridge=bridge)
     dec_state = dec_meta = None
     enc_check = dict(enc_meta)
+    weights = recorded_weights(enc_meta)
     if decoder is not None:
         dec_state, dec_meta = _stage(decoder, "decoder", stage_names(lambda spec: spec.decoder))
         dec_config = config_from_dict(dec_meta["model"])
         config = dataclasses.replace(config, decoder_layers=dec_config.decoder_layers)
-        weights = recorded_weights(enc_meta)
         if weights is not None and weights.own_state(enc_state):
             dtype = DTYPES[dec_meta.get("param_dtype", "float32")]
             enc_check["interface"] = weights.fingerprint(enc_state, config, dtype=dtype)
@@ -108,7 +108,7 @@ def connect_runs(
             enc_check,
             dec_state,
             dec_meta,
-            encoder_codebook=recorded_weights(enc_meta) is not None,
+            encoder_codebook=weights is not None,
             seed=seed,
         )
     except ConnectError as exc:

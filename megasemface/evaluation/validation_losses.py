@@ -107,7 +107,7 @@ class PartLosses:
     """language -> (summed loss, predicted tokens)."""
     codes: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """The encoder's noise-free codes of every token (a VQ encoder)."""
-    code_usage: Callable[[torch.Tensor], dict[str, float]] | None = None
+    code_figures: Callable[[torch.Tensor], dict[str, float]] | None = None
     """The figures of those codes (the interface's ``code_figures``)."""
 
     @property
@@ -122,8 +122,8 @@ class PartLosses:
     def figures(self) -> dict[str, float]:
         """``valid_<loss>`` and, with a VQ encoder's codes, their usage (``valid_enc_*``)."""
         figures = {f"valid_{self.loss_name}": self.mean}
-        if self.codes and self.code_usage is not None:
-            usage = self.code_usage(torch.cat(self.codes))
+        if self.codes and self.code_figures is not None:
+            usage = self.code_figures(torch.cat(self.codes))
             figures.update({f"valid_enc_{name}": value for name, value in usage.items()})
         return figures
 
@@ -150,7 +150,7 @@ def score_part(
             codes = interface.encoder_codes() if part.encoder else None
             if codes is not None:
                 losses.codes.append(codes.cpu())
-                losses.code_usage = interface.code_figures
+                losses.code_figures = interface.code_figures
     return losses
 
 
