@@ -244,7 +244,7 @@ def build_runners(shape: Shape, device: torch.device) -> tuple[ModelConfig, list
     config = build_model_config(shape.preset, list(shape.overrides))
     src, tgt = make_batches(shape, config.vocab_size, device)
     torch.manual_seed(0)
-    ours = TranslationModel(config, SPECIAL)
+    ours = TranslationModel(config, SPECIAL, label_smoothing=0.1)
     apply_cpu_speed(ours, device)  # as the trainer builds it
     ours = ours.to(device).train()
     torch.manual_seed(0)

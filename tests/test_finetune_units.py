@@ -61,7 +61,7 @@ def test_translation_loss_uses_tag_and_eos_and_padding_does_not_count() -> None:
 
 
 def test_decode_step_equals_teacher_forcing_at_the_last_position() -> None:
-    model = _model()
+    model = _model(label_smoothing=0.1)
     src = _batch([[10, 11, 12], [13, 14, 15]], 0)
     mask = src.mask_BT
     memory = model.model.encode(src.tokens_BT, mask, src.langs_B)

@@ -178,7 +178,9 @@ def test_negatives_swap_replace_and_delete_half_the_words() -> None:
 
 def fusion_model(weights: FusionWeights | None = None) -> FusionTranslationModel:
     torch.manual_seed(0)
-    return FusionTranslationModel(tiny_fusion(), SPECIAL, weights=weights).eval()
+    return FusionTranslationModel(
+        tiny_fusion(), SPECIAL, label_smoothing=0.1, weights=weights
+    ).eval()
 
 
 def negatives() -> SequenceBatch:

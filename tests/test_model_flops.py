@@ -99,7 +99,7 @@ def test_semface_steps(interface: str, stage: str, codes: str, overrides: tuple[
 def test_translation_step(overrides: tuple[str, ...]) -> None:
     config = tiny(*overrides)
     torch.manual_seed(0)
-    model = TranslationModel(config, SPECIAL).train()
+    model = TranslationModel(config, SPECIAL, label_smoothing=0.1).train()
     src, tgt = sentences(config, 3, length=9), sentences(config, 4, length=12)
     flops, out = counted(lambda: model.translation_loss(src, tgt))
     formula = model_flops.seq2seq_body(config, 5, 9, 12)
@@ -109,7 +109,9 @@ def test_translation_step(overrides: tuple[str, ...]) -> None:
 def test_unsupervised_step_without_noise() -> None:
     config = tiny()
     torch.manual_seed(0)
-    model = TranslationModel(config, SPECIAL, word_drop=0.0, shuffle_window=0).train()
+    model = TranslationModel(
+        config, SPECIAL, label_smoothing=0.1, word_drop=0.0, shuffle_window=0
+    ).train()
     mono, back = sentences(config, 5, length=10), sentences(config, 6, length=7)
     generator = torch.Generator().manual_seed(0)
     flops, out = counted(lambda: model.unsupervised_loss(mono, generator, back, 0.5))

@@ -109,7 +109,7 @@ def _finetuned(store: Store, root: Path, seed: int, valid_bleu: float) -> tuple[
 
 
 def test_default_names() -> None:
-    assert default_model_name(["en", "de"], "cl", "supervised") == NAME
+    assert default_model_name(["en", "de"], "cl") == NAME
     assert default_model_name(["en", "de"], "vq") == "megasemface-en-de-vq"
     assert default_model_name(["en", "fr"], "vq", "unsupervised") == (
         "megasemface-en-fr-vq-unsupervised"

@@ -20,11 +20,11 @@ from megasemface.pipeline.launcher import TRAIN_SCRIPT, LaunchError
 from megasemface.pipeline.pipeline import PairData, Pipeline
 from megasemface.pipeline.report import grid_table
 from megasemface.pipeline.scores import best_valid_bleu
+from megasemface.pipeline.settings import SETTINGS
 from megasemface.pipeline.systems import (
     ABLATIONS,
     PAPER_SCALE,
     RELATED,
-    SETTINGS,
     SYSTEMS,
     System,
 )

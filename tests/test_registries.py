@@ -26,17 +26,18 @@ from megasemface.nn.config import ModelConfig, build_model_config
 from megasemface.nn.transformer import EncoderOutput, TransformerEncoder
 from megasemface.objectives.objective import ObjectiveConfig
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
+from megasemface.pipeline.settings import setting_names
 from megasemface.stages import FINETUNE_MODES, STAGES, finetune_mode_names, stage_names
 from megasemface.training import model_flops
 from megasemface.training.options import TrainConfig, add_train_arguments, train_config_from_args
 from megasemface.training.units import TrainUnit, unit_class
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megasemface"
-REGISTRIES = {PACKAGE / "stages.py", PACKAGE / "interfaces"}
+REGISTRIES = {PACKAGE / "stages.py", PACKAGE / "interfaces", PACKAGE / "pipeline" / "settings.py"}
 """Where the names are defined, and only there compared."""
-NAMED = ("stage", "interface", "kind", "finetune_mode")
-"""What the compared expression is called when it holds a stage's, interface's or
-fine-tuning mode's name."""
+NAMED = ("stage", "interface", "kind", "finetune_mode", "setting")
+"""What the compared expression is called when it holds a stage's, interface's,
+fine-tuning mode's or comparison setting's name."""
 
 
 def _literals(node: ast.expr) -> set[str]:
@@ -49,6 +50,7 @@ def name_comparisons(source: str) -> list[str]:
     """Comparisons of a stage's, interface's or fine-tuning mode's name with a string
     literal, and literal tuples of stage or interface names, in ``source``."""
     names = set(stage_names()) | set(interface_names()) | set(finetune_mode_names())
+    names |= set(setting_names())
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):

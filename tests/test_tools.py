@@ -65,6 +65,8 @@ def test_documented_data_commands(tmp_path: Path, locale_dir: Path) -> None:
         check=True,
     ).stdout
     assert ".tokens.npy" in listing
-    loader = ShardLoader(ShardSource.from_manifest(manifest), LoaderConfig(), pad_id=3)
+    loader = ShardLoader(
+        ShardSource.from_manifest(manifest), LoaderConfig(max_tokens=8192), pad_id=3
+    )
     batch = next(iter(loader))
     assert tokenizer.decode(batch.tokens[0, : int(batch.lengths[0])].tolist())

@@ -3,16 +3,24 @@ fields, and docs/options.md made from its parser and field docstrings."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import inspect
 from pathlib import Path
 
 import pytest
 from launch import parse_train_argv
 
 from megasemface.cli.options_doc import COMMAND, DOC, render
+from megasemface.data.loading.loader import LoaderConfig
+from megasemface.inference.search import SearchConfig
+from megasemface.interfaces.registry import BuildOptions
+from megasemface.objectives.objective import ObjectiveConfig
 from megasemface.training.options import (
     TrainConfig,
+    add_train_arguments,
     field_docs,
+    option_sections,
     train_argv,
     typed_overrides,
 )
@@ -91,10 +99,10 @@ def test_every_option_survives_the_command_line() -> None:
     # --register-model needs a tracked fine-tuning run, --finetune-ras supervised
     # fine-tuning, --cl-unit-mse CL-SemFace, --decoder-codes encoder (and
     # --decoder-continuous, which reads the encoder's codes) no --extractor-diversity: below.
-    assert same == [
+    assert sorted(same) == [
         "cl_unit_mse",
-        "decoder_continuous",
         "decoder_codes",
+        "decoder_continuous",
         "finetune_ras",
         "register_model",
     ], "set these fields away from their defaults"
@@ -211,11 +219,11 @@ def test_the_decoder_stages_word_drop_reaches_its_noise_and_nothing_else_takes_i
     for interface in ("cl", "vq"):
         for stage in ("decoder", "joint"):
             default = parse_train_argv(["--stage", stage, "--interface", interface, *base])
-            assert objective_config_from(default).word_drop == 0.1
+            assert objective_config_from(default).decoder_word_drop == 0.1
             assert "--decoder-word-drop" not in train_argv(default)
             heavy = [*base, "--decoder-word-drop", "0.3"]
             config = parse_train_argv(["--stage", stage, "--interface", interface, *heavy])
-            assert objective_config_from(config).word_drop == 0.3
+            assert objective_config_from(config).decoder_word_drop == 0.3
             assert train_argv(config)[-2:] == ["--decoder-word-drop", "0.3"]
     for stage, interface in (("encoder", "cl"), ("mbart", "none"), ("finetune", "cl")):
         with pytest.raises(ValueError, match="--decoder-word-drop noises"):
@@ -359,3 +367,52 @@ def test_docs_options_md_is_current() -> None:
     assert DOC.read_text(encoding="utf-8") == render(), (
         f"docs/options.md is out of date: run {COMMAND}"
     )
+
+
+def _own_defaults(section: type) -> dict[str, object]:
+    """The fields ``section`` itself declares (not a base's), with their defaults."""
+    own = inspect.get_annotations(section)
+    out: dict[str, object] = {}
+    for field in dataclasses.fields(section):
+        if field.name not in own:
+            continue
+        if field.default is not dataclasses.MISSING:
+            out[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            out[field.name] = field.default_factory()
+        else:
+            out[field.name] = dataclasses.MISSING
+    return out
+
+
+def test_every_option_is_defined_once_with_one_default() -> None:
+    """Each train.py flag sets the field of one section, and takes that field's default; the
+    components the options configure declare none of them with a default of their own."""
+    owners: dict[str, type] = {}
+    for section in option_sections():
+        for name in _own_defaults(section):
+            assert name not in owners, f"{name} is defined in {owners[name]} and {section}"
+            owners[name] = section
+    actions = [
+        action
+        for action in add_train_arguments(argparse.ArgumentParser(add_help=False))
+        if action.dest != "local_rank"  # the launcher's
+    ]
+    assert sorted(action.dest for action in actions) == sorted(owners)
+    for action in actions:
+        default = _own_defaults(owners[action.dest])[action.dest]
+        if default is dataclasses.MISSING:  # required, or the stage's own (--interface)
+            assert action.required or action.default is None, action.dest
+        else:
+            assert action.default == default, (action.dest, action.default, default)
+    # A component that keeps a default of its own for an option reads the same definition
+    # (one constant object both name), never a second literal.
+    for component in (ObjectiveConfig, SearchConfig, LoaderConfig, BuildOptions):
+        twice = {
+            name
+            for name, default in _own_defaults(component).items()
+            if name in owners
+            and default is not dataclasses.MISSING
+            and default is not _own_defaults(owners[name])[name]
+        }
+        assert not twice, f"{component.__name__} gives {sorted(twice)} defaults of its own"

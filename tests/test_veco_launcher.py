@@ -101,7 +101,9 @@ def test_veco_zero3_connects_into_a_translation_model(
     state, info = _connected_model(out, launch_data["spm"], tmp_path / "model", run.info.run_id)
 
     tokenizer = Tokenizer.load(launch_data["spm"])
-    model = TranslationModel(info.model, SpecialTokens.from_tokenizer(tokenizer)).eval()
+    model = TranslationModel(
+        info.model, SpecialTokens.from_tokenizer(tokenizer), label_smoothing=0.1
+    ).eval()
     model.model.load_state_dict(state)
     src, tgt = tokenizer.encode(["Open the file", "Datei öffnen"])
 

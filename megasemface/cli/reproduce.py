@@ -32,7 +32,8 @@ from megasemface.pipeline.config import (
     parse_languages,
     parse_seeds,
 )
-from megasemface.pipeline.systems import ABLATIONS, PAPER_SCALE, RELATED, SETTINGS, SYSTEMS
+from megasemface.pipeline.settings import SETTINGS
+from megasemface.pipeline.systems import ABLATIONS, PAPER_SCALE, RELATED, SYSTEMS
 
 __all__ = ["build_parser", "config_from_args", "main", "run"]
 

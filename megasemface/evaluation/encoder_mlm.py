@@ -138,8 +138,8 @@ def encoder_mlm(
     if not batches:
         raise EncoderMlmError(f"no sentences to score in {', '.join(map(str, texts.values()))}")
     part = next(spec for spec in scored_parts(trained) if spec.encoder)
-    # The MLM reads only the objective's mlm_prob and label_smoothing, which pre-training
-    # leaves at their defaults: the model's own default objective computes the run's.
+    # The MLM reads only the objective's mlm_prob, which pre-training leaves at its default:
+    # the model's own default objective computes the run's.
     with torch.no_grad():
         losses = score_part(model, model, batches, part)
     sentences: dict[str, int] = {}

@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 
 from megasemface.data.text.tokenizer import EOS_ID
+from megasemface.inference.length_limits import MAX_LEN_A, MAX_LEN_B
 from megasemface.nn.transformer import DecoderCache, EncoderOutput
 
 __all__ = [
@@ -83,9 +84,9 @@ class SearchConfig:
     """Hypotheses kept per sentence; 1 is greedy search."""
     lenpen: float = 1.0
     """Length penalty: score = log-prob / length ** lenpen (> 1 favours longer outputs)."""
-    max_len_a: float = 1.2
+    max_len_a: float = MAX_LEN_A
     """Generated tokens are at most ``int(max_len_a * source_length + max_len_b)``..."""
-    max_len_b: int = 10
+    max_len_b: int = MAX_LEN_B
     """...capped by the decoder's position embeddings."""
     min_len: int = 0
     """``</s>`` is forbidden before ``int(min_len_a * source_length + min_len)`` tokens

@@ -60,10 +60,11 @@ class BuildOptions:
     seed: int = 0
     cl_table: torch.Tensor | str | Path | None = None
     """A [vocab_size, d_model] tensor or a safetensors file of one."""
-    cl_trainable: bool = False
-    cl_unit_logits: bool = False
-    cl_unit_mse: bool = False
-    cl_table_input: bool = False
+    # CL-SemFace's table options, as the run resolved them (train.py's --cl-* options).
+    cl_trainable: bool
+    cl_unit_logits: bool
+    cl_unit_mse: bool
+    cl_table_input: bool
 
 
 Builder = Callable[["ModelConfig", BuildOptions], "SemanticInterface"]

@@ -16,6 +16,7 @@ from megasemface.objectives.noising import (
     permute_sentences,
 )
 from megasemface.objectives.objective import ObjectiveConfig, StageOutput
+from megasemface.objectives.options import PRETRAINING_LABEL_SMOOTHING
 from megasemface.objectives.output_loss import output_cross_entropy
 from megasemface.objectives.sequences import (
     SequenceBatch,
@@ -76,7 +77,7 @@ class DenoisingSeq2Seq(nn.Module):
             self.model, sp, SequenceBatch(source, source_lengths, batch.langs_B), batch
         )
         out = output_cross_entropy(
-            hidden, *self.model.decoder.output_layer(), wanted, obj.label_smoothing
+            hidden, *self.model.decoder.output_layer(), wanted, PRETRAINING_LABEL_SMOOTHING
         )
         return StageOutput(
             out.loss,

@@ -105,8 +105,8 @@ class FusionTranslationModel(TranslationModel):
         config: ModelConfig,
         special: SpecialTokens,
         *,
+        label_smoothing: float,
         weights: FusionWeights | None = None,
-        label_smoothing: float = 0.1,
         mlm_prob: float = 0.15,
     ) -> None:
         if config.fusion != "deep":

@@ -26,6 +26,7 @@ from megasemface.objectives.noising import (
     mask_for_mlm,
 )
 from megasemface.objectives.objective import ObjectiveConfig, StageOutput, check_languages
+from megasemface.objectives.options import PRETRAINING_LABEL_SMOOTHING
 from megasemface.objectives.output_loss import output_cross_entropy
 from megasemface.objectives.sequences import (
     SequenceBatch,
@@ -130,7 +131,7 @@ class SemFaceModel(nn.Module):
             self.interface.output_embeddings(self.encoder),
             self.mlm_bias,
             wanted,
-            self.objective.label_smoothing,
+            PRETRAINING_LABEL_SMOOTHING,
         )
         loss = mlm.loss
         components = {"enc_mlm": mlm.loss.detach()}
@@ -162,7 +163,7 @@ class SemFaceModel(nn.Module):
                 source_lengths,
                 pad_id=sp.pad,
                 generator=generator,
-                drop_prob=obj.word_drop,
+                drop_prob=obj.decoder_word_drop,
                 shuffle_window=obj.shuffle_window,
             )
         if obj.decoder_codes != "extractor":
@@ -197,7 +198,7 @@ class SemFaceModel(nn.Module):
             hidden.flatten(0, 1)[selected],
             *self.decoder.output_layer(),
             wanted,
-            obj.label_smoothing,
+            PRETRAINING_LABEL_SMOOTHING,
         )
         loss = lm.loss
         components = {f"dec_{obj.decoder_objective}": lm.loss.detach()}

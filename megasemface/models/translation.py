@@ -26,6 +26,7 @@ from megasemface.nn.config import ModelConfig
 from megasemface.nn.transformer import Seq2SeqModel
 from megasemface.objectives.noising import drop_and_shuffle
 from megasemface.objectives.objective import StageOutput, check_languages
+from megasemface.objectives.options import PAPER_WORD_DROP
 from megasemface.objectives.output_loss import output_cross_entropy
 from megasemface.objectives.sequences import (
     SequenceBatch,
@@ -46,8 +47,8 @@ class TranslationModel(nn.Module):
         config: ModelConfig,
         special: SpecialTokens,
         *,
-        label_smoothing: float = 0.1,
-        word_drop: float = 0.1,
+        label_smoothing: float,
+        word_drop: float = PAPER_WORD_DROP,
         shuffle_window: int = 3,
     ) -> None:
         super().__init__()

@@ -35,6 +35,7 @@ from megasemface.nn.config import ModelConfig
 from megasemface.nn.transformer import Seq2SeqModel
 from megasemface.objectives.noising import IGNORE_INDEX, mask_for_mlm
 from megasemface.objectives.objective import ObjectiveConfig, StageOutput, check_languages
+from megasemface.objectives.options import PRETRAINING_LABEL_SMOOTHING
 from megasemface.objectives.sequences import (
     SequenceBatch,
     SpecialTokens,
@@ -213,7 +214,7 @@ class VecoSeq2Seq(nn.Module):
             logits_NV.float(),
             wanted_N,
             reduction="none",
-            label_smoothing=self.objective.label_smoothing,
+            label_smoothing=PRETRAINING_LABEL_SMOOTHING,
         )
         term = second_N.long()
         sums = losses.new_zeros(2).index_add(0, term, losses)

@@ -9,11 +9,12 @@ from pathlib import Path
 
 from megasemface.data.demo.demo_corpus import DEFAULT_LOCALE_DIR, SOURCE_LANG
 from megasemface.data.demo.gettext_catalogs import find_catalogs
+from megasemface.pipeline.settings import SETTINGS
+from megasemface.pipeline.settings import setting as find_setting
 from megasemface.pipeline.systems import (
     ABLATIONS,
     PAPER_SCALE,
     RELATED,
-    SETTINGS,
     SYSTEMS,
     System,
 )
@@ -135,8 +136,7 @@ class PipelineConfig:
                 known = ", ".join([*SYSTEMS, *ABLATIONS, *PAPER_SCALE, *RELATED])
                 raise ValueError(f"unknown system {key!r}; known: {known}")
         for setting in self.settings:
-            if setting not in SETTINGS:
-                raise ValueError(f"unknown setting {setting!r}; known: {', '.join(SETTINGS)}")
+            find_setting(setting)
         names = ("pretrain_steps", "finetune_steps", "valid_interval", "procs", "train_pairs")
         names += ("checkpoints_per_run",)
         for name in (*names, "ras_words"):
@@ -193,7 +193,7 @@ class PipelineConfig:
                 f"--languages {given}: give {SOURCE_LANG} and at least two others (one other "
                 f"language is --pair {SOURCE_LANG}-xx)"
             )
-        if "unsupervised" in self.settings:
+        if not all(SETTINGS[name].parallel for name in self.settings):
             raise ValueError(
                 "--languages fine-tunes each pair supervised only: use --settings supervised"
             )
@@ -259,7 +259,7 @@ class PipelineConfig:
         """:attr:`no_repeat_ngram_size` of fine-tuning in ``setting``."""
         if self.no_repeat_ngram_size is not None:
             return self.no_repeat_ngram_size
-        return UNSUPERVISED_NO_REPEAT_NGRAM if setting == "unsupervised" else 0
+        return SETTINGS[setting].no_repeat_ngram
 
     @property
     def run_seeds(self) -> tuple[int, ...]:
@@ -338,9 +338,6 @@ def parse_seeds(text: str) -> tuple[int, ...]:
             )
     return tuple(int(item) for item in items)
 
-
-UNSUPERVISED_NO_REPEAT_NGRAM = 3
-"""The unsupervised setting's ``--no-repeat-ngram-size`` unless one is given."""
 
 BUDGETS: dict[str, dict[str, object]] = {
     "demo": {},

@@ -56,6 +56,7 @@ from megasemface.pipeline.launcher import (
 from megasemface.pipeline.pretraining_figures import diagnose_run, encoder_mlm_of_run
 from megasemface.pipeline.report import EncoderMlmRow, GridChoice, Report, build_report
 from megasemface.pipeline.scores import best_valid_bleu
+from megasemface.pipeline.settings import SETTINGS
 from megasemface.pipeline.systems import System
 from megasemface.stages import stage
 from megasemface.tracking.model_registry import default_model_name, register_best_model
@@ -165,7 +166,7 @@ class Pipeline:
                     data_steps.slice_parallel(cfg, self.corpus, "valid", cfg.valid_sentences, pair),
                     data_steps.slice_parallel(cfg, self.corpus, "test", cfg.test_sentences, pair),
                 )
-        elif "supervised" in cfg.settings:
+        elif any(SETTINGS[name].parallel for name in cfg.settings):
             self._step(f"parallel shards of the first {cfg.train_pairs:,} training pairs")
             self.parallel = data_steps.build_parallel_shards(cfg, self.corpus, self.spm)
         systems = []
@@ -466,11 +467,13 @@ class Pipeline:
         run_dir = self.workdir / "runs" / seeded(name, seed)
         tags = [f"system={system.display}", f"system_key={system.key}", f"setting={setting}"]
         tags += [f"pair={pair}"] if pair is not None else []
+        suffix = SETTINGS[setting].model_suffix  # read when it is registered by hand
+        tags += [f"model_suffix={suffix}"] if suffix else []
         # Deep fusion's MLM reads the pair's monolingual text beside its pairs.
         if pair is not None:
             data = self.by_pair[pair]
             parallel, valid = (data.mixed if system.fusion else data.parallel), data.valid
-        elif setting == "supervised":
+        elif SETTINGS[setting].parallel:
             parallel, valid = (self.mixed if system.fusion else self.parallel), self.valid
         else:  # a pipeline of unsupervised runs only builds no parallel shards
             parallel, valid = None, self.valid
@@ -482,7 +485,7 @@ class Pipeline:
             stage="finetune",
             interface="none",
             finetune_mode=system.finetune_mode(setting),
-            data=parallel if setting == "supervised" else self.mono,
+            data=parallel if SETTINGS[setting].parallel else self.mono,
             model_options=list(cfg.model_options),
             valid_prefix=valid,
             valid_interval=cfg.valid_interval,
@@ -592,7 +595,7 @@ class Pipeline:
         version = register_best_model(
             self.tracking_uri,
             run_dir / "best",
-            name=default_model_name(langs, system.key, setting),
+            name=default_model_name(langs, system.key, SETTINGS[setting].model_suffix),
             tags={"interface": system.interface, "system_key": system.key},
             scores=scores,
         )

@@ -23,6 +23,7 @@ from pathlib import Path
 from megasemface.data.text.lines import read_lines
 from megasemface.evaluation.significance import PairedResult, paired_bootstrap
 from megasemface.pipeline.launcher import LaunchError
+from megasemface.pipeline.settings import SETTINGS
 from megasemface.tracking.compare import RunRecord
 
 __all__ = [
@@ -154,7 +155,7 @@ def baseline_key(keys: Sequence[str], setting: str) -> str:
     """The row gains are measured from: the paper's Table 3 (supervised) measures from the
     Transformer without pre-training, Table 4 (unsupervised, where a model without
     pre-training learns next to nothing) from XLM. Otherwise the first row."""
-    wanted = "xlm" if setting == "unsupervised" else "transformer"
+    wanted = SETTINGS[setting].baseline
     return wanted if wanted in keys else keys[0]
 
 

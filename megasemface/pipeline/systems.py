@@ -18,6 +18,7 @@ from typing import Any
 from megasemface.checkpoints.connect import PARTS
 from megasemface.interfaces.registry import NONE
 from megasemface.nn.config import model_option
+from megasemface.pipeline.settings import SETTINGS
 from megasemface.stages import stage
 from megasemface.training.options import TrainConfig, typed_overrides
 
@@ -27,7 +28,6 @@ __all__ = [
     "PAPER_SCALE",
     "RELATED",
     "RUN_FIELDS",
-    "SETTINGS",
     "SYSTEMS",
     "System",
 ]
@@ -138,14 +138,14 @@ class System:
 
     def finetune_mode(self, setting: str) -> str:
         """``--finetune-mode`` of its runs in ``setting``."""
-        return "fusion" if self.fusion else setting
+        return "fusion" if self.fusion else SETTINGS[setting].finetune_mode
 
     def runs_in(self, setting: str) -> bool:
         """Whether it has a run in ``setting``: one that trains on parallel pairs (mRASP's
         and VECO's pre-training, RAS or deep fusion's losses in fine-tuning) has no
         unsupervised setting."""
         pairs = self.pretraining_pairs or self.finetuning_ras or self.fusion
-        return setting == "supervised" or not pairs
+        return SETTINGS[setting].parallel or not pairs
 
     def _checked_options(self) -> dict[str, Any]:
         if self.stage is None:
@@ -516,5 +516,3 @@ VQ-SemFace's pre-training run (the same run as ``xlm``, ``cl``, ``vq``) as its p
 model, feeds each layer of a random decoder its own mix of the encoder's layers through the
 layer-wise coordinator, and fine-tunes with translation, target-words, target-sentence and
 MLM losses, each on its partition of the model (docs/finetuning.md); supervised only."""
-
-SETTINGS = ("supervised", "unsupervised")

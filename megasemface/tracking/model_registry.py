@@ -70,12 +70,13 @@ class RegisteredVersion:
         return f"models:/{self.name}/{self.version}"
 
 
-def default_model_name(languages: Iterable[str], system_key: str, setting: str = "") -> str:
-    """``megasemface-<pair>-<system key>``, with ``-<setting>`` for settings other than
-    supervised (``megasemface-en-de-cl``, ``megasemface-en-de-vq-unsupervised``)."""
+def default_model_name(languages: Iterable[str], system_key: str, suffix: str = "") -> str:
+    """``megasemface-<pair>-<system key>``, with ``-<suffix>`` when one is given: the
+    pipeline's setting names its models apart (``megasemface-en-de-cl``,
+    ``megasemface-en-de-vq-unsupervised``)."""
     parts = ["megasemface", "-".join(languages), system_key]
-    if setting and setting != "supervised":
-        parts.append(setting)
+    if suffix:
+        parts.append(suffix)
     return _NAME_CHARS.sub("-", "-".join(p for p in parts if p)).strip("-")
 
 
@@ -95,7 +96,7 @@ def register_best_model(
             (``meta.parent_runs.finetune``).
         name: the registered model (created when missing); None: :func:`default_model_name`
             of the model's languages and the run's ``system_key`` tag (else its run name)
-            and ``setting`` tag.
+            and ``model_suffix`` tag (the pipeline's setting's, where it has one).
         tags: version tags that replace the derived ones (e.g. the pipeline's ``interface``).
         scores: the test scores (``test-scores.json``'s content); None: that file beside
             ``model_dir`` when there is one.
@@ -124,7 +125,7 @@ def register_best_model(
     run_tags = run.data.tags
     if name is None:
         key = run_tags.get("system_key") or run.info.run_name or run_id
-        name = default_model_name(info.languages, key, run_tags.get("setting", ""))
+        name = default_model_name(info.languages, key, run_tags.get("model_suffix", ""))
     if "'" in name:
         raise RegistryError(f"registered model name {name!r}: leave out the quote")
     if scores is None:

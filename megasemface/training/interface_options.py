@@ -6,16 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megasemface.interfaces.registry import DECODER_CODES, interface
+from megasemface.objectives.options import PAPER_WORD_DROP
 from megasemface.stages import stage
 
 if TYPE_CHECKING:
     from megasemface.training.options import TrainConfig
 
-__all__ = ["PAPER_WORD_DROP", "fill_interface_options"]
-
-PAPER_WORD_DROP = 0.1
-"""The share of words the decoder stage's noise C(x) drops by default, Lample et al.'s, which
-the paper uses."""
+__all__ = ["fill_interface_options"]
 
 
 def fill_interface_options(config: TrainConfig) -> None:

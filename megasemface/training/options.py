@@ -16,17 +16,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from megasemface.inference.length_limits import MAX_LEN_A, MAX_LEN_B
 from megasemface.interfaces.registry import DECODER_CODES, DEFAULT, NONE, interface, interface_names
 from megasemface.nn.config import ModelConfig, build_model_config
+from megasemface.objectives.options import DECODER_OBJECTIVES, PretrainingOptions
 from megasemface.stages import finetune_mode, finetune_mode_names, stage, stage_names
 from megasemface.training.fusion_options import parse_fusion_weights
-from megasemface.training.interface_options import PAPER_WORD_DROP, fill_interface_options
+from megasemface.training.interface_options import fill_interface_options
 from megasemface.training.schedules import parse_schedule
 
 __all__ = [
     "TrainConfig",
     "add_train_arguments",
     "field_docs",
+    "option_sections",
     "train_argv",
     "train_config_from_args",
     "typed_overrides",
@@ -38,8 +41,9 @@ LR_SCHEDULES = ("deepspeed", "inverse_sqrt")
 
 
 @dataclasses.dataclass(kw_only=True)
-class TrainConfig:
-    """Everything a run needs besides the DeepSpeed config."""
+class TrainConfig(PretrainingOptions):
+    """Everything a run needs besides the DeepSpeed config: its own options and the sections
+    of the components it configures (the pre-training losses' :class:`PretrainingOptions`)."""
 
     stage: str
     """encoder, decoder, joint (Algorithm 1), mbart (the denoising baseline), mrasp
@@ -86,52 +90,10 @@ class TrainConfig:
     """CL-SemFace: the encoder's input token embeddings start as the table's rows at unit
     norm (XLM's code ties them to the output layer the paper initialises with the table).
     Default: on in the encoder and joint stages (docs/reproduce.md)."""
-    decoder_memory_norm: bool | None = None
-    """The decoder stage reads the interface's memory through the encoder's final LayerNorm
-    (its weights held fixed), the normalisation the connected decoder's memory, the
-    encoder's output, comes through: CL-SemFace's table rows of the noised copy become
-    LN(E(C(x))). Default: on for --interface cl --stage joint where it reads the table's
-    rows (--decoder-codes extractor, or --decoder-continuous below 1)."""
-    decoder_word_drop: float = PAPER_WORD_DROP
-    """SemFace decoder stage: the share of words C(x) drops from the copy the interface reads."""
-    decoder_continuous: float | None = None
-    """With --decoder-codes encoder or encoder-trained: the share of tokens, drawn per
-    token, at which the decoder stage reads the encoder's continuous output instead of the
-    interface's memory of it (VQ: its code; CL: the token's table row), so that the
-    cross-attention is pre-trained on what the connected model gives it too (not in the
-    paper). Default with the encoder's codes: 0.5 for VQ (measured better on validation and
-    in the connected decoder's NLL, docs/reproduce.md), 1 for CL; else 0."""
     init_from: Path | None = None
     """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
     finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
     makes one; none: random, no pre-training)."""
-    decoder_objective: str = "clm"
-    """Decoder stage loss: clm (causal LM, Eq. 3) or mlm (a bidirectional decoder, Eq. 2)."""
-    mse_weight: float | None = None
-    """CL-SemFace: weight of the MSE term of Eq. 1; 0: off (the 'w/o MSE' ablation).
-    Default: 1 up to d_model 128, 0.01 wider, where the term, summed over the dimensions,
-    outweighs the MLM (objectives/objective.py, default_mse_weight)."""
-    diversity_weight: float = 2.0
-    """VQ: weight of the diversity loss (the paper's losses: 1)."""
-    l2_weight: float = 1.0
-    """VQ: weight of the L2 penalty on the encoder's last activations."""
-    commitment_weight: float = 0.0
-    """VQ: weight of the commitment term (encoder output to its argmax code); 0: off."""
-    extractor_diversity: bool = False
-    """VQ: train the decoder stage's extractor with the diversity and token-entropy terms
-    too (not in the paper)."""
-    decoder_codes: str | None = None
-    """What the decoder stage reads. VQ: ``extractor`` (the codes of the paper's feature
-    extractor), ``encoder`` (the encoder's own codes, without gradient; not in the paper) or
-    ``encoder-trained`` (the encoder's own codes, and the decoder's loss trains the encoder
-    too; not in the paper). CL (joint stage): ``extractor`` is the table's rows (the
-    paper's), ``encoder`` and ``encoder-trained`` the encoder's outputs (--decoder-continuous
-    says at which share). Default: ``encoder-trained`` for --interface vq --stage joint
-    (measured better on validation, docs/reproduce.md), else ``extractor``, the only choice
-    of the separate stages and --extractor-diversity."""
-    token_entropy_weight: float = 0.5
-    """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
-    on by default, measured better on validation); 0: off."""
     codebook_warn_fraction: float = 0.25
     """VQ-SemFace: warn that the codebook collapses when the argmax picks fewer codes over a
     logging window than this share of what a uniform choice would pick for its n tokens,
@@ -206,9 +168,9 @@ class TrainConfig:
     the files."""
     valid_beam: int = 1
     """Beam size of validation (1: greedy)."""
-    max_len_a: float = 1.2
+    max_len_a: float = MAX_LEN_A
     """Generation stops after a x source length + b tokens (validation, back-translation)."""
-    max_len_b: int = 10
+    max_len_b: int = MAX_LEN_B
     """Generation stops after a x source length + b tokens; this is b."""
     no_repeat_ngram_size: int = 0
     """Generation (validation, back-translation): no n-gram of this size twice in one output
@@ -364,18 +326,25 @@ class TrainConfig:
 def field_docs() -> dict[str, str]:
     """Each TrainConfig field's docstring, one paragraph: the one text of its ``--help``
     line and of docs/options.md."""
-    (class_def,) = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig))).body
-    assert isinstance(class_def, ast.ClassDef)
     docs = {}
-    for field, doc in itertools.pairwise(class_def.body):
-        if (
-            isinstance(field, ast.AnnAssign)
-            and isinstance(field.target, ast.Name)
-            and isinstance(doc, ast.Expr)
-            and isinstance(doc.value, ast.Constant)
-        ):
-            docs[field.target.id] = " ".join(inspect.cleandoc(doc.value.value).split())
+    for section in option_sections():
+        (class_def,) = ast.parse(textwrap.dedent(inspect.getsource(section))).body
+        assert isinstance(class_def, ast.ClassDef)
+        for field, doc in itertools.pairwise(class_def.body):
+            if (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+            ):
+                docs[field.target.id] = " ".join(inspect.cleandoc(doc.value.value).split())
     return docs
+
+
+def option_sections() -> list[type]:
+    """The dataclasses that define TrainConfig's fields: TrainConfig and the sections it
+    holds, each field defined in one of them."""
+    return [c for c in TrainConfig.__mro__ if dataclasses.is_dataclass(c)]
 
 
 def _adder(group: Any, actions: list[argparse.Action], docs: dict[str, str]) -> Callable[..., None]:
@@ -431,7 +400,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--cl-unit-mse", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--cl-table-input", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--init-from", type=Path)
-    add("--decoder-objective", default=d.decoder_objective, choices=("clm", "mlm"))
+    add("--decoder-objective", default=d.decoder_objective, choices=DECODER_OBJECTIVES)
     add("--mse-weight", type=float, default=d.mse_weight)
     add("--diversity-weight", type=float, default=d.diversity_weight)
     add("--l2-weight", type=float, default=d.l2_weight)

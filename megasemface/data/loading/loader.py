@@ -67,7 +67,7 @@ class DataError(RuntimeError):
 class LoaderConfig:
     """How shards become batches."""
 
-    max_tokens: int = 8192
+    max_tokens: int
     """Token budget of a batch, padding included (sentences x longest sentence)."""
     max_sentences: int = 0
     """Optional cap on sentences per batch (0: none)."""

@@ -11,6 +11,7 @@ passed to every call that runs the model, since the model runs through DeepSpeed
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -88,20 +89,11 @@ def rank_loader(
 
 def objective_config_from(config: TrainConfig) -> ObjectiveConfig:
     """The pre-training losses' options and weights."""
-    return ObjectiveConfig(
-        decoder_objective=config.decoder_objective,
+    options = config.pretraining_options()
+    if options.mse_weight is None and config.cl_unit_mse:
         # Eq. 1 at the unit scale is bounded at any width: weight 1, as the paper's.
-        mse_weight=1.0 if config.mse_weight is None and config.cl_unit_mse else config.mse_weight,
-        diversity_weight=config.diversity_weight,
-        l2_weight=config.l2_weight,
-        commitment_weight=config.commitment_weight,
-        token_entropy_weight=config.token_entropy_weight,
-        extractor_diversity=config.extractor_diversity,
-        decoder_codes=config.decoder_codes,  # type: ignore[arg-type]  # checked by TrainConfig
-        decoder_memory_norm=bool(config.decoder_memory_norm),
-        decoder_continuous=config.decoder_continuous or 0.0,
-        word_drop=config.decoder_word_drop,
-    )
+        options.mse_weight = 1.0
+    return ObjectiveConfig(**dataclasses.asdict(options))
 
 
 def ras_from(
