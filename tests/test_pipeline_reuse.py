@@ -85,8 +85,8 @@ def test_a_record_of_an_earlier_version_counts_missing_settings_as_their_default
     # and its codes alone, before --decoder-continuous existed.
     run_dir = _record(joint, drop=("decoder_codes", "decoder_continuous"))
     assert changed_settings(run_dir, joint) == [
-        "decoder_continuous: 0.0 -> 0.5",
         "decoder_codes: 'extractor' -> 'encoder-trained'",
+        "decoder_continuous: 0.0 -> 0.5",
     ]
     paper = TrainConfig(**{**vars(joint), "decoder_codes": "extractor", "decoder_continuous": None})
     assert changed_settings(run_dir, paper) == []

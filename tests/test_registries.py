@@ -10,20 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from toy_interface import SPEC
 
-from megasemface.interfaces.base import (
-    EncoderHeadOutput,
-    InterfaceMemory,
-    SemanticInterface,
-    select_targets,
-    tensor_sha256,
-)
 from megasemface.interfaces.factory import build_interface
-from megasemface.interfaces.registry import INTERFACES, BuildOptions, Interface, interface_names
+from megasemface.interfaces.registry import INTERFACES, Interface, interface_names
 from megasemface.models.semface import SemFaceModel
-from megasemface.nn.config import ModelConfig, build_model_config
-from megasemface.nn.transformer import EncoderOutput, TransformerEncoder
+from megasemface.nn.config import build_model_config
 from megasemface.objectives.objective import ObjectiveConfig
 from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
 from megasemface.pipeline.settings import setting_names
@@ -108,39 +100,10 @@ SPECIAL = SpecialTokens(pad=3, bos=1, eos=2, mask=4, lang_tags=(5, 6))
 PATHS: dict[str, Any] = {"data": Path(), "spm_model": Path(), "output_dir": Path()}
 
 
-class TokenMemoryInterface(SemanticInterface):
-    """A test interface: the decoder reads its own embeddings of the noised sentence."""
-
-    kind = "tokens"
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.table = nn.Embedding(config.vocab_size, config.d_model)
-
-    def encoder_head(self, encoded: EncoderOutput, targets_BT: torch.Tensor) -> EncoderHeadOutput:
-        return EncoderHeadOutput(select_targets(encoded.hidden_BTD, targets_BT), {}, {})
-
-    def output_embeddings(self, encoder: TransformerEncoder) -> torch.Tensor:
-        return encoder.embed.tokens.weight
-
-    def decoder_memory(
-        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
-    ) -> InterfaceMemory:
-        return InterfaceMemory(self.table(tokens_BT), mask_BT, {})
-
-    def fingerprint(self) -> dict[str, Any]:
-        return {"kind": self.kind, "table": tensor_sha256(self.table.weight)}
-
-
-def _build_tokens(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
-    return TokenMemoryInterface(config)
-
-
 @pytest.fixture
 def tokens_interface(monkeypatch: pytest.MonkeyPatch) -> Interface:
-    spec = Interface(name="tokens", build=_build_tokens)
-    monkeypatch.setitem(INTERFACES, spec.name, spec)
-    return spec
+    monkeypatch.setitem(INTERFACES, SPEC.name, SPEC)
+    return SPEC
 
 
 def test_a_registered_interface_is_an_option_with_the_stages_rules(

@@ -14,7 +14,7 @@ from launch import parse_train_argv
 from megasemface.cli.options_doc import COMMAND, DOC, render
 from megasemface.data.loading.loader import LoaderConfig
 from megasemface.inference.search import SearchConfig
-from megasemface.interfaces.registry import BuildOptions
+from megasemface.interfaces.registry import BuildOptions, interface_option_sections
 from megasemface.objectives.objective import ObjectiveConfig
 from megasemface.training.options import (
     TrainConfig,
@@ -388,6 +388,8 @@ def _own_defaults(section: type) -> dict[str, object]:
 def test_every_option_is_defined_once_with_one_default() -> None:
     """Each train.py flag sets the field of one section, and takes that field's default; the
     components the options configure declare none of them with a default of their own."""
+    missing = set(interface_option_sections()) - set(option_sections())
+    assert not missing, f"TrainConfig does not hold the interfaces' sections {missing}"
     owners: dict[str, type] = {}
     for section in option_sections():
         for name in _own_defaults(section):

@@ -27,6 +27,7 @@ from megasemface.checkpoints.layout import (
     find_checkpoint,
 )
 from megasemface.interfaces.base import tensor_sha256
+from megasemface.interfaces.factory import fingerprint_of_state
 from megasemface.interfaces.registry import recorded_weights
 from megasemface.nn.config import config_from_dict
 
@@ -57,10 +58,11 @@ def _check_compatible(infos: Sequence[CheckpointInfo]) -> None:
                     "checkpoints of one stage and model shape"
                 )
         mine, theirs = first.meta.get("interface", {}), info.meta.get("interface", {})
-        # Trained interface weights (a codebook) change their hash; any other interface is
-        # fixed.
+        # Interface weights that train (a codebook, a table the joint stage updates) change
+        # their hash between the checkpoints of one run; runs apart must share theirs.
         trains = recorded_weights(first.meta) is not None
-        if mine.get("kind") != theirs.get("kind") or (not trains and mine != theirs):
+        one_run = info.path.parent == first.path.parent
+        if mine.get("kind") != theirs.get("kind") or (not (trains or one_run) and mine != theirs):
             raise CheckpointError(
                 f"cannot average {first.path} and {info.path}: they were trained against "
                 f"different semantic interfaces ({mine} and {theirs})"
@@ -89,9 +91,10 @@ def average_checkpoints(
     """(mean fp32 state, meta) of checkpoints of one stage; see the module docstring.
 
     Every source is a checkpoint or run directory (its newest checkpoint). The checkpoints
-    must share stage, model config, languages, tokenizer and interface kind (a non-VQ
-    interface must be identical). ``meta`` is the last checkpoint's, with the fingerprint
-    of the averaged interface, ``averaged`` (count, steps) and ``source`` listing them all.
+    must share stage, model config, languages, tokenizer and interface kind; checkpoints of
+    different runs, an interface without trained weights of its own kind (a codebook) too.
+    ``meta`` is the last checkpoint's, with the fingerprint of the averaged interface,
+    ``averaged`` (count, steps) and ``source`` listing them all.
     """
     infos = [find_checkpoint(p) for p in sources]  # every file checked before any loading
     if not infos:
@@ -127,10 +130,14 @@ def average_checkpoints(
             value.div_(len(infos))
     meta = dict(metas[-1])
     weights = recorded_weights(meta)
+    config, dtype = config_from_dict(meta["model"]), DTYPES[meta["param_dtype"]]
     if weights is not None:
-        config = config_from_dict(meta["model"])
-        meta["interface"] = weights.fingerprint(total, config, dtype=DTYPES[meta["param_dtype"]])
+        meta["interface"] = weights.fingerprint(total, config, dtype=dtype)
         meta.pop("interface_recorded", None)
+    elif any(m.get("interface") != meta.get("interface") for m in metas):
+        # An interface that trained without weights of its own kind: its fingerprint of the
+        # averaged weights, as the interface computes it.
+        meta["interface"] = fingerprint_of_state(meta["interface"]["kind"], config, total, dtype)
     meta["averaged"] = {
         "count": len(infos),
         "steps": [info.step for info in infos],

@@ -158,6 +158,12 @@ class SemanticInterface(nn.Module, abc.ABC):
         del codes
         raise ValueError(f"the {self.kind!r} interface picks no codes")
 
+    @property
+    def compares_encoder(self) -> bool:
+        """Whether :meth:`diagnostic_targets` gives a vector to compare the encoder with (an
+        interface that overrides it)."""
+        return type(self).diagnostic_targets is not SemanticInterface.diagnostic_targets
+
     def diagnostic_targets(
         self, hidden_ND: torch.Tensor, pre_norm_ND: torch.Tensor, tokens_N: torch.Tensor
     ) -> EncoderTargets:

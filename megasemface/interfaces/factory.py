@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -11,7 +13,7 @@ from megasemface.interfaces.base import SemanticInterface
 from megasemface.interfaces.registry import BuildOptions, find_interface, interface_names
 from megasemface.nn.config import ModelConfig
 
-__all__ = ["build_interface"]
+__all__ = ["INTERFACE_PREFIX", "build_interface", "fingerprint_of_state"]
 
 
 def build_interface(
@@ -44,3 +46,25 @@ def build_interface(
         cl_table_input=cl_table_input,
     )
     return spec.build(config, options)
+
+
+INTERFACE_PREFIX = "interface."
+"""The model state-dict prefix of a SemFace stage's interface (``SemFaceModel.interface``)."""
+
+
+def fingerprint_of_state(
+    kind: str, config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, Any]:
+    """The fingerprint of the interface ``kind`` whose weights ``state`` holds (a stage's
+    model state, the interface's under ``interface.``), as a run in ``dtype`` computes it:
+    of a state whose interface weights the run trained, averaged or gathered."""
+    own = {
+        k.removeprefix(INTERFACE_PREFIX): v
+        for k, v in state.items()
+        if k.startswith(INTERFACE_PREFIX)
+    }
+    spec = find_interface(kind)
+    table = own.get("table") if spec is not None and spec.table else None
+    interface = build_interface(kind, config, cl_table=table).to(dtype)
+    interface.load_state_dict(own)
+    return interface.fingerprint()

@@ -11,10 +11,15 @@ command line reads the registry, and the builders import their modules when call
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from megasemface.interfaces.cross_lingual_options import CrossLingualOptions
+from megasemface.interfaces.vq.options import VQOptions
 from megasemface.stages import Stage, add_record
 
 if TYPE_CHECKING:
@@ -31,10 +36,14 @@ __all__ = [
     "INTERFACES",
     "NONE",
     "BuildOptions",
+    "CrossLingualOptions",
     "Interface",
+    "OptionSection",
+    "VQOptions",
     "find_interface",
     "interface",
     "interface_names",
+    "interface_option_sections",
     "recorded_interface",
     "recorded_weights",
     "records_codebook",
@@ -74,6 +83,16 @@ def _no_check(options: Any, spec: Stage) -> None:
     del options, spec
 
 
+class OptionSection(Protocol):
+    """A component's section of train.py's options: a dataclass of fields, each with its
+    default and its docstring (the flag's help), and the flags that set them."""
+
+    @staticmethod
+    def add_arguments(add: Callable[..., None]) -> None:
+        """Adds the section's flags with ``add``, ``argparse``'s ``add_argument`` that
+        takes each flag's help from its field's docstring."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Interface:
     """One semantic interface: an ``--interface`` value and its checkpoints'
@@ -97,6 +116,9 @@ class Interface:
     weights: Callable[[], TrainedWeights] | None = None
     """How the checkpoint tools handle its own weights that train and split over
     model-parallel ranks (None: it has none; a fixed table is the model's like any other)."""
+    options: type[OptionSection] | None = None
+    """Its section of train.py's options: a torch-free dataclass whose fields ``TrainConfig``
+    holds and whose ``add_arguments`` adds their flags (None: it has no options of its own)."""
 
     @property
     def target(self) -> str:
@@ -106,6 +128,11 @@ class Interface:
 
 INTERFACES: dict[str, Interface] = {}
 """Every interface by name, in the order ``--interface`` lists them."""
+
+
+def interface_option_sections() -> tuple[type[OptionSection], ...]:
+    """The interfaces' sections of train.py's options, in registration order."""
+    return tuple(spec.options for spec in INTERFACES.values() if spec.options is not None)
 
 
 def register_interface(spec: Interface) -> Interface:
@@ -214,9 +241,38 @@ def _check_vq(options: Any, spec: Stage) -> None:
         )
 
 
-register_interface(Interface(name="cl", build=_build_cl, table=True))
+register_interface(Interface(name="cl", build=_build_cl, table=True, options=CrossLingualOptions))
 register_interface(
-    Interface(name="vq", build=_build_vq, codebook=True, check=_check_vq, weights=_vq_weights)
+    Interface(
+        name="vq",
+        build=_build_vq,
+        codebook=True,
+        check=_check_vq,
+        weights=_vq_weights,
+        options=VQOptions,
+    )
 )
 
 register_interface(Interface(name=NONE, build=_build_none, semface=False, check=_check_none))
+
+
+PLUGINS_ENV = "MEGASEMFACE_PLUGINS"
+"""Modules (comma-separated) imported once the built-in interfaces are registered, so that an
+interface defined outside the package registers itself in train.py's ranks and in every
+tool that reads its checkpoints."""
+
+
+def _load_plugins() -> None:
+    for name in filter(None, (n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(","))):
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise SystemExit(
+                f"{PLUGINS_ENV}: cannot import {name!r} ({exc}); put its folder on PYTHONPATH "
+                f"or leave it out of {PLUGINS_ENV}"
+            ) from None
+
+
+_load_plugins()

@@ -100,10 +100,9 @@ class Pipeline:
         self.steps: list[tuple[str, str, float]] = []
         """(kind, title, start in seconds from the pipeline's start) of every step so far."""
         self.ras_dictionary: Path | None = None
-        """The word dictionary of the runs that substitute (random aligned substitution)."""
+        """The word dictionary of the runs that substitute."""
         self.mixed: Path | None = None
-        """Monolingual and parallel shards in one directory: VECO's pre-training data, deep
-        fusion's fine-tuning data."""
+        """Monolingual and parallel shards in one directory (VECO's, deep fusion's)."""
         self.diagnostics: list[tuple[str, int, dict[str, Any]]] = []
         """(system, seed, figures) of every SemFace pre-training, for the report."""
         self.encoder_mlms: list[EncoderMlmRow] = []
@@ -466,9 +465,8 @@ class Pipeline:
             name += f"-lr{lr:g}-w{warmup}"
         run_dir = self.workdir / "runs" / seeded(name, seed)
         tags = [f"system={system.display}", f"system_key={system.key}", f"setting={setting}"]
-        tags += [f"pair={pair}"] if pair is not None else []
         suffix = SETTINGS[setting].model_suffix  # read when it is registered by hand
-        tags += [f"model_suffix={suffix}"] if suffix else []
+        tags += [f"{k}={v}" for k, v in (("pair", pair), ("model_suffix", suffix)) if v]
         # Deep fusion's MLM reads the pair's monolingual text beside its pairs.
         if pair is not None:
             data = self.by_pair[pair]

@@ -16,13 +16,33 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from megasemface.inference.length_limits import MAX_LEN_A, MAX_LEN_B
-from megasemface.interfaces.registry import DECODER_CODES, DEFAULT, NONE, interface, interface_names
+from megasemface.interfaces.registry import (
+    DECODER_CODES,
+    DEFAULT,
+    NONE,
+    CrossLingualOptions,
+    VQOptions,
+    interface,
+    interface_names,
+    interface_option_sections,
+)
 from megasemface.nn.config import ModelConfig, build_model_config
 from megasemface.objectives.options import DECODER_OBJECTIVES, PretrainingOptions
 from megasemface.stages import finetune_mode, finetune_mode_names, stage, stage_names
 from megasemface.training.fusion_options import parse_fusion_weights
 from megasemface.training.interface_options import fill_interface_options
+from megasemface.training.option_sections import (
+    LR_SCHEDULES,
+    DataOptions,
+    FinetuneOptions,
+    GenerationOptions,
+    ModelOptions,
+    OptimisationOptions,
+    RunOptions,
+    SubstitutionOptions,
+    TrackingOptions,
+    ValidationOptions,
+)
 from megasemface.training.schedules import parse_schedule
 
 __all__ = [
@@ -37,170 +57,28 @@ __all__ = [
     "user_model_keys",
 ]
 
-LR_SCHEDULES = ("deepspeed", "inverse_sqrt")
 
-
+# A dataclass lists its bases' fields from the last base to the first: the run's own come
+# first. Each interface's section (its record's ``options``) is a base too, which
+# tests/test_train_options.py checks.
 @dataclasses.dataclass(kw_only=True)
-class TrainConfig(PretrainingOptions):
-    """Everything a run needs besides the DeepSpeed config: its own options and the sections
-    of the components it configures (the pre-training losses' :class:`PretrainingOptions`)."""
-
-    stage: str
-    """encoder, decoder, joint (Algorithm 1), mbart (the denoising baseline), mrasp
-    (translation pre-training on parallel shards with random aligned substitution), veco
-    (in-sequence and cross-sequence MLM on monolingual and parallel shards) or finetune."""
-    interface: str
-    """cl, vq or none (the XLM baseline: encoder stage only); default vq, and none for
-    mbart, mrasp, veco and finetune, which have no interface (finetune with cl or vq needs
-    --init-from)."""
-    data: Path
-    """Shard directory or its manifest.json."""
-    spm_model: Path
-    """The SentencePiece model the shards were built with."""
-    output_dir: Path
-    """Checkpoints, logs, metrics.jsonl and (without a tracking URI) the MLflow store."""
-    preset: str = "tiny"
-    """Model preset: tiny, small or paper (megasemface/nn/config.py)."""
-    model_options: list[str] = dataclasses.field(default_factory=list)
-    """Model option overrides KEY=VALUE, dotted for the interface's options, e.g.
-    d_model=128 or vq.layout=product (ModelConfig's fields); applied after the preset and
-    the model config file."""
-    model_config_file: Path | None = None
-    """JSON file of model options (a dict of ModelConfig's fields), applied after the
-    preset."""
-    cl_table: Path | None = None
-    """CL-SemFace: the cross-lingual embedding table (safetensors,
-    tools/build_cl_embeddings.py)."""
-    cl_trainable: bool | None = None
-    """CL-SemFace: train the table with the encoder, as Algorithm 1 updates the interface
-    (--no-cl-trainable: the table stays as built). Default: on in the joint stage
-    (docs/reproduce.md), off in the separate stages, whose decoder stage reads --cl-table."""
-    cl_unit_logits: bool | None = None
-    """CL-SemFace: the encoder's MLM output layer reads the table's rows divided by
-    sqrt(d_model), at the unit norm of the VecMap embeddings the paper ties there; the rows
-    as they are (--no-cl-unit-logits) give logits of d_model times a cosine and an MLM loss
-    at chance. Default: on in the encoder and joint stages (docs/reproduce.md)."""
-    cl_unit_mse: bool | None = None
-    """CL-SemFace: Eq. 1's MSE pulls the encoder's activations before its final LayerNorm to
-    the table's rows divided by sqrt(d_model), unit vectors as the paper's VecMap
-    embeddings are (weight 1 by default). Off (the default): to the rows as they are, at
-    norm sqrt(d_model), the scale of the encoder's activations; the distance then grows with
-    the width, so its weight defaults to 1 up to d_model 128 and 0.01 wider."""
-    cl_table_input: bool | None = None
-    """CL-SemFace: the encoder's input token embeddings start as the table's rows at unit
-    norm (XLM's code ties them to the output layer the paper initialises with the table).
-    Default: on in the encoder and joint stages (docs/reproduce.md)."""
-    init_from: Path | None = None
-    """VQ decoder stage: the encoder-stage run (or checkpoint) whose codebook it uses;
-    finetune: the seq2seq model directory to start from (tools/merge_checkpoints.py connect
-    makes one; none: random, no pre-training)."""
-    codebook_warn_fraction: float = 0.25
-    """VQ-SemFace: warn that the codebook collapses when the argmax picks fewer codes over a
-    logging window than this share of what a uniform choice would pick for its n tokens,
-    K(1-(1-1/K)^n), and the code histogram's perplexity is under a tenth of min(K, n)."""
-    mp_size: int = 1
-    """Model-parallel size: ranks the VQ codebook is split over."""
-    steps: int = 1000
-    """Optimizer steps in all (a resumed run counts from its checkpoint's step)."""
-    seed: int = 0
-    """Seed of the model's initialisation, the data order and every step's randomness."""
-    max_tokens: int = 4096
-    """Tokens per batch and rank, padding included."""
-    num_workers: int = 0
-    """Data loader worker processes per rank (0: read in the training process)."""
-    compile: bool = False
-    """Compile each Transformer layer's training forward with torch.compile (inductor; ZeRO
-    1 or 2). The same losses as eager to float rounding, and exact resume; the README's
-    benchmarks say when it pays."""
-    save_interval: int = 500
-    """Steps between checkpoints."""
-    keep_last: int = 3
-    """Complete checkpoints kept; older ones are removed."""
-    log_interval: int = 10
-    """Steps between logged metrics (progress line, metrics.jsonl, MLflow)."""
-    max_consecutive_skips: int = 8
-    """Stop after this many non-finite steps in a row (each is skipped on every rank)."""
-    experiment: str = "megasemface"
-    """MLflow experiment."""
-    run_name: str | None = None
-    """MLflow run name."""
-    tracking_uri: str | None = None
-    """MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite in output_dir)."""
-    no_tracking: bool = False
-    """Do not log to MLflow."""
-    log_sample_ids: bool = False
-    """Write every step's sentence ids and the rank's loss to samples-rank*.jsonl (audits)."""
-    inject_nan_at: list[int] = dataclasses.field(default_factory=list)
-    """Make the loss non-finite at these steps (to test the skip logic)."""
-    tags: list[str] = dataclasses.field(default_factory=list)
-    """Extra MLflow tags, KEY=VALUE (e.g. system=VQ-SemFace for tools/compare_runs.py)."""
-    lr: float | None = None
-    """Peak learning rate (default: the DeepSpeed config's optimizer lr)."""
-    lr_schedule: str | None = None
-    """deepspeed (the config's optimizer and scheduler) or inverse_sqrt (warm-up, then
-    1/sqrt decay); default inverse_sqrt for finetune, deepspeed otherwise."""
-    warmup_steps: int = 4000
-    """Warm-up steps of the inverse_sqrt schedule."""
-    # Fine-tuning ---------------------------------------------------------------------------
-    finetune_mode: str = "supervised"
-    """supervised (parallel shards), unsupervised (monolingual shards: denoising plus
-    online back-translation) or fusion (a deep-fusion model; shards of pairs and monolingual
-    text: translation, target words, target sentence and MLM losses, each on its partition)."""
-    fusion_weights: str = "1,1,1,1"
-    """--finetune-mode fusion: the weights of the translation, target-words, target-sentence
-    and MLM losses (Eq. 18 of deep fusion: all 1)."""
-    directions: list[str] = dataclasses.field(default_factory=list)
-    """Translation directions SRC-TGT to train (default: both directions of every pair)."""
-    label_smoothing: float = 0.1
-    """Label smoothing of the translation loss, in [0, 1)."""
-    denoise_schedule: str = "0:1,100000:0.1,300000:0"
-    """Unsupervised: the denoising loss weight, piecewise linear over STEP:WEIGHT points
-    (the default is the paper's)."""
-    valid_prefix: Path | None = None
-    """Validation text: PREFIX.SRC and PREFIX.TGT files, e.g. corpus/en-de/valid. Fine-tuning
-    translates them; SemFace's and XLM's pre-training stages score their MLM and decoder
-    losses on PREFIX.<lang> of every language of the shards (noise-free codes)."""
-    valid_interval: int = 1000
-    """Steps between validations (fine-tuning: BLEU on the validation text, and the best
-    model is kept; pre-training: the stage's losses on it)."""
-    valid_max_sentences: int = 500
-    """Validation sentences per direction (pre-training: per language), the first ones of
-    the files."""
-    valid_beam: int = 1
-    """Beam size of validation (1: greedy)."""
-    max_len_a: float = MAX_LEN_A
-    """Generation stops after a x source length + b tokens (validation, back-translation)."""
-    max_len_b: int = MAX_LEN_B
-    """Generation stops after a x source length + b tokens; this is b."""
-    no_repeat_ngram_size: int = 0
-    """Generation (validation, back-translation): no n-gram of this size twice in one output
-    (0: no limit), which keeps a weak model's loops out of its back-translations."""
-    bt_min_len_a: float = 0.0
-    """Back-translation only: a generated sentence may not end before this share of its
-    source's length (0: no minimum). Keeps a direction that has collapsed onto a few short
-    outputs from feeding them to the other direction as sources; validation and test
-    translations are not constrained."""
-    # Random aligned substitution (mRASP) -------------------------------------------------
-    ras_dictionary: list[Path] = dataclasses.field(default_factory=list)
-    """Random aligned substitution: word dictionaries, files named <src>-<tgt>.tsv of
-    source<TAB>target[<TAB>score] lines, each pair used both ways (tools/build_cl_embeddings.py
-    --dictionary-out induces one); read by --stage mrasp, --finetune-ras and
-    --decoder-noise-ras."""
-    ras_prob: float = 0.3
-    """Random aligned substitution: the probability that a dictionary word is replaced by one
-    of its translations (mRASP: 0.3)."""
-    finetune_ras: bool = False
-    """Supervised fine-tuning: random aligned substitution on the source side of every pair
-    (needs --ras-dictionary; not in SemFace)."""
-    decoder_noise_ras: bool = False
-    """SemFace decoder stage (decoder or joint): random aligned substitution on the noised
-    copy C(x) the interface reads, before word drop and shuffle (needs --ras-dictionary; not
-    in SemFace)."""
-    register_model: str | None = None
-    """After the last step, register the best model (<output-dir>/best) in the MLflow model
-    registry as a version of this registered model, with its lineage and validation scores
-    as tags (needs --valid-prefix and tracking; launching the finished run again adds no
-    second version)."""
+class TrainConfig(
+    VQOptions,
+    CrossLingualOptions,
+    PretrainingOptions,
+    SubstitutionOptions,
+    FinetuneOptions,
+    GenerationOptions,
+    ValidationOptions,
+    TrackingOptions,
+    OptimisationOptions,
+    DataOptions,
+    ModelOptions,
+    RunOptions,
+):
+    """Everything a run needs besides the DeepSpeed config: the fields of its sections (the
+    run's own, ``training/option_sections.py``; the pre-training losses'; each interface's),
+    each defined once there, checked together here."""
 
     def __post_init__(self) -> None:
         run_stage = stage(self.stage)
@@ -394,11 +272,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--preset", default=d.preset)
     add("--model", dest="model_options", action="append", default=[], metavar="KEY=VALUE")
     add("--model-config", dest="model_config_file", type=Path)
-    add("--cl-table", type=Path)
-    add("--cl-trainable", action=argparse.BooleanOptionalAction, default=None)  # by stage
-    add("--cl-unit-logits", action=argparse.BooleanOptionalAction, default=None)  # by stage
-    add("--cl-unit-mse", action=argparse.BooleanOptionalAction, default=None)  # by stage
-    add("--cl-table-input", action=argparse.BooleanOptionalAction, default=None)  # by stage
+    for section in interface_option_sections():
+        section.add_arguments(add)
     add("--init-from", type=Path)
     add("--decoder-objective", default=d.decoder_objective, choices=DECODER_OBJECTIVES)
     add("--mse-weight", type=float, default=d.mse_weight)
@@ -411,7 +286,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--decoder-memory-norm", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--decoder-continuous", type=float, default=None)  # by interface: __post_init__
     add("--decoder-word-drop", type=float, default=d.decoder_word_drop)
-    add("--codebook-warn-fraction", type=float, default=d.codebook_warn_fraction)
     add("--mp-size", type=int, default=d.mp_size)
     add("--steps", type=int, default=d.steps)
     add("--seed", type=int, default=d.seed)

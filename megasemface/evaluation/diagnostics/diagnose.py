@@ -125,8 +125,9 @@ def _refusal(measure: str, models: DiagnosticModels, config: DiagnosticsConfig) 
     if kind is None:
         return f"{title} needs a pre-training stage: pass --checkpoint"
     needs_vq = measure in ("usage", "dictionary")
-    spec = find_interface(kind)
-    if spec is None or not (spec.codebook if needs_vq else spec.semface):
+    spec, interface = find_interface(kind), models.interface
+    compares = interface is not None and interface.compares_encoder
+    if spec is None or not (spec.codebook if needs_vq else compares):
         what = "VQ codes" if needs_vq else "an interface vector to compare the encoder with"
         return f"{where} is a run with the {kind!r} interface: {title} needs {what}"
     if measure == "dictionary" and config.dictionary is None:
