@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from megasemface.interfaces.base import SemanticInterface
     from megasemface.interfaces.weights import TrainedWeights
     from megasemface.nn.config import ModelConfig
+    from megasemface.nn.flop_terms import Backward
 
 __all__ = [
     "DECODER_CODES",
@@ -83,6 +84,10 @@ def _no_check(options: Any, spec: Stage) -> None:
     del options, spec
 
 
+LayerFlops = Callable[["ModelConfig", int, "Backward"], float]
+"""An interface layer's model FLOPs over a number of tokens, with its kind of backward."""
+
+
 class OptionSection(Protocol):
     """A component's section of train.py's options: a dataclass of fields, each with its
     default and its docstring (the flag's help), and the flags that set them."""
@@ -116,6 +121,9 @@ class Interface:
     weights: Callable[[], TrainedWeights] | None = None
     """How the checkpoint tools handle its own weights that train and split over
     model-parallel ranks (None: it has none; a fixed table is the model's like any other)."""
+    flops: Callable[[], LayerFlops] | None = None
+    """How a step's model FLOPs count its layer over the tokens (MFU; None: a lookup, not
+    counted)."""
     options: type[OptionSection] | None = None
     """Its section of train.py's options: a torch-free dataclass whose fields ``TrainConfig``
     holds and whose ``add_arguments`` adds their flags (None: it has no options of its own)."""
@@ -228,6 +236,12 @@ def _vq_weights() -> TrainedWeights:
     return CodebookWeights()
 
 
+def _vq_flops() -> LayerFlops:
+    from megasemface.interfaces.vq.flops import quantizer_flops
+
+    return quantizer_flops
+
+
 def _check_none(options: Any, spec: Stage) -> None:
     if spec.decoder:
         raise ValueError("--interface none (XLM) has only an encoder stage")
@@ -249,6 +263,7 @@ register_interface(
         codebook=True,
         check=_check_vq,
         weights=_vq_weights,
+        flops=_vq_flops,
         options=VQOptions,
     )
 )

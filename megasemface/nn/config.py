@@ -123,6 +123,14 @@ class VQConfig:
         if not 0 < self.temperature_end <= self.temperature_start:
             raise ValueError("need 0 < vq.temperature_end <= vq.temperature_start")
 
+    def code_products(self, d_model: int) -> tuple[int, int, int]:
+        """(logit input width, logit rows, code width) of the layer's matrix products, for
+        counting their FLOPs."""
+        flat = self.layout == "flat"
+        rows = self.num_codes if flat else self.groups * self.entries
+        width = d_model if flat else d_model // self.groups
+        return (d_model if self.logits == "distance" else self.hidden_dim), rows, width
+
     @property
     def combinations(self) -> int:
         """Distinct code vectors the layout can express."""

@@ -20,11 +20,10 @@ part of the training step's.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from megasemface import stages
 from megasemface.interfaces import registry
-from megasemface.nn.config import ModelConfig, VQConfig
+from megasemface.nn.config import ModelConfig
+from megasemface.nn.flop_terms import BACKWARD_FACTOR, Backward, linear
 
 __all__ = [
     "ATTENTION_BACKWARD",
@@ -32,7 +31,6 @@ __all__ = [
     "decoder_stack",
     "encoder_stack",
     "output_layer",
-    "quantizer",
     "semface_step",
     "seq2seq_body",
     "veco_body",
@@ -40,16 +38,6 @@ __all__ = [
 
 ATTENTION_BACKWARD = 2.5
 """Attention's backward FLOPs over its forward (torch's count for its fused kernels)."""
-
-Backward = Literal["train", "input", "off"]
-"""``train``: weights and inputs get gradients; ``input``: the inputs only (frozen or
-detached weights); ``off``: no backward."""
-
-_FACTOR = {"train": 3.0, "input": 2.0, "off": 1.0}
-
-
-def _linear(rows: float, d_in: int, d_out: int) -> float:
-    return 2.0 * rows * d_in * d_out
 
 
 def _attention(batch: int, queries: int, keys: int, d_model: int, backward: bool) -> float:
@@ -60,14 +48,14 @@ def _attention(batch: int, queries: int, keys: int, d_model: int, backward: bool
 def _layer_products(config: ModelConfig, rows: float) -> float:
     """Self-attention's projections (q, kv, out) and the feed-forward of ``rows`` tokens."""
     d, f = config.d_model, config.ffn_dim
-    return _linear(rows, d, 4 * d) + _linear(rows, d, f) + _linear(rows, f, d)
+    return linear(rows, d, 4 * d) + linear(rows, d, f) + linear(rows, f, d)
 
 
 def encoder_stack(
     config: ModelConfig, batch: int, length: int, layers: int, backward: Backward = "train"
 ) -> float:
     """``layers`` encoder layers over ``batch`` x ``length`` (padded) tokens."""
-    products = _layer_products(config, batch * length) * _FACTOR[backward]
+    products = _layer_products(config, batch * length) * BACKWARD_FACTOR[backward]
     attention = _attention(batch, length, length, config.d_model, backward != "off")
     return layers * (products + attention)
 
@@ -78,44 +66,15 @@ def decoder_stack(
     """The trained decoder over ``batch`` x ``length`` tokens, cross-attending to ``memory``
     positions (whose keys and values get the memory's gradient when ``memory_grad``)."""
     d, rows = config.d_model, batch * length
-    own = (_layer_products(config, rows) + _linear(rows, d, 2 * d)) * _FACTOR["train"]
-    keys = _linear(batch * memory, d, 2 * d) * _FACTOR["train" if memory_grad else "input"]
+    own = (_layer_products(config, rows) + linear(rows, d, 2 * d)) * BACKWARD_FACTOR["train"]
+    keys = linear(batch * memory, d, 2 * d) * BACKWARD_FACTOR["train" if memory_grad else "input"]
     attention = _attention(batch, length, length + memory, d, True)
     return config.decoder_layers * (own + keys + attention)
 
 
 def output_layer(config: ModelConfig, targets: int) -> float:
     """The fused output loss over ``targets`` predicted tokens: logits and both gradients."""
-    return 3.0 * _linear(targets, config.d_model, config.vocab_size)
-
-
-def _code_products(vq: VQConfig, d_model: int) -> tuple[int, int, int]:
-    """(logit input width, logit rows, code width) of the VQ layer's products."""
-    flat = vq.layout == "flat"
-    rows = vq.num_codes if flat else vq.groups * vq.entries
-    width = d_model if flat else d_model // vq.groups
-    return (d_model if vq.logits == "distance" else vq.hidden_dim), rows, width
-
-
-def quantizer(vq: VQConfig, d_model: int, tokens: int, backward: Backward) -> float:
-    """The VQ layer over ``tokens`` real tokens. ``input``: its weights detached (the
-    decoder stage's codes), gradients to the tokens only."""
-    logit_in, rows, width = _code_products(vq, d_model)
-    logits = _linear(tokens, logit_in, rows)
-    total = 0.0 if vq.logits == "distance" else _linear(tokens, d_model, vq.hidden_dim)
-    total *= _FACTOR[backward]
-    if vq.layout == "flat":
-        # Forward: the logits; backward: the code probabilities' straight-through gradient
-        # (through the codes' vectors), then the logits' gradients of the input and weights.
-        if backward == "off":
-            return total + logits
-        straight = _linear(tokens, width, rows)
-        weights = logits if backward == "train" else 0.0
-        return total + 2 * logits + straight + weights
-    # Product layout: a dense logit layer over the groups' entries, then each group's
-    # probabilities times its table (autograd's products).
-    mix = _linear(tokens, rows, width)
-    return total + (logits + mix) * _FACTOR[backward]
+    return 3.0 * linear(targets, config.d_model, config.vocab_size)
 
 
 def _bridge(config: ModelConfig, tokens: int) -> float:
@@ -123,10 +82,10 @@ def _bridge(config: ModelConfig, tokens: int) -> float:
     if config.bridge != "codebook":
         return 0.0
     vq = config.vq
-    logit_in, rows, width = _code_products(vq, config.d_model)
-    hidden = 0.0 if vq.logits == "distance" else _linear(tokens, config.d_model, vq.hidden_dim)
-    logits = _linear(tokens, logit_in if vq.logits == "mlp" else width, rows)
-    return 3.0 * (hidden + logits + _linear(tokens, rows, width))
+    logit_in, rows, width = vq.code_products(config.d_model)
+    hidden = 0.0 if vq.logits == "distance" else linear(tokens, config.d_model, vq.hidden_dim)
+    logits = linear(tokens, logit_in if vq.logits == "mlp" else width, rows)
+    return 3.0 * (hidden + logits + linear(tokens, rows, width))
 
 
 def seq2seq_body(config: ModelConfig, batch: int, source: int, target: int) -> float:
@@ -162,24 +121,27 @@ def semface_step(
     """A SemFace (or XLM) pre-training step without its output layers: ``batch`` sentences
     padded to ``length``, ``tokens`` real tokens."""
     total = 0.0
-    vq = registry.interface(interface).codebook
-    if stages.stage(stage).encoder:  # MLM over x' </s>, through the VQ layer
+    spec = registry.interface(interface)
+    layer = spec.flops() if spec.flops is not None else None  # a lookup's are not counted
+    vq = spec.codebook
+    if stages.stage(stage).encoder:  # MLM over x' </s>, through the interface's layer
         total += encoder_stack(config, batch, length + 1, config.encoder_layers)
-        if vq:
-            total += quantizer(config.vq, config.d_model, tokens + batch, "train")
+        if layer is not None:
+            total += layer(config, tokens + batch, "train")
     if stages.stage(stage).decoder:
         if decoder_codes == "extractor":  # the noised copy through the extractor
             memory, memory_grad = length, vq
             if vq:
                 total += encoder_stack(config, batch, length, config.extractor_layers)
-                total += quantizer(config.vq, config.d_model, tokens, "input")
+            if layer is not None:
+                total += layer(config, tokens, "input")
         else:  # the noised copy through the encoder, trained by the decoder's loss or not
             trained = decoder_codes == "encoder-trained"
             memory, memory_grad = length + 1, trained
             layers = config.encoder_layers
             total += encoder_stack(config, batch, memory, layers, "train" if trained else "off")
-            if vq:
+            if layer is not None:
                 backward: Backward = "input" if trained else "off"
-                total += quantizer(config.vq, config.d_model, tokens + batch, backward)
+                total += layer(config, tokens + batch, backward)
         total += decoder_stack(config, batch, length + 1, memory, memory_grad)
     return total
