@@ -426,8 +426,8 @@ def test_extractor_diversity_trains_the_extractor_with_the_encoders_terms() -> N
     objective = spread.objective
     expected = (
         out.components["dec_clm"]
-        + objective.diversity_weight * out.components["dec_diversity"]
-        + objective.token_entropy_weight * out.components["dec_token_entropy"]
+        + objective.weight_of("diversity") * out.components["dec_diversity"]
+        + objective.weight_of("token_entropy") * out.components["dec_token_entropy"]
     )
     torch.testing.assert_close(out.loss.detach(), expected)
     assert float(out.components["dec_diversity"]) > 0

@@ -40,6 +40,11 @@ class CrossLingualOptions:
     norm (XLM's code ties them to the output layer the paper initialises with the table).
     Default: on in the encoder and joint stages (docs/reproduce.md)."""
 
+    def loss_weights(self) -> dict[str, float]:
+        """Its loss term's weight is the pre-training losses' ``mse_weight``, which depends
+        on the model's width (``default_mse_weight``): none here."""
+        return {}
+
     @staticmethod
     def add_arguments(add: Callable[..., None]) -> None:
         """Adds the section's flags with ``add`` (``OptionSection``)."""

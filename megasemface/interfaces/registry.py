@@ -97,6 +97,10 @@ class OptionSection(Protocol):
         """Adds the section's flags with ``add``, ``argparse``'s ``add_argument`` that
         takes each flag's help from its field's docstring."""
 
+    def loss_weights(self) -> dict[str, float]:
+        """The weights of the loss terms the interface's encoder head gives, by their names
+        (``EncoderHeadOutput``'s losses)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Interface:

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from megasemface.interfaces.registry import DECODER_CODES
+from megasemface.interfaces.registry import DECODER_CODES, interface_option_sections
 from megasemface.nn.config import ModelConfig
 from megasemface.objectives.options import DECODER_OBJECTIVES, PretrainingOptions
 from megasemface.objectives.sequences import SpecialTokens
@@ -16,8 +16,17 @@ __all__ = [
     "ObjectiveConfig",
     "StageOutput",
     "check_languages",
+    "default_interface_weights",
     "default_mse_weight",
 ]
+
+
+def default_interface_weights() -> dict[str, float]:
+    """Every registered interface's loss weights at their defaults."""
+    weights: dict[str, float] = {}
+    for section in interface_option_sections():
+        weights |= section().loss_weights()
+    return weights
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -35,6 +44,11 @@ class ObjectiveConfig(PretrainingOptions):
     infill_ratio: float = 0.35
     """mBART baseline: share of tokens masked in Poisson spans."""
     poisson_lambda: float = 3.5
+    interface_weights: dict[str, float] = dataclasses.field(
+        default_factory=default_interface_weights
+    )
+    """The weights of the interface's own loss terms, by name (its options section's
+    ``loss_weights``); by default every registered interface's defaults."""
 
     def __post_init__(self) -> None:
         if self.decoder_codes is None:
@@ -62,13 +76,10 @@ class ObjectiveConfig(PretrainingOptions):
         return dataclasses.replace(self, mse_weight=default_mse_weight(d_model))
 
     def weight_of(self, loss_name: str) -> float:
-        weights = {
-            "mse": self.mse_weight,
-            "diversity": self.diversity_weight,
-            "l2": self.l2_weight,
-            "commitment": self.commitment_weight,
-            "token_entropy": self.token_entropy_weight,
-        }
+        """The weight of the loss term ``loss_name`` an interface's encoder head gives."""
+        weights = {"mse": self.mse_weight, **self.interface_weights}
+        if loss_name not in weights:
+            raise ValueError(f"no weight for the loss term {loss_name!r}; known: {sorted(weights)}")
         weight = weights[loss_name]
         if weight is None:
             raise ValueError(f"{loss_name} weight unresolved: call for_width(d_model) first")

@@ -35,15 +35,6 @@ class PretrainingOptions:
     """CL-SemFace: weight of the MSE term of Eq. 1; 0: off (the 'w/o MSE' ablation).
     Default: 1 up to d_model 128, 0.01 wider, where the term, summed over the dimensions,
     outweighs the MLM (objectives/objective.py, default_mse_weight)."""
-    diversity_weight: float = 2.0
-    """VQ: weight of the diversity loss (the paper's losses: 1)."""
-    l2_weight: float = 1.0
-    """VQ: weight of the L2 penalty on the encoder's last activations."""
-    commitment_weight: float = 0.0
-    """VQ: weight of the commitment term (encoder output to its argmax code); 0: off."""
-    token_entropy_weight: float = 0.5
-    """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
-    on by default, measured better on validation); 0: off."""
     extractor_diversity: bool = False
     """VQ: train the decoder stage's extractor with the diversity and token-entropy terms
     too (not in the paper)."""

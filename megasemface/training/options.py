@@ -277,10 +277,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--init-from", type=Path)
     add("--decoder-objective", default=d.decoder_objective, choices=DECODER_OBJECTIVES)
     add("--mse-weight", type=float, default=d.mse_weight)
-    add("--diversity-weight", type=float, default=d.diversity_weight)
-    add("--l2-weight", type=float, default=d.l2_weight)
-    add("--commitment-weight", type=float, default=d.commitment_weight)
-    add("--token-entropy-weight", type=float, default=d.token_entropy_weight)
     add("--extractor-diversity", action="store_true")
     add("--decoder-codes", default=None, choices=DECODER_CODES)  # by stage: __post_init__
     add("--decoder-memory-norm", action=argparse.BooleanOptionalAction, default=None)  # by stage

@@ -1,4 +1,6 @@
-"""VQ-SemFace's own options of train.py. Torch-free: parsing options reads it."""
+"""VQ-SemFace's own options of train.py: its loss terms' weights and its codebook's health
+warning (its codebook's shape is the model's, ``--model vq.*``). Torch-free: parsing options
+reads it."""
 
 from __future__ import annotations
 
@@ -10,15 +12,35 @@ __all__ = ["VQOptions"]
 
 @dataclasses.dataclass(kw_only=True)
 class VQOptions:
-    """The options of the ``vq`` interface (its loss weights are the pre-training losses',
-    ``PretrainingOptions``; its codebook's shape is the model's, ``--model vq.*``)."""
+    """The options of the ``vq`` interface."""
 
+    diversity_weight: float = 2.0
+    """VQ: weight of the diversity loss (the paper's losses: 1)."""
+    l2_weight: float = 1.0
+    """VQ: weight of the L2 penalty on the encoder's last activations."""
+    commitment_weight: float = 0.0
+    """VQ: weight of the commitment term (encoder output to its argmax code); 0: off."""
+    token_entropy_weight: float = 0.5
+    """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
+    on by default, measured better on validation); 0: off."""
     codebook_warn_fraction: float = 0.25
     """VQ-SemFace: warn that the codebook collapses when the argmax picks fewer codes over a
     logging window than this share of what a uniform choice would pick for its n tokens,
     K(1-(1-1/K)^n), and the code histogram's perplexity is under a tenth of min(K, n)."""
 
+    def loss_weights(self) -> dict[str, float]:
+        """The weights of the loss terms the VQ layer gives, by their names."""
+        return {
+            "diversity": self.diversity_weight,
+            "l2": self.l2_weight,
+            "commitment": self.commitment_weight,
+            "token_entropy": self.token_entropy_weight,
+        }
+
     @staticmethod
     def add_arguments(add: Callable[..., None]) -> None:
         """Adds the section's flags with ``add`` (``OptionSection``)."""
-        add("--codebook-warn-fraction", type=float, default=VQOptions.codebook_warn_fraction)
+        defaults = VQOptions()
+        for name in ("diversity_weight", "l2_weight", "commitment_weight", "token_entropy_weight"):
+            add(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+        add("--codebook-warn-fraction", type=float, default=defaults.codebook_warn_fraction)

@@ -21,6 +21,7 @@ from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSour
 from megasemface.data.text.ras import RandomAlignedSubstitution, RasDictionary
 from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces.registry import interface
 from megasemface.nn.config import ModelConfig, apply_overrides
 from megasemface.objectives.objective import ObjectiveConfig, StageOutput
 from megasemface.objectives.sequences import SequenceBatch
@@ -93,7 +94,10 @@ def objective_config_from(config: TrainConfig) -> ObjectiveConfig:
     if options.mse_weight is None and config.cl_unit_mse:
         # Eq. 1 at the unit scale is bounded at any width: weight 1, as the paper's.
         options.mse_weight = 1.0
-    return ObjectiveConfig(**dataclasses.asdict(options))
+    section = interface(config.interface).options
+    own = {f.name: getattr(config, f.name) for f in dataclasses.fields(section)} if section else {}
+    weights = section(**own).loss_weights() if section else {}
+    return ObjectiveConfig(**dataclasses.asdict(options), interface_weights=weights)
 
 
 def ras_from(
