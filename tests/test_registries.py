@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +158,25 @@ def test_a_registered_interface_trains_in_the_joint_stage(tokens_interface: Inte
         losses.append(float(output.loss.detach()))
     assert model.interface.table.weight.grad is not None  # the decoder's loss reaches it
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (None, "cannot import 'missing_plugin' (No module named 'missing_plugin')"),
+        ("x = (\n", "importing 'missing_plugin' failed: SyntaxError"),
+    ],
+)
+def test_a_plugin_that_cannot_be_imported_is_one_line(
+    tmp_path: Path, source: str | None, message: str
+) -> None:
+    if source is not None:
+        (tmp_path / "missing_plugin.py").write_text(source)
+    env = {**os.environ, "MEGASEMFACE_PLUGINS": "missing_plugin", "PYTHONPATH": str(tmp_path)}
+    code = "import megasemface.interfaces.registry"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert message in result.stderr and "Traceback" not in result.stderr

@@ -292,6 +292,10 @@ def _load_plugins() -> None:
                 f"{PLUGINS_ENV}: cannot import {name!r} ({exc}); put its folder on PYTHONPATH "
                 f"or leave it out of {PLUGINS_ENV}"
             ) from None
+        except Exception as exc:  # a plugin's own error: one line that names it
+            raise SystemExit(
+                f"{PLUGINS_ENV}: importing {name!r} failed: {type(exc).__name__}: {exc}"
+            ) from None
 
 
 _load_plugins()

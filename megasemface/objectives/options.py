@@ -35,9 +35,17 @@ class PretrainingOptions:
     """CL-SemFace: weight of the MSE term of Eq. 1; 0: off (the 'w/o MSE' ablation).
     Default: 1 up to d_model 128, 0.01 wider, where the term, summed over the dimensions,
     outweighs the MLM (objectives/objective.py, default_mse_weight)."""
+    # Without the diversity terms only the decoder's loss trains the extractor, and it picks
+    # a small part of the codebook: the cross-attention is then pre-trained on few of the
+    # codes the encoder uses.
     extractor_diversity: bool = False
     """VQ: train the decoder stage's extractor with the diversity and token-entropy terms
     too (not in the paper)."""
+    # The extractor and the encoder each learn their own assignment of the fixed codebook
+    # and pick the same code for under 1% of the tokens (docs/reproduce.md): reading the
+    # encoder's codes pre-trains the cross-attention on what the connected model gives it,
+    # and with encoder-trained the decoder's loss reaches the encoder through the codes'
+    # straight-through gradient, so the codes carry what rebuilding the sentence needs.
     decoder_codes: str | None = None
     """What the decoder stage reads. VQ: ``extractor`` (the codes of the paper's feature
     extractor), ``encoder`` (the encoder's own codes, without gradient; not in the paper) or
@@ -62,9 +70,3 @@ class PretrainingOptions:
     cross-attention is pre-trained on what the connected model gives it too (not in the
     paper). Default with the encoder's codes: 0.5 for VQ (measured better on validation and
     in the connected decoder's NLL, docs/reproduce.md), 1 for CL; else 0."""
-
-    def pretraining_options(self) -> PretrainingOptions:
-        """This section alone (of a config that holds it among others)."""
-        return PretrainingOptions(
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(PretrainingOptions)}
-        )

@@ -50,6 +50,7 @@ __all__ = [
     "add_train_arguments",
     "field_docs",
     "option_sections",
+    "section_of",
     "train_argv",
     "train_config_from_args",
     "typed_overrides",
@@ -217,6 +218,15 @@ def field_docs() -> dict[str, str]:
             ):
                 docs[field.target.id] = " ".join(inspect.cleandoc(doc.value.value).split())
     return docs
+
+
+_Section = typing.TypeVar("_Section")
+
+
+def section_of(config: TrainConfig, section: type[_Section]) -> _Section:
+    """The values ``config`` holds for one of its sections, as that section's dataclass."""
+    fields = dataclasses.fields(section)  # type: ignore[arg-type]  # a section is a dataclass
+    return section(**{f.name: getattr(config, f.name) for f in fields})
 
 
 def option_sections() -> list[type]:

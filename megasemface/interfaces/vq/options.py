@@ -20,6 +20,10 @@ class VQOptions:
     """VQ: weight of the L2 penalty on the encoder's last activations."""
     commitment_weight: float = 0.0
     """VQ: weight of the commitment term (encoder output to its argmax code); 0: off."""
+    # The diversity loss asks the batch's average code distribution to be uniform, which
+    # per-token distributions spread over many codes satisfy too, and the argmax then falls
+    # on a few codes; with the token entropy the two maximise the mutual information of
+    # tokens and codes.
     token_entropy_weight: float = 0.5
     """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
     on by default, measured better on validation); 0: off."""

@@ -24,10 +24,16 @@ from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.registry import interface
 from megasemface.nn.config import ModelConfig, apply_overrides
 from megasemface.objectives.objective import ObjectiveConfig, StageOutput
+from megasemface.objectives.options import PretrainingOptions
 from megasemface.objectives.sequences import SequenceBatch
 from megasemface.tracking.tracker import Tracker
 from megasemface.training import model_flops
-from megasemface.training.options import TrainConfig, user_model_config, user_model_keys
+from megasemface.training.options import (
+    TrainConfig,
+    section_of,
+    user_model_config,
+    user_model_keys,
+)
 from megasemface.training.run_data import RunData
 
 __all__ = [
@@ -90,13 +96,12 @@ def rank_loader(
 
 def objective_config_from(config: TrainConfig) -> ObjectiveConfig:
     """The pre-training losses' options and weights."""
-    options = config.pretraining_options()
+    options = section_of(config, PretrainingOptions)
     if options.mse_weight is None and config.cl_unit_mse:
         # Eq. 1 at the unit scale is bounded at any width: weight 1, as the paper's.
         options.mse_weight = 1.0
     section = interface(config.interface).options
-    own = {f.name: getattr(config, f.name) for f in dataclasses.fields(section)} if section else {}
-    weights = section(**own).loss_weights() if section else {}
+    weights = section_of(config, section).loss_weights() if section else {}
     return ObjectiveConfig(**dataclasses.asdict(options), interface_weights=weights)
 
 
