@@ -1,14 +1,15 @@
 """The README's main command: the SemFace pipeline in the low-resource regime of the paper's
 claim, on the embedded real demo corpus.
 
-SentencePiece -> shards -> cross-lingual embeddings -> XLM, CL-SemFace and VQ-SemFace
-pre-training (``megasemface/train.py`` on 2 ranks) on every monolingual sentence -> connect
--> supervised fine-tuning on 2,000 parallel pairs (a twelfth of the monolingual text) ->
-translation of the held-out test set -> BLEU and chrF, with paired bootstrap tests against
-the same pipeline with no pre-training, and copying the source as a floor -> an MLflow
-comparison table and plot. Meant to finish within 20 minutes on 2 CPU cores, the install
-included (what it took, by machine: docs/results.md); run again, it reuses what is built.
-Each step's wall time goes to ``<workdir>/timings.json``.
+SentencePiece -> shards -> cross-lingual embeddings -> XLM, mBART, CL-SemFace and
+VQ-SemFace pre-training (``megasemface/train.py`` on 2 ranks) on every monolingual sentence
+-> connect -> whether each connected model reads a translation -> supervised fine-tuning on
+2,000 parallel pairs (a twelfth of the monolingual text) -> translation of the held-out
+test set -> BLEU and chrF, with paired bootstrap tests against the same pipeline with no
+pre-training, and copying the source as a floor -> an MLflow comparison table and plot.
+Meant to finish within 20 minutes on 2 CPU cores, the install included (what it took, by
+machine: docs/results.md); run again, it reuses what is built. Each step's wall time goes
+to ``<workdir>/timings.json``.
 
 ``make demo`` runs it with defaults; ``python -m megasemface.demo --help`` lists the
 options (the same as ``tools/reproduce.py``, with the demo's systems and setting).
@@ -20,7 +21,7 @@ from megasemface.cli.reproduce import build_parser, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser(__doc__, systems="transformer,xlm,cl,vq", settings="supervised")
+    parser = build_parser(__doc__, systems="transformer,xlm,mbart,cl,vq", settings="supervised")
     return run(parser.parse_args(argv))
 
 

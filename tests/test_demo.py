@@ -24,7 +24,7 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     first = capsys.readouterr().out
     # The paper-shaped table: every system, both directions, the gain over no pre-training.
     assert "| system | en-de | de-en | avg | gain |" in first
-    for system in ("Transformer", "XLM", "CL-SemFace", "VQ-SemFace"):
+    for system in ("Transformer", "XLM", "mBART", "CL-SemFace", "VQ-SemFace"):
         assert f"| {system} |" in first
     assert "mlflow ui --backend-store-uri sqlite:///" in first
     assert "copying the source unchanged scores BLEU en-de" in first
@@ -33,7 +33,7 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     # Lineage in MLflow: SemFace fine-tuning runs descend from their pre-training run.
     runs = select_runs(f"sqlite:///{workdir / 'mlflow.db'}", tags={"stage": "finetune"})
     by_system = {r.tags["system_key"]: r for r in runs}
-    assert set(by_system) == {"transformer", "xlm", "cl", "vq"}
+    assert set(by_system) == {"transformer", "xlm", "mbart", "cl", "vq"}
     assert "parent_encoder_run" in by_system["vq"].tags
     assert "parent_encoder_run" not in by_system["transformer"].tags
     assert all("test_bleu_en-de" in r.metrics and "test_chrf" in r.metrics for r in runs)
@@ -53,6 +53,20 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
         assert "diag_en_cosine" in pretrain.metrics, sorted(pretrain.metrics)
     results = (workdir / "results.md").read_text()
     assert "| VQ-SemFace | 0 | en |" in results and "| CL-SemFace | 0 | de |" in results
+    # Whether each connected, pre-trained model reads a translation, in both directions: the
+    # SemFace systems and the references without an interface, in a file, MLflow and a table.
+    assert "## does the connected, pre-trained model read a translation?" in results
+    for key, display in (("xlm", "XLM"), ("mbart", "mBART"), ("cl", "CL-SemFace")):
+        figures = json.loads(
+            (workdir / "runs" / f"pretrain-{key}" / "diagnostics.json").read_text()
+        )
+        assert [d["direction"] for d in figures["reading"]] == ["en-de", "de-en"]
+        (pretrain,) = select_runs(
+            f"sqlite:///{workdir / 'mlflow.db'}", run_ids=[figures["mlflow_run_id"]]
+        )
+        nll = figures["reading"][0]["nll"]["translation"]
+        assert pretrain.metrics["diag_read_en_de_nll_translation"] == pytest.approx(nll)
+        assert f"| {display} | 0 | de-en |" in results
     # The encoder MLM on validation text of each pre-training that has one: a file, an MLflow
     # metric at the run's last step, a table with the gap to XLM.
     assert "## encoder MLM on validation text" in results
@@ -66,7 +80,7 @@ def test_pipeline_runs_end_to_end_and_reuses_its_work(
     # Where the time went: every step's wall time, summed per kind and in total.
     timings = json.loads((workdir / "timings.json").read_text())
     kinds = [step["kind"] for step in timings["steps"]]
-    assert kinds.count("pre-training") == 3 and kinds.count("fine-tuning") == 4
+    assert kinds.count("pre-training") == 4 and kinds.count("fine-tuning") == 5
     assert {"data", "diagnostics", "translation", "report"} <= set(kinds)
     assert sum(s["seconds"] for s in timings["steps"]) == pytest.approx(
         timings["total_seconds"], abs=0.1

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 import pytest
+import sacrebleu
 import torch
 import torch.nn.functional as F
 from launch import ROOT, launch_chains, train_command
@@ -41,6 +42,8 @@ from megasemface.evaluation.diagnostics import (
     word_codes,
 )
 from megasemface.evaluation.diagnostics.dictionary import whole_word_occurrences
+from megasemface.evaluation.diagnostics.reading import unrelated_partners
+from megasemface.inference.translate import Translator
 from megasemface.interfaces.vq.code_probabilities import code_log_probs
 from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
@@ -476,3 +479,106 @@ def test_cli_refuses_bad_input_with_one_line(
         assert "Traceback" not in captured.err and captured.out == ""
     with pytest.raises(DiagnosticsError, match="pass --checkpoint, --model-dir or both"):
         load_models(None)
+
+
+# Reading a translation ----------------------------------------------------------------------
+
+
+def test_unrelated_partner_is_another_sentence_of_the_nearest_length() -> None:
+    lengths = [5, 3, 5, 9, 3, 4]
+    partners = unrelated_partners(lengths)
+    # Order by (length, index): 1, 4, 5, 0, 2, 3; each takes the nearer neighbour, the next
+    # one on a tie (5: 4 and 0 both one token away).
+    assert partners == [2, 4, 0, 2, 1, 0]
+    for i, j in enumerate(partners):
+        others = [abs(lengths[k] - lengths[i]) for k in range(len(lengths)) if k != i]
+        assert j != i and abs(lengths[j] - lengths[i]) == min(others)
+    with pytest.raises(ValueError, match="at least 2"):
+        unrelated_partners([4])
+
+
+def _direct_reading(models: DiagnosticModels, src_lang: str, tgt_lang: str, data: dict) -> dict:
+    """The reading figures of one direction, pair by pair, from the modules themselves."""
+    assert models.decoder is not None and models.seq2seq is not None
+    sp, langs = models.special, models.tokenizer.languages
+    src_ids = _sentences(data["texts"][src_lang], models)
+    tgt_ids = _sentences(data["texts"][tgt_lang], models)
+    src_index, tgt_index = langs.index(src_lang), langs.index(tgt_lang)
+    nll = {"translation": 0.0, "unrelated": 0.0, "zeros": 0.0}
+    count = 0
+    hypotheses = []
+    translator = Translator(models.seq2seq, models.tokenizer)
+    with torch.no_grad():
+        for i, (source, target) in enumerate(zip(src_ids, tgt_ids, strict=True)):
+            # the unrelated sentence: the other one nearest in length (of the two neighbours in
+            # the order of length and index, the next one on a tie)
+            order = sorted(range(len(src_ids)), key=lambda k: (len(src_ids[k]), k))
+            rank = order.index(i)
+            near = [order[r] for r in (rank + 1, rank - 1) if 0 <= r < len(order)]
+            other = src_ids[min(near, key=lambda k: abs(len(src_ids[k]) - len(source)))]
+
+            def encoded(sentence: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                src = torch.tensor([[*sentence, sp.eos]])
+                out = models.seq2seq.encode(
+                    src, torch.ones_like(src, dtype=bool), torch.tensor([src_index])
+                )  # type: ignore[union-attr]
+                return out.hidden_BTD, torch.ones_like(src, dtype=bool)
+
+            memories = {
+                "translation": encoded(source),
+                "unrelated": encoded(other),
+                "zeros": (torch.zeros(1, 1, models.config.d_model), torch.ones(1, 1, dtype=bool)),
+            }
+            inputs = torch.tensor([[sp.lang_tags[tgt_index], *target]])
+            targets = torch.tensor([*target, sp.eos])
+            tgt_langs = torch.tensor([tgt_index])
+            for name, (memory, mask) in memories.items():
+                ones = torch.ones_like(inputs, dtype=bool)
+                hidden = models.decoder(inputs, ones, tgt_langs, memory, mask)
+                logits = models.decoder.logits(hidden[0])
+                nll[name] += float(F.cross_entropy(logits, targets, reduction="sum"))
+            count += len(target) + 1
+            greedy = translator.translate_ids([source], src_lang=src_lang, tgt_lang=tgt_lang)
+            hypotheses.append(models.tokenizer.decode(greedy[0].tokens))
+    lines = data["texts"][tgt_lang].read_text(encoding="utf-8").splitlines()
+    references = [line for line in lines if line.strip()][:SENTENCES]
+    bleu = sacrebleu.corpus_bleu(hypotheses, [references]).score
+    return {"nll": {k: v / count for k, v in nll.items()}, "tokens": count, "bleu": bleu}
+
+
+@pytest.mark.launcher
+def test_reading_a_translation_equals_the_direct_computation(
+    cl_run: Path, data: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_dir = tmp_path / "cl-connected"
+    write_seq2seq_dir(model_dir, connect_runs(cl_run, cl_run), spm_model=data["spm"])
+    models = load_models(cl_run, model_dir)
+    config = _config(data, measures=("translation",), translations=("en", "de"))
+    result = diagnose_interface(config, models)
+    assert [(x.source_lang, x.target_lang) for x in result.reading] == [("en", "de"), ("de", "en")]
+    for reading in result.reading:
+        direct = _direct_reading(models, reading.source_lang, reading.target_lang, data)
+        assert reading.pairs == SENTENCES and reading.tokens == direct["tokens"]
+        for memory, value in direct["nll"].items():
+            assert reading.nll[memory] == pytest.approx(value, rel=1e-5), memory
+        assert reading.bleu == pytest.approx(direct["bleu"])
+        assert reading.gain_over_zeros == reading.nll["zeros"] - reading.nll["translation"]
+    metrics = result.metrics()
+    assert metrics["diag_read_de_en_nll_unrelated"] == result.reading[1].nll["unrelated"]
+    assert metrics["diag_read_en_de_zero_shot_bleu"] == result.reading[0].bleu
+    # Any connected model: the model directory alone (mBART's, XLM's) gives the same figures.
+    alone = diagnose_interface(config, load_models(None, model_dir))
+    assert [x.to_dict() for x in alone.reading] == [x.to_dict() for x in result.reading]
+    # The tool: --translations, and one line for texts that are not line-aligned.
+    texts = [a for lang, path in data["texts"].items() for a in ("--text", f"{lang}:{path}")]
+    args = ["--model-dir", str(model_dir), *texts, "--max-sentences", str(SENTENCES)]
+    assert diagnose_main([*args, "--translations", "en-de"]) == 0
+    assert "en-de (24 pairs)" in capsys.readouterr().out
+    short = tmp_path / "short.de"
+    short.write_text(
+        "".join(line + "\n" for line in data["texts"]["de"].read_text().splitlines()[:5])
+    )
+    bad = ["--model-dir", str(model_dir), "--text", f"en:{data['texts']['en']}"]
+    assert diagnose_main([*bad, "--text", f"de:{short}", "--translations", "en-de"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "line-aligned" in err[0]

@@ -1,5 +1,6 @@
 """Diagnoses a SemFace interface: code usage, encoder-interface cosine, what the pre-trained
-cross-attention transfers, and how translated words share codes (the paper's Fig. 5).
+cross-attention transfers, how translated words share codes (the paper's Fig. 5), and
+whether the connected model reads a translation before any fine-tuning.
 
 Examples::
 
@@ -10,10 +11,16 @@ Examples::
         --text en:data/valid.en --measure nll
     python tools/diagnose_interface.py --checkpoint runs/cl-joint/checkpoints/step-00000400 \\
         --text en:data/valid.en --text de:data/valid.de --measure cosine --measure nll
+    python tools/diagnose_interface.py --model-dir models/mbart \\
+        --text en:data/valid.en --text de:data/valid.de --translations en-de
 
 --checkpoint is an encoder, decoder or joint stage (a run directory: its newest complete
 checkpoint; a checkpoint directory; or a pretraining model directory); --model-dir a
 connected seq2seq model directory, whose encoder's output is the "encoder" memory of the NLL.
+--translations names two texts that translate each other line by line: the decoder's NLL of
+each sentence with the encoder's output for its translation, for an unrelated sentence of
+the same language and for zeros, in both directions, and with --model-dir the zero-shot
+greedy BLEU; any connected model (mBART's, XLM's) can be measured this way.
 Prints a table (a column per language) and, with --output, writes every figure as JSON; with
 --log-to-run, logs them as diag_* metrics at the checkpoint's step to the MLflow run the
 checkpoint recorded, in the store given (a tracking URI, an mlflow.db, or the run directory
@@ -75,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dictionary-langs", metavar="SRC-TGT", help="its languages (default: from its name)"
     )
     parser.add_argument(
+        "--translations",
+        metavar="SRC-TGT",
+        help="two --text languages whose files are line-aligned translations: "
+        "measure whether the connected model reads a translation",
+    )
+    parser.add_argument(
         "--measure",
         action="append",
         choices=MEASURES,
@@ -100,14 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _language_pair(value: str | None, option: str) -> tuple[str, str] | None:
+    if not value:
+        return None
+    source, sep, target = value.partition("-")
+    if not sep or not source or not target:
+        raise ValueError(f"{option} expects SRC-TGT, got {value!r}")
+    return source, target
+
+
 def _config(args: argparse.Namespace) -> DiagnosticsConfig:
     texts = parse_texts(args.text)
-    langs = None
-    if args.dictionary_langs:
-        source, sep, target = args.dictionary_langs.partition("-")
-        if not sep or not source or not target:
-            raise ValueError(f"--dictionary-langs expects SRC-TGT, got {args.dictionary_langs!r}")
-        langs = (source, target)
+    langs = _language_pair(args.dictionary_langs, "--dictionary-langs")
     for name in ("checkpoint", "model_dir", "spm_model", "dictionary"):
         path = getattr(args, name)
         if path is not None and not path.exists():
@@ -124,6 +141,7 @@ def _config(args: argparse.Namespace) -> DiagnosticsConfig:
         batch_tokens=args.batch_tokens,
         top_k=args.top_k,
         max_occurrences=args.max_occurrences,
+        translations=_language_pair(args.translations, "--translations"),
     )
 
 

@@ -25,14 +25,6 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from megasemface.checkpoints import (
-    connect_fusion,
-    connect_mbart,
-    connect_runs,
-    keep_part,
-    write_seq2seq_dir,
-)
-from megasemface.checkpoints.connect import SEQ2SEQ_STAGES
 from megasemface.checkpoints.layout import is_model_dir, newest_complete_step
 from megasemface.data.text.lines import read_lines, write_lines
 from megasemface.evaluation.diagnostics import DiagnosticsConfig
@@ -43,6 +35,7 @@ from megasemface.interfaces.registry import interface
 from megasemface.nn.config import build_model_config
 from megasemface.pipeline import data_steps
 from megasemface.pipeline.config import PipelineConfig, cuda_devices, seeded
+from megasemface.pipeline.connecting import connect_system
 from megasemface.pipeline.launcher import (
     LaunchError,
     changed_settings,
@@ -241,10 +234,14 @@ class Pipeline:
                 f"pre-training {trained.display} ({system.stage} stage){of_seed}", "pre-training"
             )
             run = self.pretrain(system, seed)
-            inits[system.key] = self.connect(system, run, seed)
-            if interface(system.interface).semface:
+            inits[system.key] = model_dir = self.connect(system, run, seed)
+            # A run's figures are measured once, on the model its own system connects (deep
+            # fusion's is no translation model); a SemFace run's are reported for each system.
+            owns_run = system.pretraining is None
+            if not system.fusion and (owns_run or interface(system.interface).semface):
                 self._step(f"interface diagnostics of {system.display}{of_seed}", "diagnostics")
-                self.diagnostics.append((system.display, seed, self.diagnose(system, run)))
+                figures = self.diagnose(system, run, model_dir)
+                self.diagnostics.append((system.display, seed, figures))
             if stage(system.stage).encoder:
                 title = f"encoder MLM on validation text of {system.display}{of_seed}"
                 self._step(title, "diagnostics")
@@ -382,21 +379,31 @@ class Pipeline:
         self._train(config)
         return config.output_dir
 
-    def diagnose(self, system: System, run_dir: Path) -> dict[str, Any]:
-        """The interface diagnostics of a SemFace pre-training on the validation text
-        (:func:`~megasemface.pipeline.pretraining_figures.diagnose_run`)."""
+    def diagnose(self, system: System, run_dir: Path, model_dir: Path) -> dict[str, Any]:
+        """The diagnostics of a pre-training and of the model connected from it, on the
+        validation text (:func:`~megasemface.pipeline.pretraining_figures.diagnose_run`): a
+        SemFace interface's figures, and for every pre-trained system whether the connected
+        model reads a translation before fine-tuning (mBART's and XLM's are the references)."""
+        semface = interface(system.interface).semface
         # Whether translations share codes (the paper's Fig. 5) is a question for VQ codes;
         # of several pairs, the first one's dictionary answers it.
         dictionary = self.corpus / "dict" / f"{self.config.pairs[0]}.tsv"
         has_dictionary = interface(system.interface).codebook and dictionary.is_file()
+        texts = self._validation_texts()
+        # The validation pair's two sides translate each other line by line; of several
+        # pairs, each pair's English side is its own, so only one pair is read as such.
+        src, tgt = self.config.pairs[0].split("-")
+        aligned = not self.by_pair
         config = DiagnosticsConfig(
-            checkpoint=run_dir,
+            checkpoint=run_dir if semface else None,
+            model_dir=model_dir,
             spm_model=self.spm,
-            texts=self._validation_texts(),
+            texts=texts,
             dictionary=dictionary if has_dictionary else None,
             max_sentences=self.config.valid_sentences,
+            translations=(src, tgt) if aligned else None,
         )
-        return diagnose_run(config, self.tracking_uri)
+        return diagnose_run(config, run_dir, self.tracking_uri)
 
     def encoder_mlm(self, run_dir: Path) -> dict[str, Any]:
         """The encoder MLM of a finished pre-training on the validation text the fine-tunings
@@ -418,30 +425,7 @@ class Pipeline:
 
     def connect(self, system: System, run_dir: Path, seed: int) -> Path:
         out = self.workdir / "models" / seeded(system.key, seed)
-        if (out / "config.json").is_file():
-            source, _ = lineage(run_dir)
-            made_from = set(lineage(out)[1].values())
-            if source is not None and made_from and made_from != {source}:
-                raise LaunchError(
-                    f"{out} was connected from another run (MLflow {', '.join(made_from)}) "
-                    f"than {run_dir} holds now ({source}): remove it, and the runs fine-tuned "
-                    "from it, to connect it again"
-                )
-            print(f"reusing {out}")
-            return out
-        if system.connect in SEQ2SEQ_STAGES:  # the run's model as it is
-            connected = connect_mbart(run_dir)
-        elif system.connect == "xlm":
-            connected = connect_runs(run_dir)
-        elif system.fusion:  # the run's encoder as deep fusion's pre-trained model
-            connected = connect_fusion(run_dir)
-        else:  # the joint stage trained both: its encoder and decoder, minus the interface
-            connected = connect_runs(run_dir, run_dir, bridge=system.bridge)
-        connected = keep_part(connected, system.part, seed=seed)
-        write_seq2seq_dir(out, connected, spm_model=self.spm)
-        taken = sum(1 for origin in connected.parameters.values() if origin != "random")
-        print(f"connected {out}: {taken} of {len(connected.parameters)} tensors pre-trained")
-        return out
+        return connect_system(system, run_dir, out, self.spm, seed)
 
     def finetune_config(
         self,

@@ -12,8 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megasemface.checkpoints.layout import find_checkpoint
 from megasemface.evaluation import encoder_mlm as mlm
 from megasemface.evaluation.diagnostics import DiagnosticsConfig, diagnose_interface, log_to_run
+from megasemface.evaluation.diagnostics.report import FORMAT as DIAGNOSTICS_FORMAT
 
 __all__ = ["DIAGNOSTICS_FILE", "MLM_FILE", "diagnose_run", "encoder_mlm_of_run"]
 
@@ -21,23 +23,31 @@ DIAGNOSTICS_FILE = "diagnostics.json"
 MLM_FILE = "valid-mlm.json"
 
 
-def _reused(path: Path) -> dict[str, Any] | None:
+def _reused(path: Path, format: str | None = None) -> dict[str, Any] | None:
+    """The figures of an earlier call, unless missing or of another ``format``."""
     if not path.is_file():
         return None
+    data = json.loads(path.read_text())
+    if format is not None and data.get("format") != format:
+        return None  # measured by other code: measured again
     print(f"reusing {path}")
-    return json.loads(path.read_text())
+    return data
 
 
-def diagnose_run(config: DiagnosticsConfig, tracking_uri: str) -> dict[str, Any]:
-    """The diagnostics of the run ``config.checkpoint`` (code usage, cosine, what
-    cross-attention transfers, the dictionary's code sharing), in ``<run>/diagnostics.json``
-    and as ``diag_*`` metrics of its MLflow run."""
-    assert config.checkpoint is not None, "the pipeline diagnoses its pre-training runs"
-    path = config.checkpoint / DIAGNOSTICS_FILE
-    reused = _reused(path)
+def diagnose_run(config: DiagnosticsConfig, run_dir: Path, tracking_uri: str) -> dict[str, Any]:
+    """The diagnostics of the pre-training ``run_dir`` and of the model connected from it
+    (code usage, cosine, what cross-attention transfers, the dictionary's code sharing,
+    whether the connected model reads a translation), in ``<run>/diagnostics.json`` and as
+    ``diag_*`` metrics of the run's MLflow run."""
+    path = run_dir / DIAGNOSTICS_FILE
+    reused = _reused(path, DIAGNOSTICS_FORMAT)
     if reused is not None:
         return reused
     result = diagnose_interface(config)
+    if config.checkpoint is None:  # a connected model alone: the figures are its run's
+        checkpoint = find_checkpoint(run_dir)
+        result.mlflow_run_id = checkpoint.meta.get("mlflow_run_id") or None
+        result.step = checkpoint.step
     print(result.format_table())
     data = result.to_dict()
     if data.get("mlflow_run_id"):

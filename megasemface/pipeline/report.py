@@ -44,6 +44,7 @@ __all__ = [
     "grid_edges",
     "grid_table",
     "paper_table",
+    "reading_table",
 ]
 
 SIGNIFICANCE_LEVEL = 0.05
@@ -299,6 +300,31 @@ def diagnostics_table(rows: Sequence[tuple[str, int, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+READING_NOTE = (
+    "The pre-trained decoder's NLL per token of each validation sentence with the connected "
+    "encoder's output for its translation, for an unrelated sentence of the same language "
+    "and the nearest length, and for zeros; and the connected model's zero-shot greedy "
+    "BLEU. A language-independent interface reads the translation clearly better than both."
+)
+
+
+def reading_table(rows: Sequence[tuple[str, int, dict[str, Any]]]) -> str:
+    """Markdown: per system, seed and direction, whether the connected model reads a
+    translation (``Diagnostics.to_dict()``'s ``reading``); empty when none was measured."""
+    header = ["system", "seed", "direction", "NLL translation", "NLL unrelated", "NLL zeros"]
+    header += ["vs zeros", "vs unrelated", "zero-shot BLEU"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for system, seed, data in rows:
+        for d in data.get("reading") or []:
+            nll = d["nll"]
+            cells = [system, str(seed), d["direction"]]
+            cells += [f"{nll[m]:.3f}" for m in ("translation", "unrelated", "zeros")]
+            cells += [f"{d['gain_over_zeros']:+.3f}", f"{d['gain_over_unrelated']:+.3f}"]
+            cells.append("-" if d.get("bleu") is None else f"{d['bleu']:.2f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 class EncoderMlmRow(NamedTuple):
     """One pre-training's encoder MLM on validation text."""
 
@@ -436,6 +462,13 @@ def build_report(
     if diagnostics:
         heading = "## interface diagnostics (validation text; tools/diagnose_interface.py)\n"
         parts += [heading, diagnostics_table(diagnostics), ""]
+    reading = reading_table(diagnostics)
+    if reading:
+        heading = (
+            "## does the connected, pre-trained model read a translation? (validation pairs, "
+            "before fine-tuning)\n"
+        )
+        parts += [heading, READING_NOTE, "", reading, ""]
     if encoder_mlms:
         heading = (
             f"## encoder MLM on validation text (nats per predicted token at the last "

@@ -10,7 +10,11 @@ token budget in a fixed order, in eval mode without gradients:
 3. the teacher-forced NLL of the decoder reconstructing each sentence with up to four
    memories: the interface's own, the connected encoder's output, a VQ encoder's output
    through its codebook (what ``connect --bridge codebook`` feeds the decoder), and zeros;
-4. with a gold dictionary, how often translated words share codes (:mod:`.figures`).
+4. with a gold dictionary, how often translated words share codes (:mod:`.figures`);
+5. with two of the texts line-aligned translations, whether the connected model reads a
+   translation (:mod:`.reading`): the decoder's NLL of each sentence with the encoder's
+   output for its translation, for an unrelated sentence and zeros, in both directions,
+   and the zero-shot greedy BLEU of a connected model.
 
 Token positions: every figure but the NLL is over the sentences' own tokens, not the </s>
 the encoder reads after each sentence; the NLL is over the predicted ``x </s>``.
@@ -38,6 +42,11 @@ from megasemface.evaluation.diagnostics.figures import (
     cosine_sum,
     teacher_forced_nll,
 )
+from megasemface.evaluation.diagnostics.reading import (
+    ReadingFigures,
+    read_translations,
+    zero_shot_scores,
+)
 from megasemface.evaluation.diagnostics.report import (
     Diagnostics,
     DictionaryFigures,
@@ -48,7 +57,7 @@ from megasemface.evaluation.diagnostics.sources import (
     DiagnosticsError,
     load_models,
 )
-from megasemface.inference.translate import token_batches
+from megasemface.inference.translate import Translator, token_batches
 from megasemface.interfaces.base import SemanticInterface
 from megasemface.interfaces.registry import find_interface
 from megasemface.models.semface import through_final_norm
@@ -57,13 +66,14 @@ from megasemface.objectives.sequences import SequenceBatch, append_token, length
 
 __all__ = ["MEASURES", "DiagnosticsConfig", "diagnose_interface"]
 
-MEASURES = ("usage", "cosine", "nll", "dictionary")
+MEASURES = ("usage", "cosine", "nll", "dictionary", "translation")
 
 _TITLES = {
     "usage": "code usage",
     "cosine": "the encoder-interface cosine",
     "nll": "the NLL",
     "dictionary": "the dictionary analysis",
+    "translation": "reading a translation",
 }
 
 
@@ -98,6 +108,9 @@ class DiagnosticsConfig:
     """k of the top-k code overlap (the paper's 100)."""
     max_occurrences: int = 20
     """Occurrences per dictionary word averaged (the first ones in the text)."""
+    translations: tuple[str, str] | None = None
+    """Two languages of ``texts`` whose files are translations of each other, line by line:
+    the ``translation`` measure reads them in both directions."""
 
     def __post_init__(self) -> None:
         if not self.texts:
@@ -110,11 +123,27 @@ class DiagnosticsConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_sentences < 0:
             raise ValueError(f"max_sentences must be >= 0, got {self.max_sentences}")
+        if self.translations is not None:
+            missing = [lang for lang in self.translations if lang not in self.texts]
+            if missing or self.translations[0] == self.translations[1]:
+                raise ValueError(
+                    f"translations {'-'.join(self.translations)} need two different languages "
+                    f"with a text each; texts are given for {', '.join(self.texts)}"
+                )
 
 
 def _refusal(measure: str, models: DiagnosticModels, config: DiagnosticsConfig) -> str | None:
     """Why the sources cannot give ``measure``, or None when they can."""
     kind, where, title = models.interface_kind, models.sources.get("checkpoint"), _TITLES[measure]
+    if measure == "translation":
+        if config.translations is None:
+            return f"{title} needs --translations SRC-TGT: two texts that translate each other"
+        if models.decoder is None or models.connected_encoder is None:
+            return (
+                f"{where} is an {models.stage} stage: {title} needs a decoder and an encoder "
+                "to connect it with (a joint stage, or --model-dir, the connected model)"
+            )
+        return None
     if measure == "nll":
         if models.decoder is None:
             return (
@@ -149,6 +178,8 @@ def _plan(models: DiagnosticModels, config: DiagnosticsConfig) -> tuple[list[str
         chosen = [m for m in MEASURES if refusals[m] is None]
         if config.dictionary is not None and "dictionary" not in chosen:
             chosen.append("dictionary")  # asked for by --dictionary: refused below
+        if config.translations is not None and "translation" not in chosen:
+            chosen.append("translation")  # asked for by --translations: refused below
         if not chosen:
             # Only a stage without codes gets here: the cosine's and the NLL's reasons say all.
             reasons = [str(refusals[m]) for m in ("cosine", "nll")]
@@ -165,6 +196,8 @@ def _plan(models: DiagnosticModels, config: DiagnosticsConfig) -> tuple[list[str
         notes.append("no NLL with the interface memory: it needs a decoder or joint stage")
     if "nll" in chosen and models.connected_encoder is None:
         notes.append("no NLL with the encoder memory: pass --model-dir, the connected model")
+    if "translation" in chosen and models.seq2seq is None:
+        notes.append("no zero-shot BLEU: pass --model-dir, the connected model")
     return chosen, notes
 
 
@@ -286,6 +319,8 @@ def _language_pass(
     sp, interface = models.special, models.interface
     lang_index = models.tokenizer.languages.index(lang)
     encoder_side = {"usage", "cosine", "dictionary"} & set(measures)
+    if not encoder_side and "nll" not in measures:
+        return sums  # the translation measure alone reads the texts as pairs
     for rows in token_batches([len(s) + 1 for s in ids], batch_tokens):
         batch = SequenceBatch.from_rows([ids[i] for i in rows], sp.pad, lang_index)
         # The encoder reads x </s>, as in the encoder stage and in translation.
@@ -327,6 +362,66 @@ def _figures(
     if sums.nll_tokens:
         figures.nll = {m: v / sums.nll_tokens for m, v in sums.nll.items()}
         figures.nll_tokens = sums.nll_tokens
+    return figures
+
+
+def _translation_pairs(
+    config: DiagnosticsConfig, models: DiagnosticModels
+) -> tuple[list[list[int]], list[list[int]], list[str], list[str]]:
+    """The first ``max_sentences`` line pairs of the two translation texts whose sides are
+    both non-blank: (source ids, target ids, source lines, target lines), ids cropped to fit
+    the model as :func:`_sentences` crops them."""
+    assert config.translations is not None
+    paths = [config.texts[lang] for lang in config.translations]
+    sides = [read_lines(path) for path in paths]
+    if len(sides[0]) != len(sides[1]):
+        raise DiagnosticsError(
+            f"{paths[0]} has {len(sides[0])} lines and {paths[1]} {len(sides[1])}: translations "
+            "must be line-aligned (--translations)"
+        )
+    kept = [(a, b) for a, b in zip(*sides, strict=True) if a.strip() and b.strip()]
+    if config.max_sentences:
+        kept = kept[: config.max_sentences]
+    if len(kept) < 2:
+        raise DiagnosticsError(f"{paths[0]} and {paths[1]} have fewer than 2 non-blank pairs")
+    room = models.config.max_len - 1
+    lines = [[pair[side] for pair in kept] for side in (0, 1)]
+    ids = [[s[:room] for s in models.tokenizer.encode(side)] for side in lines]
+    return ids[0], ids[1], lines[0], lines[1]
+
+
+def _reading(config: DiagnosticsConfig, models: DiagnosticModels) -> list[ReadingFigures]:
+    """The translation measure in both directions (:mod:`.reading`)."""
+    assert config.translations is not None and models.decoder is not None
+    assert models.connected_encoder is not None
+    ids_a, ids_b, lines_a, lines_b = _translation_pairs(config, models)
+    translator = None
+    if models.seq2seq is not None:
+        translator = Translator(models.seq2seq, models.tokenizer)
+    figures = []
+    langs = models.tokenizer.languages
+    for (src, tgt), (src_ids, tgt_ids, references) in zip(
+        (config.translations, config.translations[::-1]),
+        ((ids_a, ids_b, lines_b), (ids_b, ids_a, lines_a)),
+        strict=True,
+    ):
+        nll, tokens = read_translations(
+            models.decoder,
+            models.connected_encoder,
+            models.special,
+            src_ids,
+            tgt_ids,
+            (langs.index(src), langs.index(tgt)),
+            models.config.d_model,
+            config.batch_tokens,
+        )
+        reading = ReadingFigures(src, tgt, len(src_ids), tokens, nll)
+        if translator is not None:
+            scores = zero_shot_scores(
+                translator, src_ids, references, (src, tgt), config.batch_tokens
+            )
+            reading.bleu, reading.chrf = scores
+        figures.append(reading)
     return figures
 
 
@@ -389,6 +484,10 @@ def diagnose_interface(
             len(target),
             code_agreement(source, target, pairs, k) if pairs else None,
         )
+    reading = []
+    if "translation" in measures:
+        with torch.no_grad():
+            reading = _reading(config, models)
     return Diagnostics(
         interface=models.interface_kind,
         stage=models.stage,
@@ -399,5 +498,6 @@ def diagnose_interface(
         sources=models.sources,
         languages=languages,
         dictionary=dictionary_figures,
+        reading=reading,
         notes=notes,
     )

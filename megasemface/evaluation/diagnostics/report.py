@@ -8,11 +8,23 @@ import time
 from typing import Any
 
 from megasemface.evaluation.diagnostics.figures import CodeAgreement, CodeUsageFigures
+from megasemface.evaluation.diagnostics.reading import READING_MEMORIES, ReadingFigures
 from megasemface.interfaces.registry import interface
 
-__all__ = ["METRIC_PREFIX", "Diagnostics", "DictionaryFigures", "LanguageFigures", "log_to_run"]
+__all__ = [
+    "FORMAT",
+    "METRIC_PREFIX",
+    "Diagnostics",
+    "DictionaryFigures",
+    "LanguageFigures",
+    "log_to_run",
+]
 
 METRIC_PREFIX = "diag_"
+
+FORMAT = "megasemface-diagnostics/2"
+"""The JSON's format: a result of another format was measured by other code, and is not
+reused as this code's result."""
 
 MEMORIES = ("interface", "codes", "encoder", "bridge", "zeros")
 """The cross-attention memories of the NLL figures, in the order they are reported."""
@@ -124,13 +136,16 @@ class Diagnostics:
     sources: dict[str, str]
     languages: list[LanguageFigures]
     dictionary: DictionaryFigures | None = None
+    reading: list[ReadingFigures] = dataclasses.field(default_factory=list)
+    """Whether the connected model reads a translation, one entry per direction."""
     notes: list[str] = dataclasses.field(default_factory=list)
     """What could not be measured here and why."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = {"format": FORMAT, **dataclasses.asdict(self)}
         out["languages"] = [lang.to_dict() for lang in self.languages]
         out["dictionary"] = self.dictionary.to_dict() if self.dictionary is not None else None
+        out["reading"] = [direction.to_dict() for direction in self.reading]
         out["metrics"] = self.metrics()
         return out
 
@@ -141,6 +156,8 @@ class Diagnostics:
             out.update(lang.metrics())
         if self.dictionary is not None:
             out.update(self.dictionary.metrics())
+        for direction in self.reading:
+            out.update(direction.metrics())
         return {f"{METRIC_PREFIX}{k}": float(v) for k, v in out.items()}
 
     def format_table(self) -> str:
@@ -184,6 +201,7 @@ class Diagnostics:
         lines += [label.ljust(width) + "".join(v.rjust(col) for v in vs) for label, vs in rows]
         if self.dictionary is not None:
             lines += _dictionary_lines(self.dictionary)
+        lines += _reading_lines(self.reading)
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -212,6 +230,23 @@ def _dictionary_lines(d: DictionaryFigures) -> list[str]:
         overlap = _float(a.baseline_overlap, ".3f")
         lines.append(f"  same argmax code {_pct(a.same_code)} (random pairs {same})")
         lines.append(f"  top-{a.k} code overlap {a.overlap:.3f} (random pairs {overlap})")
+    return lines
+
+
+def _reading_lines(reading: list[ReadingFigures]) -> list[str]:
+    if not reading:
+        return []
+    lines = [
+        "reading a translation: the decoder's NLL/token of each sentence with the encoder's "
+        "output for its translation / an unrelated sentence / zeros"
+    ]
+    for d in reading:
+        nll = " / ".join(f"{d.nll[m]:.3f}" for m in READING_MEMORIES)
+        bleu = "" if d.bleu is None else f"; zero-shot greedy BLEU {d.bleu:.2f}"
+        lines.append(
+            f"  {d.direction} ({d.pairs:,} pairs): {nll}; {d.gain_over_zeros:+.3f} over zeros, "
+            f"{d.gain_over_unrelated:+.3f} over unrelated{bleu}"
+        )
     return lines
 
 

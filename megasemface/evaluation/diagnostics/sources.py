@@ -41,7 +41,12 @@ from megasemface.models.semface import SemFaceModel
 from megasemface.nn.bridge import CodebookBridge, bridge_state
 from megasemface.nn.config import ModelConfig, config_from_dict
 from megasemface.nn.cpu_speed import apply_cpu_speed
-from megasemface.nn.transformer import EncoderOutput, TransformerDecoder, TransformerEncoder
+from megasemface.nn.transformer import (
+    EncoderOutput,
+    Seq2SeqModel,
+    TransformerDecoder,
+    TransformerEncoder,
+)
 from megasemface.objectives.sequences import SpecialTokens
 from megasemface.stages import find_stage, stage_names
 
@@ -77,6 +82,8 @@ class DiagnosticModels:
     """``(tokens, mask, langs) -> EncoderOutput``: the memory of the connected model."""
     bridge: CodebookBridge | None
     """A VQ stage's VQ layer as the codebook bridge (None without a VQ encoder)."""
+    seq2seq: Seq2SeqModel | None
+    """The connected model of ``--model-dir``, which translates (None without one)."""
     decoder_codes: str
     """What picked the codes the stage's decoder was pre-trained on: ``extractor`` (the
     paper's feature extractor) or ``encoder`` (``--decoder-codes encoder``)."""
@@ -237,6 +244,7 @@ def load_models(
         decoder=decoder,
         connected_encoder=connected,
         bridge=bridge,
+        seq2seq=seq2seq if isinstance(seq2seq, Seq2SeqModel) else None,
         decoder_codes=meta.get("train_config", {}).get("decoder_codes", "extractor"),
         memory_norm=bool(meta.get("train_config", {}).get("decoder_memory_norm")),
         decoder_continuous=float(meta.get("train_config", {}).get("decoder_continuous") or 0.0),
