@@ -435,7 +435,7 @@ def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
             calls.append(("pretrain", system.key, str(seed)))
             return tmp_path / seeded(f"pretrain-{system.key}", seed)
 
-        def diagnose(self, system: System, run_dir: Path) -> dict:
+        def diagnose(self, system: System, run_dir: Path, model_dir: Path) -> dict:
             calls.append(("diagnose", system.key, run_dir.name))
             return {"run": run_dir.name}
 
@@ -502,7 +502,8 @@ def test_the_pipeline_runs_every_system_once_per_seed(tmp_path: Path) -> None:
 
 def test_every_pre_training_with_an_encoder_mlm_measures_it(tmp_path: Path) -> None:
     """XLM's encoder stage and the SemFace systems' joint stage have an encoder MLM; mBART's
-    pre-training has none, and only the SemFace systems have an interface to diagnose."""
+    pre-training has none; every pre-trained system's connected model is diagnosed (whether
+    it reads a translation; a SemFace system's interface too)."""
     measured: list[tuple[str, str]] = []
 
     class Recording(Pipeline):
@@ -512,7 +513,7 @@ def test_every_pre_training_with_an_encoder_mlm_measures_it(tmp_path: Path) -> N
         def connect(self, system: System, run_dir: Path, seed: int) -> Path:
             return tmp_path / system.key
 
-        def diagnose(self, system: System, run_dir: Path) -> dict:
+        def diagnose(self, system: System, run_dir: Path, model_dir: Path) -> dict:
             measured.append(("diagnose", system.key))
             return {}
 
@@ -524,7 +525,9 @@ def test_every_pre_training_with_an_encoder_mlm_measures_it(tmp_path: Path) -> N
     config = PipelineConfig(workdir=tmp_path, systems=systems, settings=())
     Recording(config).run_seed([config.system(key) for key in systems], 0)
     assert measured == [
+        ("diagnose", "xlm"),
         ("encoder_mlm", "pretrain-xlm"),
+        ("diagnose", "mbart"),
         ("diagnose", "cl"),
         ("encoder_mlm", "pretrain-cl"),
         ("diagnose", "vq"),

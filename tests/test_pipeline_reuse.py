@@ -9,6 +9,7 @@ import pytest
 
 from megasemface.models.model_dir import FORMAT
 from megasemface.pipeline.config import PipelineConfig
+from megasemface.pipeline.connecting import connect_system
 from megasemface.pipeline.launcher import LaunchError, changed_settings, lineage
 from megasemface.pipeline.pipeline import Pipeline
 from megasemface.pipeline.systems import SYSTEMS
@@ -171,13 +172,14 @@ def test_a_connection_of_another_pre_training_is_not_reused(
     pretrain.output_dir = tmp_path / "runs" / "pretrain-vq"
     _finished(pretrain, "pre", {})
     connected = _model_dir(tmp_path / "models" / "vq", {"encoder": "pre", "decoder": "pre"})
-    assert _pipeline(tmp_path).connect(system, pretrain.output_dir, 0) == connected
+    spm = tmp_path / "spm.model"  # not read: the connection is reused or refused
+    assert connect_system(system, pretrain.output_dir, connected, spm, 0) == connected
     assert f"reusing {connected}" in capsys.readouterr().out
 
     meta = pretrain.output_dir / "checkpoints" / f"step-{pretrain.steps:08d}" / "meta.json"
     meta.write_text(json.dumps({"mlflow_run_id": "retrained", "parent_runs": {}}))
     with pytest.raises(LaunchError, match="was connected from another run") as caught:
-        _pipeline(tmp_path).connect(system, pretrain.output_dir, 0)
+        connect_system(system, pretrain.output_dir, connected, spm, 0)
     assert "retrained" in str(caught.value) and "\n" not in str(caught.value)
 
 
