@@ -98,7 +98,8 @@ def test_documented_command_writes_the_table_and_its_report(
     for lang in ("de", "en"):
         sizes = report["sizes"][lang]
         assert sizes["tokens"] > 200_000 and 0 < sizes["ids_trained"] <= sizes["ids_seen"]
-        assert len(sizes["loss_per_epoch"]) == report["config"]["skipgram"]["epochs"]
+        epochs = report["config"]["skipgram"]["epochs"]
+        assert sizes["tokens_trained"] == sizes["tokens"] * epochs
     ids = report["ids"]
     assert sum(ids.values()) == VOCAB and ids["shared"] > 1000 and ids["unseen"] > 0
     mapping = report["mapping"]["en"]
