@@ -64,7 +64,7 @@ class SkipGramBackend:
 
 
 SKIPGRAM_BACKENDS: dict[str, SkipGramBackend] = {}
-"""Every skip-gram backend by name; the first is the default."""
+"""Every skip-gram backend by name (``SkipGramConfig.backend`` names one)."""
 
 
 def register_skipgram_backend(spec: SkipGramBackend) -> SkipGramBackend:
