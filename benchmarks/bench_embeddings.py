@@ -9,9 +9,8 @@
    process, so that its peak RSS is its own; the RSS of an idle process with torch loaded
    (the floor) is printed with them. Each figure stands beside its limit:
 
-   - skip-gram: pairs/s of the closed-form SGNS step with row-wise Adam, beside the autograd
-     step with ``torch.optim.SparseAdam`` on the same batches (the peer, same arithmetic);
-     memory beside the ``24 V d`` bytes of the two matrices and their Adam moments;
+   - skip-gram: tokens/s of the default backend on one thread, one epoch over 2M Zipf ids
+     (the sentence file included); memory beside the library's ``8 V d`` bytes;
    - mapping: normalisation, the identical seed and self-learning (Procrustes + CSLS
      dictionary induction over the 20,000 most frequent ids, blocks of 2,048 rows), timed
      per iteration; the unsupervised initialisation on the 4,000 most frequent ids; memory
@@ -46,7 +45,7 @@ from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.text.textio import parse_lang_path
 from megasemface.embeddings import CLEmbeddingConfig, SkipGramConfig, build_cl_embeddings
 from megasemface.embeddings.mapping import normalize, unsupervised_seed
-from megasemface.embeddings.skipgram import RowAdam, sgns_step
+from megasemface.embeddings.skipgram import train_skipgram
 from megasemface.embeddings.table import map_language, merge_table
 
 GB = 1e9
@@ -116,66 +115,24 @@ def _floor() -> dict[str, Any]:
     return {}
 
 
-def _zipf_cdf(vocab: int) -> torch.Tensor:
-    """Cumulative Zipf(1) frequencies: id i is the (i+1)-th most frequent, as in a corpus."""
-    return torch.cumsum(1.0 / torch.arange(1, vocab + 1, dtype=torch.float64), 0)
-
-
-def _batches(vocab: int, batch: int, negatives: int, steps: int) -> list[tuple[torch.Tensor, ...]]:
-    gen = torch.Generator().manual_seed(0)
-    cdf = _zipf_cdf(vocab)
-    noise = torch.cumsum(torch.diff(cdf, prepend=torch.zeros(1)).pow(0.75), 0)
-
-    def draw(cum: torch.Tensor, n: int) -> torch.Tensor:
-        u = torch.rand(n, generator=gen, dtype=torch.float64) * cum[-1]
-        return torch.searchsorted(cum, u, right=True)
-
-    return [
-        (
-            draw(cdf, batch),
-            draw(cdf, batch),
-            draw(noise, batch * negatives).view(batch, negatives),
-        )
-        for _ in range(steps)
-    ]
-
-
-def _skipgram_step(vocab: int, dim: int, steps: int, warmup: int) -> dict[str, Any]:
-    batches = _batches(vocab, 8192, 5, steps + warmup)
+def _skipgram(vocab: int, dim: int, tokens: int) -> dict[str, Any]:
+    """One epoch of the default backend on one thread over ``tokens`` Zipf(1) ids in
+    sentences of 30 (frequency, not meaning, sets the work)."""
+    rng = np.random.default_rng(0)
+    cdf = np.cumsum(1.0 / np.arange(1, vocab + 1))
+    ids = np.searchsorted(cdf, rng.random(tokens) * cdf[-1], side="right").astype(np.int32)
+    offsets = np.arange(0, tokens + 1, 30)
+    offsets[-1] = tokens
+    config = SkipGramConfig(dim=dim, epochs=1, threads=1)
     _reset_peak()
-    w_in = (torch.rand(vocab, dim) - 0.5) / dim
-    w_out = torch.zeros(vocab, dim)
-    adam_in, adam_out = RowAdam(w_in), RowAdam(w_out)
-    for i, (c, o, n) in enumerate(batches):
-        if i == warmup:
-            started = time.perf_counter()
-        sgns_step(w_in, w_out, adam_in, adam_out, c, o, n, 0.01)
-    seconds = time.perf_counter() - started
-    return {"pairs_per_s": steps * 8192 / seconds, "seconds": seconds}
-
-
-def _skipgram_peer(vocab: int, dim: int, steps: int, warmup: int) -> dict[str, Any]:
-    batches = _batches(vocab, 8192, 5, steps + warmup)
-    _reset_peak()
-    w_in = torch.nn.Embedding(vocab, dim, sparse=True)
-    w_out = torch.nn.Embedding(vocab, dim, sparse=True)
-    with torch.no_grad():
-        w_in.weight.uniform_(-0.5 / dim, 0.5 / dim)
-        w_out.weight.zero_()
-    optimizer = torch.optim.SparseAdam([w_in.weight, w_out.weight], lr=0.01)
-    for i, (c, o, n) in enumerate(batches):
-        if i == warmup:
-            started = time.perf_counter()
-        cv = w_in(c)
-        loss = -(
-            torch.nn.functional.logsigmoid((cv * w_out(o)).sum(1)).sum()
-            + torch.nn.functional.logsigmoid(-torch.einsum("bd,bkd->bk", cv, w_out(n))).sum()
-        )
-        optimizer.zero_grad(set_to_none=True)
-        (loss / c.numel()).backward()
-        optimizer.step()
-    seconds = time.perf_counter() - started
-    return {"pairs_per_s": steps * 8192 / seconds, "seconds": seconds}
+    result = train_skipgram(ids, offsets, vocab, config)
+    return {
+        "tokens_per_s": result.tokens / result.seconds,
+        "seconds": result.seconds,
+        "file_seconds": result.file_seconds,
+        "trained": int(result.trained.sum()),
+        "backend": config.backend,
+    }
 
 
 def _spaces(vocab: int, dim: int) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
@@ -251,9 +208,7 @@ def run(
                 _demo_build, locale_dir, Path(tmp), init, threads=threads
             )
     results["floor"] = _in_fresh_process(_floor, threads=threads)
-    # One thread, as the build trains skip-gram (SkipGramConfig.threads explains why).
-    results["skipgram"] = _in_fresh_process(_skipgram_step, vocab, dim, 8, 2, threads=1)
-    results["skipgram_peer"] = _in_fresh_process(_skipgram_peer, vocab, dim, 8, 2, threads=1)
+    results["skipgram"] = _in_fresh_process(_skipgram, vocab, dim, 2_000_000, threads=1)
     results["mapping"] = _in_fresh_process(_mapping, vocab, dim, iterations, threads=threads)
     results["unsupervised"] = _in_fresh_process(_unsupervised, vocab, dim, 4000, threads=threads)
     results["merge"] = _in_fresh_process(_merge, vocab, dim, threads=threads)
@@ -283,7 +238,7 @@ def report(r: dict[str, Any]) -> str:
 
     v, d = r["vocab"], r["dim"]
     floor = r["floor"]["peak_rss"]
-    sg, peer, mapping = r["skipgram"], r["skipgram_peer"], r["mapping"]
+    sg, mapping = r["skipgram"], r["mapping"]
     n = mapping["induction_rows"]
     vxv = 4.0 * v * v
     per_iteration = mapping["map_s"] / max(mapping["iterations"], 1)
@@ -294,11 +249,10 @@ def report(r: dict[str, Any]) -> str:
         "",
         "| phase | measured | limit or peer |",
         "|---|---|---|",
-        "| skip-gram step (batch 8,192, 5 negatives, 1 thread) | "
-        f"{sg['pairs_per_s']:,.0f} pairs/s, "
-        f"peak {_gb(sg['peak_rss'])} | autograd + SparseAdam: {peer['pairs_per_s']:,.0f} "
-        f"pairs/s, peak {_gb(peer['peak_rss'])}; state 24 V d = {_gb(24.0 * v * d)} plus "
-        f"a batch, about 3 x 4 B (K + 2) d = {_gb(12.0 * 8192 * 7 * d)} |",
+        f"| skip-gram ({sg['backend']}, 1 epoch of 2M Zipf ids, 1 thread) | "
+        f"{sg['tokens_per_s']:,.0f} tokens/s ({sg['file_seconds']:.1f} s of "
+        f"{sg['seconds']:.1f} s writing the sentence file), peak {_gb(sg['peak_rss'])} | "
+        f"two [V, d] float32 matrices: 8 V d = {_gb(8.0 * v * d)} |",
         f"| normalise 2 spaces | {mapping['normalize_s']:.1f} s | |",
         f"| self-learning on {n:,} ids a language, {mapping['iterations']} iteration(s), "
         f"seed {mapping['seed']:,} pairs | {mapping['map_s']:.1f} s "

@@ -7,6 +7,7 @@ in test_cl_embeddings_cli.py.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,8 @@ from megasemface.embeddings import (
     train_skipgram,
     unsupervised_seed,
 )
-from megasemface.embeddings.skipgram import RowAdam, sgns_step
+from megasemface.embeddings.sentence_file import id_words, write_sentence_file
+from megasemface.embeddings.skipgram import SKIPGRAM_BACKENDS
 from megasemface.interfaces.cross_lingual import load_embedding_table
 
 
@@ -147,48 +149,72 @@ def test_bli_precision_counts_hits_at_k() -> None:
     assert out["queries"] == 3 and out["p@1"] == pytest.approx(2 / 3) and out["p@5"] == 1.0
 
 
-def test_sgns_step_matches_autograd_and_sparse_adam() -> None:
-    """The closed-form gradients with RowAdam give SparseAdam's weights over several steps."""
-    gen = torch.Generator().manual_seed(4)
-    vocab, dim, batch, negatives = 30, 6, 16, 3
-    w_in = torch.randn(vocab, dim, generator=gen) * 0.3
-    w_out = torch.randn(vocab, dim, generator=gen) * 0.3
-    emb_in = torch.nn.Embedding.from_pretrained(w_in.clone(), freeze=False, sparse=True)
-    emb_out = torch.nn.Embedding.from_pretrained(w_out.clone(), freeze=False, sparse=True)
-    reference = torch.optim.SparseAdam([emb_in.weight, emb_out.weight], lr=0.05)
-    adam_in, adam_out = RowAdam(w_in), RowAdam(w_out)
-    for _ in range(4):
-        c = torch.randint(0, vocab, (batch,), generator=gen)
-        o = torch.randint(0, vocab, (batch,), generator=gen)
-        n = torch.randint(0, vocab, (batch, negatives), generator=gen)
-        loss = sgns_step(w_in, w_out, adam_in, adam_out, c, o, n, 0.05)
-        cv = emb_in(c)
-        ref_loss = -(
-            torch.nn.functional.logsigmoid((cv * emb_out(o)).sum(1)).sum()
-            + torch.nn.functional.logsigmoid(-torch.einsum("bd,bkd->bk", cv, emb_out(n))).sum()
-        )
-        reference.zero_grad()
-        (ref_loss / batch).backward()
-        reference.step()
-        assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-5)
-    assert torch.allclose(w_in, emb_in.weight.detach(), atol=1e-5)
-    assert torch.allclose(w_out, emb_out.weight.detach(), atol=1e-5)
+def _grouped_corpus(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sentences of 12 ids, each drawn from one of 4 groups of 10 ids (ids 0-39): ids of a
+    group co-occur, ids of different groups never do."""
+    rng = np.random.default_rng(seed)
+    groups = rng.integers(0, 4, size=600)
+    tokens = (groups[:, None] * 10 + rng.integers(0, 10, size=(600, 12))).astype(np.int32)
+    return tokens.reshape(-1), np.arange(0, tokens.size + 1, 12)
 
 
-def test_skipgram_is_deterministic_and_learns() -> None:
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 50, size=4000).astype(np.int32)
-    offsets = np.arange(0, 4001, 20)
-    config = SkipGramConfig(dim=8, epochs=2, batch_size=512, seed=3, chunk_tokens=1000)
+@pytest.mark.parametrize("backend", list(SKIPGRAM_BACKENDS))
+def test_skipgram_puts_co_occurring_ids_closer(backend: str) -> None:
+    """Every backend: ids of a group nearer each other than ids of other groups, the rows of
+    untrained ids at their seeded init, and one thread with a seed gives the same vectors."""
+    tokens, offsets = _grouped_corpus(0)
+    tokens[:5] = 45  # 5 occurrences: trained; id 46 twice, below min_count
+    tokens[5:7] = 46
+    config = SkipGramConfig(dim=16, epochs=5, subsample=0, seed=3, backend=backend)
     first = train_skipgram(tokens, offsets, 60, config)
     second = train_skipgram(tokens, offsets, 60, config)
     assert torch.equal(first.vectors, second.vectors)
-    assert first.trained[:50].all() and not first.trained[50:].any()
-    assert first.pairs > 0 and first.losses[-1] < first.losses[0]
+    trained = np.zeros(60, dtype=bool)
+    trained[:40] = trained[45] = True
+    assert np.array_equal(first.trained, trained) and first.counts[46] == 2
+    assert first.tokens == tokens.size * 5 and first.seconds >= first.file_seconds > 0
+    unit = normalize(first.vectors[:40])
+    similarity = unit @ unit.T
+    group = torch.arange(40) // 10
+    same = (group[:, None] == group[None, :]) & ~torch.eye(40, dtype=torch.bool)
+    assert similarity[same].mean() > similarity[group[:, None] != group[None, :]].mean() + 0.3
+    # Each id's nearest other id is of its own group.
+    assert (group[(similarity - 2 * torch.eye(40)).argmax(1)] == group).all()
+    # Untrained rows keep word2vec's small init, seeded.
+    assert first.vectors[46].abs().max() <= 0.5 / 16
+    reseeded = train_skipgram(tokens, offsets, 60, dataclasses.replace(config, seed=4))
+    assert not torch.equal(reseeded.vectors[46], first.vectors[46])
+
+
+def test_skipgram_refuses_bad_input() -> None:
+    tokens, offsets = _grouped_corpus(1)
     with pytest.raises(ValueError, match="dimension must be >= 1"):
         SkipGramConfig(dim=0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        SkipGramConfig(backend="word2vec.c")
+    config = SkipGramConfig(dim=8, epochs=1)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        train_skipgram(tokens, offsets, 40, config)
+        train_skipgram(tokens, offsets, 30, config)
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        train_skipgram(tokens, offsets[:-1], 60, config)
+    with pytest.raises(ValueError, match="min_count=1000"):
+        train_skipgram(tokens, offsets, 60, dataclasses.replace(config, min_count=1000))
+
+
+def test_sentence_file_holds_one_sentence_a_line(tmp_path: Path) -> None:
+    """Lines of the sentences' words in order, empty sentences left out, whatever the block
+    size; a word with white space is refused (it would split into two)."""
+    tokens = np.array([5, 12, 3, 0, 7, 100, 2], dtype=np.int32)
+    offsets = np.array([0, 3, 3, 5, 7])
+    for block in (1, 2, 1 << 20):
+        path = tmp_path / f"s{block}.txt"
+        size = write_sentence_file(path, tokens, offsets, id_words(101), block_tokens=block)
+        assert path.read_bytes() == b"5 12 3\n0 7\n100 2\n" and size == 17
+    words = [f"\u2581w{i}" for i in range(101)]
+    write_sentence_file(tmp_path / "p.txt", tokens, offsets, words)
+    assert (tmp_path / "p.txt").read_text(encoding="utf-8").split("\n")[1] == "\u2581w0 \u2581w7"
+    with pytest.raises(ValueError, match="white space"):
+        write_sentence_file(tmp_path / "x.txt", tokens, offsets, ["a b"] * 101)
 
 
 def test_gold_dictionary_matches_case_forms(spm_model: Path, tmp_path: Path) -> None:

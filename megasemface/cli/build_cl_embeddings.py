@@ -28,7 +28,7 @@ from megasemface.embeddings.build import (
     build_cl_embeddings,
 )
 from megasemface.embeddings.mapping import DIRECTIONS
-from megasemface.embeddings.skipgram import SkipGramConfig
+from megasemface.embeddings.skipgram import SKIPGRAM_BACKENDS, SkipGramConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -47,12 +47,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--window", type=int, default=sg.window)
     train.add_argument("--negatives", type=int, default=sg.negatives)
     train.add_argument("--lr", type=float, default=sg.lr)
-    train.add_argument("--batch-size", type=int, default=sg.batch_size)
     train.add_argument("--min-count", type=int, default=sg.min_count)
     train.add_argument("--subsample", type=float, default=sg.subsample)
     train.add_argument("--seed", type=int, default=sg.seed)
     train.add_argument(
-        "--skipgram-threads", type=int, default=sg.threads, help="torch threads for skip-gram"
+        "--skipgram-threads", type=int, default=sg.threads, help="worker threads of skip-gram"
+    )
+    train.add_argument(
+        "--skipgram-backend",
+        choices=tuple(SKIPGRAM_BACKENDS),
+        default=sg.backend,
+        help="the library that trains skip-gram (default: %(default)s)",
+    )
+    train.add_argument(
+        "--skipgram-tmp-dir",
+        default=sg.tmp_dir,
+        help="folder of the temporary sentence file (about 5 bytes a token; default: the "
+        "system's temporary folder)",
     )
     mapping = parser.add_argument_group("mapping")
     mapping.add_argument("--lang", action="append", default=[], help="language (repeat)")
@@ -119,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
                 negatives=args.negatives,
                 epochs=args.epochs,
                 lr=args.lr,
-                batch_size=args.batch_size,
                 min_count=args.min_count,
                 subsample=args.subsample,
                 seed=args.seed,
                 threads=args.skipgram_threads,
+                backend=args.skipgram_backend,
+                tmp_dir=args.skipgram_tmp_dir,
             ),
             languages=tuple(args.lang),
             pivot=args.pivot,

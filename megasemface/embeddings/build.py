@@ -3,9 +3,10 @@
 Pipeline, from the token shards of a joint SentencePiece vocabulary:
 
 1. **read**: each language's sentences from its shards (flat ids + offsets, as stored);
-2. **train**: skip-gram with negative sampling per language, on that language only
-   (:mod:`megasemface.embeddings.skipgram`); ids are the joint vocabulary's, so every space
-   has V rows of which only the language's seen ids are meaningful;
+2. **train**: skip-gram with negative sampling per language, on that language only, by a
+   compiled library (gensim's Word2Vec by default) reading the sentences from a temporary
+   text file (:mod:`megasemface.embeddings.skipgram`); ids are the joint vocabulary's, so
+   every space has V rows of which only the language's trained ids are meaningful;
 3. **map**: every language onto the pivot (the first language, or ``config.pivot``) by
    VecMap-style self-learning Procrustes (:mod:`megasemface.embeddings.mapping`), seeded
    with the ids both languages use often (``init="identical"``) or with VecMap's fully
@@ -30,8 +31,10 @@ report's ``phases`` holds the measured time and peak RSS of each):
 
 - read: 4 bytes per token plus 8 per sentence, per language (bounded by
   ``max_tokens_per_lang``);
-- train: ``24 V d`` bytes for one language at a time (input and output vectors and their
-  two Adam moments; 60,000 x 1,024: 1.5 GB), plus one chunk of pairs and one batch;
+- train: ``8 V d`` bytes for one language at a time (the library's input and output
+  vectors; 60,000 x 1,024: 0.5 GB) and ``4 V d`` for the result, plus about 50 bytes per
+  token of a 4M-token block while the sentence file is written (on disk: about 5 bytes per
+  token);
 - map: ``4 L V d`` bytes for the normalised spaces (kept for the merge), ``8 n d`` for the
   induction rows and ``4 block_size n`` for one block of similarities: never ``V x V``
   (60,000^2 float32 would be 14.4 GB); the unsupervised initialisation adds
@@ -297,9 +300,10 @@ def _build(
             "tokens": len(tokens),
             "ids_seen": int((result.counts > 0).sum()),
             "ids_trained": int(result.trained.sum()),
-            "pairs": result.pairs,
-            "pairs_per_second": round(result.pairs / max(result.seconds, 1e-9)),
-            "loss_per_epoch": [round(x, 4) for x in result.losses],
+            "tokens_trained": result.tokens,
+            "tokens_per_second": round(result.tokens / max(result.seconds, 1e-9)),
+            "sentence_file_seconds": round(result.file_seconds, 3),
+            "cpu_seconds": round(result.cpu_seconds, 3),
         }
         del tokens, offsets, result
     report["sizes"] = sizes
