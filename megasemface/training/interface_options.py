@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megasemface.interfaces.registry import DECODER_CODES, interface
+from megasemface.interfaces.vq.options import CODEBOOK_INITS, RANDOM_CODES
 from megasemface.objectives.options import PAPER_WORD_DROP
 from megasemface.stages import stage
 
@@ -27,6 +28,16 @@ def fill_interface_options(config: TrainConfig) -> None:
         raise ValueError(
             "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
             "--interface vq and --stage decoder or joint"
+        )
+    if config.vq_codebook_init not in CODEBOOK_INITS:
+        raise ValueError(
+            f"--vq-codebook-init must be one of {', '.join(CODEBOOK_INITS)}, "
+            f"got {config.vq_codebook_init!r}"
+        )
+    if config.vq_codebook_init != RANDOM_CODES and not run_interface.codebook:
+        raise ValueError(
+            f"--vq-codebook-init {config.vq_codebook_init} starts VQ-SemFace's codebook: use it "
+            "with --interface vq"
         )
     if not 0 <= config.decoder_word_drop < 1:
         raise ValueError("--decoder-word-drop must be in [0, 1)")
