@@ -247,19 +247,20 @@ def _build_vq(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
     from megasemface.distributed.groups import ParallelGroups
     from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
 
-    built = VectorQuantizedInterface(
-        config, options.groups or ParallelGroups.single(), options.seed
-    )
-    if options.vq_codebook_init == TABLE_CODES:
-        from megasemface.interfaces.vq.table_codes import table_codes
+    groups = options.groups or ParallelGroups.single()
+    if options.vq_codebook_init != TABLE_CODES:
+        return VectorQuantizedInterface(config, groups, options.seed)
+    from megasemface.interfaces.vq.table_codes import table_codes
 
-        if options.cl_table is None or options.piece_counts is None:
-            raise ValueError(
-                "--vq-codebook-init table needs the cross-lingual table (--cl-table) and the "
-                "pieces' counts in the shards"
-            )
-        table = _cl_table(config, options.cl_table)
-        built.quantizer.start_codes(table_codes(table, options.piece_counts, config.vq.num_codes))
+    if options.cl_table is None or options.piece_counts is None:
+        raise ValueError(
+            "--vq-codebook-init table needs the cross-lingual table (--cl-table) and the "
+            "pieces' counts in the shards"
+        )
+    table = _cl_table(config, options.cl_table)
+    input_table = table if options.cl_table_input else None
+    built = VectorQuantizedInterface(config, groups, options.seed, input_table)
+    built.quantizer.start_codes(table_codes(table, options.piece_counts, config.vq.num_codes))
     return built
 
 
@@ -292,11 +293,6 @@ def _check_vq(options: Any, spec: Stage) -> None:
                 "--vq-codebook-init table starts the codebook the encoder trains: use it with "
                 "--stage encoder or joint (the decoder stage reads --init-from's codebook)"
             )
-    elif options.cl_table is not None:
-        raise ValueError(
-            "--cl-table with --interface vq is read by --vq-codebook-init table: add it or "
-            "leave --cl-table out"
-        )
     if spec.decoder and not spec.encoder and options.init_from is None:
         raise ValueError(
             "the VQ decoder stage needs --init-from: the encoder-stage run whose codebook "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megasemface.interfaces.registry import DECODER_CODES, interface
-from megasemface.interfaces.vq.options import CODEBOOK_INITS, RANDOM_CODES
+from megasemface.interfaces.vq.options import CODEBOOK_INITS, RANDOM_CODES, TABLE_CODES
 from megasemface.objectives.options import PAPER_WORD_DROP
 from megasemface.stages import stage
 
@@ -79,13 +79,17 @@ def fill_interface_options(config: TrainConfig) -> None:
         f"scales the target of CL-SemFace's MSE term: {where}",
         default=False,
     )
-    # On by default: the encoder's input embeddings from the table scored higher on
-    # validation at the low-resource budget on every seed (docs/reproduce.md).
+    # On by default for CL: the encoder's input embeddings from the table scored higher on
+    # validation at the low-resource budget on every seed (docs/reproduce.md). VQ-SemFace
+    # reads the table only where its codebook starts from it.
+    vq_table = run_interface.codebook and config.vq_codebook_init == TABLE_CODES
     _default_where_it_applies(
         config,
         "cl_table_input",
-        cl_mlm,
-        f"initialises CL-SemFace's encoder input embeddings from the table: {where}",
+        (run_interface.table or vq_table) and run_stage.encoder,
+        "initialises CL-SemFace's encoder input embeddings from the table: use it with "
+        "--interface cl, or vq with --vq-codebook-init table, and --stage encoder or joint",
+        default=run_interface.table,
     )
     own_codes = config.decoder_codes != "extractor"
     if config.decoder_continuous is None:

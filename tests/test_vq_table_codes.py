@@ -1,0 +1,173 @@
+"""VQ-SemFace's codebook started from the cross-lingual table (--vq-codebook-init table): the
+codes are the k-means centroids of the frequent pieces' rows at the codebook's norm, on one
+process and split over model-parallel ranks; a bad table or a run that cannot use it is one
+line."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from launch import parse_train_argv
+from safetensors.torch import save_file
+
+from megasemface.distributed.groups import ParallelGroups
+from megasemface.interfaces.factory import build_interface
+from megasemface.interfaces.vq.table_codes import KMEANS_ROUNDS, table_codes
+from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
+from megasemface.nn.config import ModelConfig, VQConfig
+
+V, D, K = 40, 8, 4
+CONFIG = ModelConfig(
+    vocab_size=V,
+    d_model=D,
+    num_heads=2,
+    ffn_dim=16,
+    encoder_layers=1,
+    decoder_layers=1,
+    extractor_layers=1,
+    max_len=16,
+    vq=VQConfig(num_codes=K, hidden_dim=8),
+)
+BASE = ["--data", "s", "--spm-model", "m", "--output-dir", "o", "--interface", "vq"]
+
+
+def _table() -> torch.Tensor:
+    return torch.randn(V, D, generator=torch.Generator().manual_seed(5))
+
+
+def _counts() -> dict[str, np.ndarray]:
+    """Two languages; pieces 0-9 are rarer than the table's min_count (3) in both."""
+    rng = np.random.default_rng(7)
+    en, de = rng.integers(3, 50, V), rng.integers(0, 50, V)
+    en[:10], de[:10] = 2, 1
+    return {"en": en, "de": de}
+
+
+def _reference(table: torch.Tensor, counts: dict[str, np.ndarray], k: int) -> torch.Tensor:
+    """Lloyd's k-means, written out point by point, from the k most frequent rows."""
+    total = counts["en"] + counts["de"]
+    ids = sorted(
+        (i for i in range(V) if counts["en"][i] >= 3 or counts["de"][i] >= 3),
+        key=lambda i: (-total[i], i),
+    )
+    points = [table[i] for i in ids]
+    centroids = [points[j].clone() for j in range(min(k, len(points)))]
+    if len(points) > k:
+        for _ in range(KMEANS_ROUNDS):
+            members: list[list[torch.Tensor]] = [[] for _ in centroids]
+            for point in points:
+                distances = [float((point - c).pow(2).sum()) for c in centroids]
+                members[distances.index(min(distances))].append(point)
+            centroids = [
+                torch.stack(group).mean(0) if group else c
+                for group, c in zip(members, centroids, strict=True)
+            ]
+    return torch.stack([c * math.sqrt(D) / c.norm() for c in centroids])
+
+
+@pytest.mark.parametrize("k", [4, 64])  # fewer codes than pieces, and more
+def test_codes_are_the_centroids_of_the_frequent_pieces_rows(k: int) -> None:
+    table, counts = _table(), _counts()
+    codes = table_codes(table, counts, k)
+    expected = _reference(table, counts, k)
+    assert codes.shape == expected.shape == (min(k, V - 10), D)
+    torch.testing.assert_close(codes, expected, rtol=1e-5, atol=1e-5)
+
+
+def _groups(rank: int, size: int) -> ParallelGroups:
+    return ParallelGroups(
+        mp_group=None,
+        dp_group=None,
+        mp_rank=rank,
+        mp_size=size,
+        dp_rank=0,
+        dp_size=1,
+        mp_ranks=tuple(range(size)),
+    )
+
+
+@pytest.mark.parametrize("mp_size", [1, 2])
+def test_the_codebook_starts_as_the_table_codes_on_every_rank(mp_size: int) -> None:
+    """Each model-parallel rank holds its own rows of the codes; with more codes than
+    pieces the other codes keep the random start of the default."""
+    table, counts = _table(), _counts()
+    for k in (K, 64):
+        config = dataclasses.replace(CONFIG, vq=dataclasses.replace(CONFIG.vq, num_codes=k))
+        codes = table_codes(table, counts, k)
+        random = VectorQuantizedInterface(config, ParallelGroups.single(), seed=1)
+        expected = random.quantizer.codebook.detach().clone()
+        expected[: len(codes)] = codes
+        shards = []
+        for rank in range(mp_size):
+            interface = build_interface(
+                "vq",
+                config,
+                groups=_groups(rank, mp_size),
+                seed=1,
+                cl_table=table,
+                vq_codebook_init="table",
+                piece_counts=counts,
+            )
+            shards.append(interface.quantizer.codebook.detach())
+        assert torch.equal(torch.cat(shards), expected)
+
+
+def _build(table: object, config: ModelConfig = CONFIG) -> None:
+    build_interface("vq", config, cl_table=table, vq_codebook_init="table", piece_counts=_counts())
+
+
+def test_a_bad_table_or_layout_is_one_line(tmp_path: Path) -> None:
+    wide = tmp_path / "wide.safetensors"
+    save_file({"embeddings": torch.zeros(V, D + 1)}, str(wide))
+    product = dataclasses.replace(CONFIG, vq=VQConfig(layout="product", groups=2, entries=4))
+    cases = [
+        (wide, CONFIG, ValueError, "table of shape"),
+        (tmp_path / "missing.safetensors", CONFIG, FileNotFoundError, "not found"),
+        (torch.zeros(V, D + 1), CONFIG, ValueError, "the model needs"),
+        (_table(), product, ValueError, "product"),
+    ]
+    for table, config, error, words in cases:
+        with pytest.raises(error, match=words) as caught:
+            _build(table, config)
+        assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--stage", "joint", "--vq-codebook-init", "table"], "give --cl-table"),
+        (
+            [
+                "--stage",
+                "decoder",
+                "--init-from",
+                "r",
+                "--cl-table",
+                "t",
+                "--vq-codebook-init",
+                "table",
+            ],
+            "--stage encoder or joint",
+        ),
+    ],
+)
+def test_runs_that_cannot_use_the_table_codes_are_one_line(argv: list[str], words: str) -> None:
+    with pytest.raises(ValueError, match=words) as caught:
+        parse_train_argv([*argv, *BASE])
+    assert "\n" not in str(caught.value)
+
+
+def test_the_table_codes_are_vq_semface_s() -> None:
+    argv = ["--stage", "joint", "--data", "s", "--spm-model", "m", "--output-dir", "o"]
+    cl = [*argv, "--interface", "cl", "--cl-table", "t", "--vq-codebook-init", "table"]
+    with pytest.raises(ValueError, match="use it with --interface vq"):
+        parse_train_argv(cl)
+    config = parse_train_argv(
+        [*BASE, "--stage", "joint", "--cl-table", "t", "--vq-codebook-init", "table"]
+    )
+    assert config.vq_codebook_init == "table" and config.cl_table == Path("t")
