@@ -19,7 +19,10 @@ from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.factory import build_interface
 from megasemface.interfaces.vq.table_codes import KMEANS_ROUNDS, table_codes
 from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
+from megasemface.models.semface import SemFaceModel
 from megasemface.nn.config import ModelConfig, VQConfig
+from megasemface.nn.transformer import TransformerEncoder
+from megasemface.objectives.sequences import SpecialTokens
 
 V, D, K = 40, 8, 4
 CONFIG = ModelConfig(
@@ -31,8 +34,10 @@ CONFIG = ModelConfig(
     decoder_layers=1,
     extractor_layers=1,
     max_len=16,
+    num_langs=2,
     vq=VQConfig(num_codes=K, hidden_dim=8),
 )
+SPECIAL = SpecialTokens(pad=3, bos=0, eos=2, mask=4, lang_tags=(5, 6))
 BASE = ["--data", "s", "--spm-model", "m", "--output-dir", "o", "--interface", "vq"]
 
 
@@ -171,3 +176,35 @@ def test_the_table_codes_are_vq_semface_s() -> None:
         [*BASE, "--stage", "joint", "--cl-table", "t", "--vq-codebook-init", "table"]
     )
     assert config.vq_codebook_init == "table" and config.cl_table == Path("t")
+
+
+def test_the_table_input_starts_the_vq_encoder_s_embeddings_from_the_table() -> None:
+    """With --cl-table-input the encoder's input embeddings (tied to its MLM output layer)
+    are the table's rows at unit norm but for the padding row; off (the default) they are
+    the model's own start."""
+    table = _table()
+    torch.manual_seed(0)
+    own = TransformerEncoder(CONFIG).embed.tokens.weight.detach()
+    for table_input in (False, True):
+        torch.manual_seed(0)
+        interface = build_interface(
+            "vq",
+            CONFIG,
+            cl_table=table,
+            cl_table_input=table_input,
+            vq_codebook_init="table",
+            piece_counts=_counts(),
+        )
+        torch.manual_seed(0)
+        model = SemFaceModel(CONFIG, interface, SPECIAL)
+        weight = model.encoder.embed.tokens.weight.detach()
+        if not table_input:
+            assert torch.equal(weight, own)
+            continue
+        expected = table * D**-0.5
+        expected[SPECIAL.pad] = own[SPECIAL.pad]  # the padding row keeps its start
+        assert torch.equal(weight, expected)
+    defaults = parse_train_argv(
+        [*BASE, "--stage", "joint", "--cl-table", "t", "--vq-codebook-init", "table"]
+    )
+    assert defaults.cl_table_input is False
