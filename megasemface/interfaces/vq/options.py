@@ -38,7 +38,8 @@ class VQOptions:
     """VQ-SemFace: how the flat codebook's codes start. random: N(0, 1) from the seed; table:
     k-means centroids of the --cl-table rows of the pieces the shards hold, at the same norm,
     so that a word and its translation start near one code (the paper's Fig. 5); the
-    encoder and joint stages (interfaces/vq/table_codes.py, docs/pretraining.md)."""
+    encoder and joint stages; with --cl-table-input the encoder's input embeddings start from
+    the table too (interfaces/vq/table_codes.py, docs/pretraining.md)."""
     codebook_warn_fraction: float = 0.25
     """VQ-SemFace: warn that the codebook collapses when the argmax picks fewer codes over a
     logging window than this share of what a uniform choice would pick for its n tokens,
