@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from launch import parse_train_argv
 from safetensors.torch import save_file
 
-from megasemface.distributed.groups import ParallelGroups
+from megasemface.distributed.groups import ParallelGroups, build_parallel_groups
+from megasemface.distributed.launch import free_port
 from megasemface.interfaces.factory import build_interface
 from megasemface.interfaces.vq.table_codes import KMEANS_ROUNDS, table_codes
 from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
@@ -120,6 +124,54 @@ def test_the_codebook_starts_as_the_table_codes_on_every_rank(mp_size: int) -> N
             )
             shards.append(interface.quantizer.codebook.detach())
         assert torch.equal(torch.cat(shards), expected)
+
+
+def _split_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One of two model-parallel ranks (gloo): its shard of the table codes and the codes
+    its split layer picks for the same tokens."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        groups = build_parallel_groups(world)
+        interface = build_interface(
+            "vq",
+            CONFIG,
+            groups=groups,
+            seed=1,
+            cl_table=_table(),
+            vq_codebook_init="table",
+            piece_counts=_counts(),
+        ).eval()
+        h = torch.randn(9, D, generator=torch.Generator().manual_seed(2))
+        result = {
+            "shard": interface.quantizer.codebook.detach(),
+            "codes": interface.quantizer(h).codes,
+        }
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.launcher
+def test_two_model_parallel_ranks_hold_the_table_codes_as_one_process_does(
+    tmp_path: Path,
+) -> None:
+    """--mp-size 2 in processes: each rank holds its half of the table codes and the split
+    layer picks the one-process layer's codes."""
+    mp.spawn(_split_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    whole = build_interface(
+        "vq", CONFIG, seed=1, cl_table=_table(), vq_codebook_init="table", piece_counts=_counts()
+    ).eval()
+    h = torch.randn(9, D, generator=torch.Generator().manual_seed(2))
+    codebook = torch.cat([r["shard"] for r in ranks])
+    assert torch.equal(codebook, whole.quantizer.codebook.detach())
+    assert torch.equal(codebook, table_codes(_table(), _counts(), K))
+    for r in ranks:
+        assert torch.equal(r["codes"], whole.quantizer(h).codes)
 
 
 def _build(table: object, config: ModelConfig = CONFIG) -> None:
