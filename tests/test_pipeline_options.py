@@ -261,7 +261,9 @@ def test_an_ablation_changes_only_its_options(tmp_path: Path) -> None:
         } - (set(FILLED_IN) - set(system.options))
         assert changed == {"output_dir", "run_name", "tags", *system.options} | (
             {"model_options"} if system.model else set()
-        ) | ({"ras_dictionary"} if system.pretraining_ras else set()), key
+        ) | ({"ras_dictionary"} if system.pretraining_ras else set()) | (
+            {"cl_table"} if system.reads_table != SYSTEMS[system.interface].reads_table else set()
+        ), key
         assert config.output_dir.name == f"pretrain-{key}"
         assert config.tag_dict()["system"] == system.display
         assert {k: getattr(config, k) for k in system.options} == dict(system.options)
@@ -269,6 +271,8 @@ def test_an_ablation_changes_only_its_options(tmp_path: Path) -> None:
     assert eq6.model_options == ["dropout=0.2", "vq.diversity_loss=eq6"]
     paper = pipeline.pretrain_config(ABLATIONS["vq-paper-losses"], 0)
     assert (paper.token_entropy_weight, paper.diversity_weight) == (0.0, 1.0)
+    table = pipeline.pretrain_config(ABLATIONS["vq-table"], 0)
+    assert table.cl_table is not None and table.cl_table == pipeline.cl_table
 
 
 def test_mrasp_pretrains_on_the_parallel_pairs_with_the_pipeline_s_dictionary(

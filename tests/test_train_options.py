@@ -53,6 +53,7 @@ def test_every_option_survives_the_command_line() -> None:
         extractor_diversity=True,
         token_entropy_weight=1e-3,
         codebook_warn_fraction=0.1,
+        vq_codebook_init="table",
         mp_size=2,
         steps=7,
         seed=3,

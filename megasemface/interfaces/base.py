@@ -31,6 +31,7 @@ __all__ = [
     "InterfaceMemory",
     "NoInterface",
     "SemanticInterface",
+    "start_embeddings_from_table",
     "tensor_sha256",
 ]
 
@@ -222,3 +223,16 @@ class NoInterface(SemanticInterface):
     @property
     def has_decoder_stage(self) -> bool:
         return False
+
+
+@torch.no_grad()
+def start_embeddings_from_table(encoder: TransformerEncoder, table_VD: torch.Tensor) -> None:
+    """The encoder's input token embeddings become the cross-lingual table's rows at unit
+    norm, the scale of their own initialisation (the padding row stays zero): a word and its
+    translation then start with near embeddings, and, the MLM output layer being tied to
+    them, near predictions."""
+    weight = encoder.embed.tokens.weight
+    rows = table_VD.detach() * table_VD.shape[1] ** -0.5
+    keep = weight[encoder.embed.tokens.padding_idx].clone()
+    weight.copy_(rows.to(weight.dtype))
+    weight[encoder.embed.tokens.padding_idx] = keep

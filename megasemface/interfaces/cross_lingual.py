@@ -27,6 +27,7 @@ from megasemface.interfaces.base import (
     InterfaceMemory,
     SemanticInterface,
     select_targets,
+    start_embeddings_from_table,
     tensor_sha256,
 )
 from megasemface.nn.transformer import EncoderOutput, TransformerEncoder
@@ -90,14 +91,8 @@ class CrossLingualInterface(SemanticInterface):
         rows at unit norm, the scale of their own initialisation: XLM's code, which the
         paper builds on, ties them to the output layer the paper initialises with the
         table. The padding row stays zero."""
-        if not self.table_input:
-            return
-        weight = encoder.embed.tokens.weight
-        with torch.no_grad():
-            rows = self.table.detach() * self.table.shape[1] ** -0.5
-            keep = weight[encoder.embed.tokens.padding_idx].clone()
-            weight.copy_(rows.to(weight.dtype))
-            weight[encoder.embed.tokens.padding_idx] = keep
+        if self.table_input:
+            start_embeddings_from_table(encoder, self.table)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The table rows of ``ids``. Read through this module call rather than by indexing

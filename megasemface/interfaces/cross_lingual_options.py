@@ -38,7 +38,9 @@ class CrossLingualOptions:
     cl_table_input: bool | None = None
     """CL-SemFace: the encoder's input token embeddings start as the table's rows at unit
     norm (XLM's code ties them to the output layer the paper initialises with the table).
-    Default: on in the encoder and joint stages (docs/reproduce.md)."""
+    Default: on in the encoder and joint stages (docs/reproduce.md). VQ-SemFace with
+    --vq-codebook-init table: off by default; on, its encoder's embeddings, and so its tied
+    MLM output layer, start from the table too."""
 
     def loss_weights(self) -> dict[str, float]:
         """Its loss term's weight is the pre-training losses' ``mse_weight``, which depends

@@ -6,11 +6,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces.base import SemanticInterface
 from megasemface.interfaces.registry import BuildOptions, find_interface, interface_names
+from megasemface.interfaces.vq.options import VQOptions
 from megasemface.nn.config import ModelConfig
 
 __all__ = ["INTERFACE_PREFIX", "build_interface", "fingerprint_of_state"]
@@ -27,11 +29,15 @@ def build_interface(
     cl_unit_logits: bool = False,
     cl_unit_mse: bool = False,
     cl_table_input: bool = False,
+    vq_codebook_init: str = VQOptions.vq_codebook_init,
+    piece_counts: Mapping[str, np.ndarray] | None = None,
 ) -> SemanticInterface:
     """The interface ``kind`` for a model of shape ``config``.
 
     ``cl`` needs ``cl_table``: a [vocab_size, d_model] tensor or a safetensors file of one.
-    ``vq`` splits a flat codebook across ``groups``' model-parallel group.
+    ``vq`` splits a flat codebook across ``groups``' model-parallel group; with
+    ``vq_codebook_init`` ``table`` its codes start from ``cl_table``'s rows of the pieces
+    ``piece_counts`` counts (interfaces/vq/table_codes.py).
     """
     spec = find_interface(kind)
     if spec is None:
@@ -44,6 +50,8 @@ def build_interface(
         cl_unit_logits=cl_unit_logits,
         cl_unit_mse=cl_unit_mse,
         cl_table_input=cl_table_input,
+        vq_codebook_init=vq_codebook_init,
+        piece_counts=piece_counts,
     )
     return spec.build(config, options)
 

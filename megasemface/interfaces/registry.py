@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from megasemface.interfaces.cross_lingual_options import CrossLingualOptions
-from megasemface.interfaces.vq.options import VQOptions
+from megasemface.interfaces.vq.options import TABLE_CODES, VQOptions
 from megasemface.stages import Stage, add_record
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from megasemface.distributed.groups import ParallelGroups
@@ -75,6 +76,11 @@ class BuildOptions:
     cl_unit_logits: bool
     cl_unit_mse: bool
     cl_table_input: bool
+    vq_codebook_init: str = VQOptions.vq_codebook_init
+    """How VQ-SemFace's codebook starts (``VQOptions.vq_codebook_init``); ``table`` reads
+    ``cl_table`` and ``piece_counts``."""
+    piece_counts: Mapping[str, np.ndarray] | None = None
+    """Each language's [vocab_size] occurrences of every piece in the run's shards."""
 
 
 Builder = Callable[["ModelConfig", BuildOptions], "SemanticInterface"]
@@ -203,23 +209,33 @@ def _build_none(config: ModelConfig, options: BuildOptions) -> SemanticInterface
     return NoInterface()
 
 
-def _build_cl(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
+def _cl_table(config: ModelConfig, table: torch.Tensor | str | Path) -> torch.Tensor:
+    """The [vocab_size, d_model] cross-lingual table given as a tensor or a file of one.
+
+    Raises:
+        ValueError, FileNotFoundError: one line, a table of another shape or no such file.
+    """
     import torch
 
-    from megasemface.interfaces.cross_lingual import CrossLingualInterface, load_embedding_table
+    from megasemface.interfaces.cross_lingual import load_embedding_table
 
-    table = options.cl_table
-    if table is None:
-        raise ValueError("the cl interface needs a cross-lingual embedding table (--cl-table)")
     if not isinstance(table, torch.Tensor):
-        table = load_embedding_table(table, config.vocab_size, config.d_model)
-    elif tuple(table.shape) != (config.vocab_size, config.d_model):
+        return load_embedding_table(table, config.vocab_size, config.d_model)
+    if tuple(table.shape) != (config.vocab_size, config.d_model):
         raise ValueError(
             f"cross-lingual table of shape {tuple(table.shape)}, the model needs "
             f"[{config.vocab_size}, {config.d_model}]"
         )
+    return table
+
+
+def _build_cl(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
+    from megasemface.interfaces.cross_lingual import CrossLingualInterface
+
+    if options.cl_table is None:
+        raise ValueError("the cl interface needs a cross-lingual embedding table (--cl-table)")
     return CrossLingualInterface(
-        table,
+        _cl_table(config, options.cl_table),
         trainable=options.cl_trainable,
         unit_logits=options.cl_unit_logits,
         unit_mse=options.cl_unit_mse,
@@ -231,7 +247,21 @@ def _build_vq(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
     from megasemface.distributed.groups import ParallelGroups
     from megasemface.interfaces.vq.vector_quantized import VectorQuantizedInterface
 
-    return VectorQuantizedInterface(config, options.groups or ParallelGroups.single(), options.seed)
+    groups = options.groups or ParallelGroups.single()
+    if options.vq_codebook_init != TABLE_CODES:
+        return VectorQuantizedInterface(config, groups, options.seed)
+    from megasemface.interfaces.vq.table_codes import table_codes
+
+    if options.cl_table is None or options.piece_counts is None:
+        raise ValueError(
+            "--vq-codebook-init table needs the cross-lingual table (--cl-table) and the "
+            "pieces' counts in the shards"
+        )
+    table = _cl_table(config, options.cl_table)
+    input_table = table if options.cl_table_input else None
+    built = VectorQuantizedInterface(config, groups, options.seed, input_table)
+    built.quantizer.start_codes(table_codes(table, options.piece_counts, config.vq.num_codes))
+    return built
 
 
 def _vq_weights() -> TrainedWeights:
@@ -252,6 +282,17 @@ def _check_none(options: Any, spec: Stage) -> None:
 
 
 def _check_vq(options: Any, spec: Stage) -> None:
+    if options.vq_codebook_init == TABLE_CODES:
+        if options.cl_table is None:
+            raise ValueError(
+                "--vq-codebook-init table starts the codebook from the cross-lingual table: "
+                "give --cl-table"
+            )
+        if not spec.encoder:
+            raise ValueError(
+                "--vq-codebook-init table starts the codebook the encoder trains: use it with "
+                "--stage encoder or joint (the decoder stage reads --init-from's codebook)"
+            )
     if spec.decoder and not spec.encoder and options.init_from is None:
         raise ValueError(
             "the VQ decoder stage needs --init-from: the encoder-stage run whose codebook "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from megasemface.interfaces.registry import interface
 from megasemface.pipeline.config import BUDGETS, PipelineConfig, seeded
 from megasemface.pipeline.data_steps import build_cl_table
 from megasemface.pipeline.launcher import LaunchError, lineage
@@ -249,7 +248,7 @@ def run_curves(config: CurvesConfig) -> CurvesReport:
     _check_data(config)
     vocab_size = Tokenizer.load(config.spm_model).vocab_size
     pipeline.workdir.mkdir(parents=True, exist_ok=True)
-    if any(interface(system.interface).table for system in systems):
+    if any(system.reads_table for system in systems):
         print("\n== CL-SemFace's cross-lingual table", flush=True)
         pipeline.prepare_cl_table()
     curves = []

@@ -168,7 +168,7 @@ class Pipeline:
             else:  # mRASP's pre-training, or its fine-tuning, reads parallel pairs
                 print(f"left out {system.display}: it trains on parallel pairs, so it has no run")
         self.cl_table: Path | None = None
-        if any(interface(s.interface).table for s in systems):
+        if any(s.reads_table for s in systems):
             self._step("cross-lingual embeddings (CL-SemFace's interface)")
             self.cl_table = data_steps.build_cl_table(
                 cfg, self.mono, self.spm, self.model_config.d_model, self.corpus
@@ -366,7 +366,7 @@ class Pipeline:
             "data": self._pretraining_data(system),
             "lr": cfg.pretrain_lr,
             "ras_dictionary": self._ras(system.pretraining_ras),
-            "cl_table": self.cl_table if interface(system.interface).table else None,
+            "cl_table": self.cl_table if system.reads_table else None,
             "model_options": [*cfg.model_options, *system.model_options],
             **system.options,
         }

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.checkpoints.connect import PARTS
-from megasemface.interfaces.registry import NONE
+from megasemface.interfaces.registry import NONE, interface
+from megasemface.interfaces.vq.options import TABLE_CODES
 from megasemface.nn.config import model_option
 from megasemface.pipeline.settings import SETTINGS
 from megasemface.stages import stage
@@ -57,6 +58,8 @@ pipeline gives its RAS dictionary to the runs that substitute)."""
 
 _RAS_FILE = [Path("en-de.tsv")]
 """A dictionary in the configs that check a system's options (no file is read there)."""
+_TABLE_FILE = Path("table.safetensors")
+"""A cross-lingual table in the configs that check a system's options."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +125,13 @@ class System:
         return bool(self.finetune.get("finetune_ras"))
 
     @property
+    def reads_table(self) -> bool:
+        """Its pre-training reads the cross-lingual table: CL-SemFace's, or VQ-SemFace's
+        codebook started from it (``--vq-codebook-init table``)."""
+        table_codes = self.options.get("vq_codebook_init") == TABLE_CODES
+        return self.stage is not None and (interface(self.interface).table or table_codes)
+
+    @property
     def pretraining_data(self) -> str | None:
         """The shards its pre-training reads (``Stage.data``), None without one."""
         return None if self.stage is None else stage(self.stage).data
@@ -162,6 +172,7 @@ class System:
         paths: dict[str, Any] = {"data": Path(), "spm_model": Path(), "output_dir": Path()}
         ras = stage(self.stage).substitutes or options.get("decoder_noise_ras")
         paths |= {"ras_dictionary": _RAS_FILE} if ras else {}
+        paths |= {"cl_table": _TABLE_FILE} if self.reads_table else {}
         TrainConfig(stage=self.stage, interface=self.interface, **paths, **options)
         return options
 
@@ -394,6 +405,15 @@ ABLATIONS: dict[str, System] = {
                 "cl_unit_mse": True,
                 "cl_table_input": False,
             },
+        ),
+        # The flat layout: the paper preset's product layout has no codes to start from it.
+        System(
+            "vq-table",
+            "VQ-SemFace, codebook and input embeddings from the CL table",
+            "joint",
+            "vq",
+            {"vq_codebook_init": TABLE_CODES, "cl_table_input": True},
+            model={"vq.layout": "flat"},
         ),
         System(
             "vq-paper",

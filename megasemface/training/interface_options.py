@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megasemface.interfaces.registry import DECODER_CODES, interface
+from megasemface.interfaces.vq.options import CODEBOOK_INITS, RANDOM_CODES, TABLE_CODES
 from megasemface.objectives.options import PAPER_WORD_DROP
 from megasemface.stages import stage
 
@@ -27,6 +28,16 @@ def fill_interface_options(config: TrainConfig) -> None:
         raise ValueError(
             "--extractor-diversity trains the VQ decoder stage's extractor: use it with "
             "--interface vq and --stage decoder or joint"
+        )
+    if config.vq_codebook_init not in CODEBOOK_INITS:
+        raise ValueError(
+            f"--vq-codebook-init must be one of {', '.join(CODEBOOK_INITS)}, "
+            f"got {config.vq_codebook_init!r}"
+        )
+    if config.vq_codebook_init != RANDOM_CODES and not run_interface.codebook:
+        raise ValueError(
+            f"--vq-codebook-init {config.vq_codebook_init} starts VQ-SemFace's codebook: use it "
+            "with --interface vq"
         )
     if not 0 <= config.decoder_word_drop < 1:
         raise ValueError("--decoder-word-drop must be in [0, 1)")
@@ -68,13 +79,17 @@ def fill_interface_options(config: TrainConfig) -> None:
         f"scales the target of CL-SemFace's MSE term: {where}",
         default=False,
     )
-    # On by default: the encoder's input embeddings from the table scored higher on
-    # validation at the low-resource budget on every seed (docs/reproduce.md).
+    # On by default for CL: the encoder's input embeddings from the table scored higher on
+    # validation at the low-resource budget on every seed (docs/reproduce.md). VQ-SemFace
+    # reads the table only where its codebook starts from it.
+    vq_table = run_interface.codebook and config.vq_codebook_init == TABLE_CODES
     _default_where_it_applies(
         config,
         "cl_table_input",
-        cl_mlm,
-        f"initialises CL-SemFace's encoder input embeddings from the table: {where}",
+        (run_interface.table or vq_table) and run_stage.encoder,
+        "initialises CL-SemFace's encoder input embeddings from the table: use it with "
+        "--interface cl, or vq with --vq-codebook-init table, and --stage encoder or joint",
+        default=run_interface.table,
     )
     own_codes = config.decoder_codes != "extractor"
     if config.decoder_continuous is None:

@@ -7,7 +7,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-__all__ = ["VQOptions"]
+__all__ = ["CODEBOOK_INITS", "RANDOM_CODES", "TABLE_CODES", "VQOptions"]
+
+RANDOM_CODES = "random"
+"""The codebook's codes start as N(0, 1) draws from the run's seed."""
+TABLE_CODES = "table"
+"""The codebook's codes start as centroids of the cross-lingual table's rows
+(interfaces/vq/table_codes.py)."""
+CODEBOOK_INITS = (RANDOM_CODES, TABLE_CODES)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -27,6 +34,12 @@ class VQOptions:
     token_entropy_weight: float = 0.5
     """VQ: weight of the mean per-token entropy of the code distribution (not in the paper;
     on by default, measured better on validation); 0: off."""
+    vq_codebook_init: str = RANDOM_CODES
+    """VQ-SemFace: how the flat codebook's codes start. random: N(0, 1) from the seed; table:
+    k-means centroids of the --cl-table rows of the pieces the shards hold, at the same norm,
+    so that a word and its translation start near one code (the paper's Fig. 5); the
+    encoder and joint stages; with --cl-table-input the encoder's input embeddings start from
+    the table too (interfaces/vq/table_codes.py, docs/pretraining.md)."""
     codebook_warn_fraction: float = 0.25
     """VQ-SemFace: warn that the codebook collapses when the argmax picks fewer codes over a
     logging window than this share of what a uniform choice would pick for its n tokens,
@@ -47,4 +60,5 @@ class VQOptions:
         defaults = VQOptions()
         for name in ("diversity_weight", "l2_weight", "commitment_weight", "token_entropy_weight"):
             add(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+        add("--vq-codebook-init", default=defaults.vq_codebook_init, choices=CODEBOOK_INITS)
         add("--codebook-warn-fraction", type=float, default=defaults.codebook_warn_fraction)

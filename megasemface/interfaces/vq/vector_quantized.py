@@ -27,6 +27,7 @@ from megasemface.interfaces.base import (
     EncoderTargets,
     InterfaceMemory,
     SemanticInterface,
+    start_embeddings_from_table,
     tensor_sha256,
 )
 from megasemface.interfaces.vq.code_probabilities import code_log_probs
@@ -52,13 +53,26 @@ def _scatter_tokens(
 class VectorQuantizedInterface(SemanticInterface):
     kind = "vq"
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups, seed: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        groups: ParallelGroups,
+        seed: int,
+        input_table: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
+        # The cross-lingual table the encoder's input embeddings start from (--cl-table-input
+        # with --vq-codebook-init table); read once, never a weight of the interface.
+        self.input_table = input_table
         self.quantizer = GumbelVectorQuantizer(config.vq, config.d_model, groups, seed)
         self.extractor = TransformerEncoder(config, num_layers=config.extractor_layers)
         self.last_output: VQOutput | None = None
         self.encoder_usage: CodeUsage = self.quantizer.code_usage()
         self.decoder_usage: CodeUsage = self.quantizer.code_usage()
+
+    def initialise_encoder(self, encoder: TransformerEncoder) -> None:
+        if self.input_table is not None:
+            start_embeddings_from_table(encoder, self.input_table)
 
     def encoder_head(self, encoded: EncoderOutput, targets_BT: torch.Tensor) -> EncoderHeadOutput:
         mask, rows = encoded.mask_BT, positions(encoded.mask_BT)

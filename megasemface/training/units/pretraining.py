@@ -15,6 +15,8 @@ from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces import registry
 from megasemface.interfaces.factory import build_interface
+from megasemface.interfaces.vq.options import TABLE_CODES
+from megasemface.interfaces.vq.table_codes import piece_counts
 from megasemface.models.denoising import DenoisingSeq2Seq
 from megasemface.models.semface import SemFaceModel
 from megasemface.objectives.noising import sentence_boundary_ids
@@ -61,6 +63,7 @@ class SemFaceUnit(_MonolingualUnit):
 
     def __init__(self, config: TrainConfig, data: RunData, groups: ParallelGroups) -> None:
         super().__init__(config, data, groups)
+        table_codes = config.vq_codebook_init == TABLE_CODES  # counts the shards' pieces
         interface = build_interface(
             config.interface,
             self.model_config,
@@ -71,6 +74,8 @@ class SemFaceUnit(_MonolingualUnit):
             cl_unit_logits=config.cl_unit_logits,
             cl_unit_mse=config.cl_unit_mse,
             cl_table_input=config.cl_table_input,
+            vq_codebook_init=config.vq_codebook_init,
+            piece_counts=piece_counts(data.manifest) if table_codes else None,
         )
         model = SemFaceModel(
             self.model_config, interface, data.special, objective_config_from(config)
