@@ -260,3 +260,11 @@ def test_the_table_input_starts_the_vq_encoder_s_embeddings_from_the_table() -> 
         [*BASE, "--stage", "joint", "--cl-table", "t", "--vq-codebook-init", "table"]
     )
     assert defaults.cl_table_input is False
+
+
+def test_the_trained_rows_threshold_is_the_table_builders() -> None:
+    from megasemface.embeddings.skipgram import SkipGramConfig
+    from megasemface.interfaces.vq.table_codes import TRAINED_MIN_COUNT
+
+    # The interfaces sit below the table's builder, so the threshold is stated twice.
+    assert SkipGramConfig().min_count == TRAINED_MIN_COUNT

@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from megasemface.interfaces.cross_lingual_options import CrossLingualOptions
-from megasemface.interfaces.vq.options import TABLE_CODES, VQOptions
+from megasemface.interfaces.vq.options import (
+    CODEBOOK_INITS,
+    RANDOM_CODES,
+    TABLE_CODES,
+    VQOptions,
+)
 from megasemface.stages import Stage, add_record
 
 if TYPE_CHECKING:
@@ -33,10 +38,13 @@ if TYPE_CHECKING:
     from megasemface.nn.flop_terms import Backward
 
 __all__ = [
+    "CODEBOOK_INITS",
     "DECODER_CODES",
     "DEFAULT",
     "INTERFACES",
     "NONE",
+    "RANDOM_CODES",
+    "TABLE_CODES",
     "BuildOptions",
     "CrossLingualOptions",
     "Interface",
@@ -50,6 +58,7 @@ __all__ = [
     "recorded_weights",
     "records_codebook",
     "register_interface",
+    "shard_piece_counts",
 ]
 
 NONE = "none"
@@ -250,7 +259,7 @@ def _build_vq(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
     groups = options.groups or ParallelGroups.single()
     if options.vq_codebook_init != TABLE_CODES:
         return VectorQuantizedInterface(config, groups, options.seed)
-    from megasemface.interfaces.vq.table_codes import table_codes
+    from megasemface.interfaces.vq.table_codes import start_codes, table_codes
 
     if options.cl_table is None or options.piece_counts is None:
         raise ValueError(
@@ -260,8 +269,16 @@ def _build_vq(config: ModelConfig, options: BuildOptions) -> SemanticInterface:
     table = _cl_table(config, options.cl_table)
     input_table = table if options.cl_table_input else None
     built = VectorQuantizedInterface(config, groups, options.seed, input_table)
-    built.quantizer.start_codes(table_codes(table, options.piece_counts, config.vq.num_codes))
+    start_codes(built.quantizer, table_codes(table, options.piece_counts, config.vq.num_codes))
     return built
+
+
+def shard_piece_counts(manifest: Any) -> dict[str, np.ndarray]:
+    """Each monolingual language's occurrences of every piece in a shard ``Manifest``: what
+    ``--vq-codebook-init table`` reads to choose the table rows it starts the codes from."""
+    from megasemface.interfaces.vq.table_codes import piece_counts
+
+    return piece_counts(manifest)
 
 
 def _vq_weights() -> TrainedWeights:

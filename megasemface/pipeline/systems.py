@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megasemface.checkpoints.connect import PARTS
-from megasemface.interfaces.registry import NONE, interface
-from megasemface.interfaces.vq.options import TABLE_CODES
+from megasemface.interfaces.registry import NONE, TABLE_CODES, interface
 from megasemface.nn.config import model_option
 from megasemface.pipeline.settings import SETTINGS
 from megasemface.stages import stage

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megasemface.interfaces.registry import DECODER_CODES, interface
-from megasemface.interfaces.vq.options import CODEBOOK_INITS, RANDOM_CODES, TABLE_CODES
+from megasemface.interfaces.registry import (
+    CODEBOOK_INITS,
+    DECODER_CODES,
+    RANDOM_CODES,
+    TABLE_CODES,
+    interface,
+)
 from megasemface.objectives.options import PAPER_WORD_DROP
 from megasemface.stages import stage
 

@@ -289,31 +289,6 @@ class GumbelVectorQuantizer(nn.Module):
         table = init_rows(seed, TAG_CODEBOOK, start, stop, self.codebook.shape[-1], "normal", 1)
         self.codebook.copy_(table.view_as(self.codebook))
 
-    @torch.no_grad()
-    def start_codes(self, codes_KD: Tensor) -> None:
-        """Sets the first ``len(codes_KD)`` global codes of the flat table to ``codes_KD``
-        (the same full tensor on every rank; each keeps the rows of its shard); the other
-        codes keep their start.
-
-        Raises:
-            ValueError: a product layout, or codes of another width or more than K of them.
-        """
-        if self.layout != "flat":
-            raise ValueError(
-                "--vq-codebook-init table sets the codes of the flat layout; the product "
-                "layout's tables (vq.layout product) start at random: leave the option out"
-            )
-        if codes_KD.dim() != 2 or codes_KD.shape[1] != self.d_model:
-            raise ValueError(
-                f"codes of shape {tuple(codes_KD.shape)}, the codebook's width is {self.d_model}"
-            )
-        if len(codes_KD) > self.num_codes:
-            raise ValueError(f"{len(codes_KD)} codes for a codebook of {self.num_codes}")
-        start = self.code_offset
-        stop = min(start + self.num_local, len(codes_KD))
-        if stop > start:
-            self.codebook[: stop - start] = codes_KD[start:stop].to(self.codebook.dtype)
-
     # -- schedule ----------------------------------------------------------------------------
 
     def set_step(self, step: int) -> None:

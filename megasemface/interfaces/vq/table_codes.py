@@ -18,7 +18,7 @@ Scale: every code is rescaled to norm sqrt(width), the norm of the layer's N(0, 
 which the distance logits' scale (``nn/code_distance.py``) and the encoder's LayerNorm'd
 outputs assume; centroids, means of unit directions, are shorter. Everything is computed in
 full and in fp32 on every rank, the same on each, and each model-parallel rank keeps its own
-rows (``GumbelVectorQuantizer.start_codes``).
+rows (:func:`start_codes`).
 """
 
 from __future__ import annotations
@@ -29,15 +29,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from megasemface.data.shards.shard_format import Manifest
-from megasemface.embeddings.build import read_language
-from megasemface.embeddings.skipgram import SkipGramConfig
+from megasemface.data.shards.shard_format import Manifest, iter_shard_chunks
+from megasemface.interfaces.vq.gumbel_quantizer import GumbelVectorQuantizer
 
-__all__ = ["COUNT_TOKENS", "KMEANS_ROUNDS", "piece_counts", "table_codes"]
+__all__ = [
+    "COUNT_TOKENS",
+    "KMEANS_ROUNDS",
+    "TRAINED_MIN_COUNT",
+    "piece_counts",
+    "start_codes",
+    "table_codes",
+]
 
 COUNT_TOKENS = 20_000_000
 """The pieces' frequencies are counted over the first this many tokens of each language: all
 of the demo's and low-resource corpora, a sample of a paper-scale one's."""
+TRAINED_MIN_COUNT = 3
+"""A piece has a trained row when some language holds it this often: the table's skip-gram
+``min_count`` default (``embeddings/skipgram.py``; the interfaces sit below the table's
+builder, so the value is stated here, and a table built with another ``--min-count`` is
+still read at this threshold)."""
 KMEANS_ROUNDS = 10
 """Lloyd rounds: the assignments of the demo's pieces barely change after a few."""
 _BLOCK_ROWS = 4096  # pieces a distance block holds: [block, K] fp32 at a time
@@ -48,8 +59,17 @@ def piece_counts(manifest: Manifest, max_tokens: int = COUNT_TOKENS) -> dict[str
     ``max_tokens`` tokens of the shards."""
     counts = {}
     for lang in sorted(set(manifest.languages) - set(manifest.pair_layouts)):
-        tokens, _ = read_language(manifest, lang, max_tokens)
-        counts[lang] = np.bincount(tokens, minlength=manifest.vocab_size).astype(np.int64)
+        counts[lang] = np.zeros(manifest.vocab_size, dtype=np.int64)
+        seen = 0
+        for chunk in (
+            c
+            for url in manifest.shard_paths(lang)
+            for c in iter_shard_chunks(url, manifest.vocab_size)
+        ):
+            counts[lang] += np.bincount(chunk.tokens, minlength=manifest.vocab_size)
+            seen += len(chunk.tokens)
+            if seen >= max_tokens:
+                break
     return counts
 
 
@@ -70,7 +90,7 @@ def table_codes(table_VD: Tensor, counts: dict[str, np.ndarray], num_codes: int)
     Raises:
         ValueError: no piece is frequent enough to have a trained row.
     """
-    min_count = SkipGramConfig().min_count
+    min_count = TRAINED_MIN_COUNT
     total = sum(counts.values())
     trained = np.zeros(len(total), dtype=bool)
     for lang_counts in counts.values():
@@ -92,3 +112,29 @@ def table_codes(table_VD: Tensor, counts: dict[str, np.ndarray], num_codes: int)
             codes[filled] = sums[filled] / sizes[filled, None].to(sums.dtype)
     norms = codes.norm(dim=1, keepdim=True).clamp_min(1e-12)
     return codes * (math.sqrt(codes.shape[1]) / norms)
+
+
+@torch.no_grad()
+def start_codes(layer: GumbelVectorQuantizer, codes_KD: Tensor) -> None:
+    """Sets the first ``len(codes_KD)`` global codes of ``layer``'s flat table to
+    ``codes_KD`` (the same full tensor on every rank; each keeps the rows of its shard); the
+    other codes keep their start.
+
+    Raises:
+        ValueError: a product layout, or codes of another width or more than K of them.
+    """
+    if layer.layout != "flat":
+        raise ValueError(
+            "--vq-codebook-init table sets the codes of the flat layout; the product "
+            "layout's tables (vq.layout product) start at random: leave the option out"
+        )
+    if codes_KD.dim() != 2 or codes_KD.shape[1] != layer.d_model:
+        raise ValueError(
+            f"codes of shape {tuple(codes_KD.shape)}, the codebook's width is {layer.d_model}"
+        )
+    if len(codes_KD) > layer.num_codes:
+        raise ValueError(f"{len(codes_KD)} codes for a codebook of {layer.num_codes}")
+    start = layer.code_offset
+    stop = min(start + layer.num_local, len(codes_KD))
+    if stop > start:
+        layer.codebook[: stop - start] = codes_KD[start:stop].to(layer.codebook.dtype)

@@ -15,8 +15,7 @@ from megasemface.distributed.engine import DeepSpeedEngine
 from megasemface.distributed.groups import ParallelGroups
 from megasemface.interfaces import registry
 from megasemface.interfaces.factory import build_interface
-from megasemface.interfaces.vq.options import TABLE_CODES
-from megasemface.interfaces.vq.table_codes import piece_counts
+from megasemface.interfaces.registry import TABLE_CODES, shard_piece_counts
 from megasemface.models.denoising import DenoisingSeq2Seq
 from megasemface.models.semface import SemFaceModel
 from megasemface.objectives.noising import sentence_boundary_ids
@@ -75,7 +74,7 @@ class SemFaceUnit(_MonolingualUnit):
             cl_unit_mse=config.cl_unit_mse,
             cl_table_input=config.cl_table_input,
             vq_codebook_init=config.vq_codebook_init,
-            piece_counts=piece_counts(data.manifest) if table_codes else None,
+            piece_counts=shard_piece_counts(data.manifest) if table_codes else None,
         )
         model = SemFaceModel(
             self.model_config, interface, data.special, objective_config_from(config)
