@@ -371,7 +371,7 @@ def _add_documentation(
         "doc_root": str(doc_root),
         "installed": True,
         "held_out_chapters": doc_split.chapters,
-        "mono_before_held_out": sources,
+        "mono_by_source": sources,
         **docs.report,
     }
 
