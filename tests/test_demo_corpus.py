@@ -79,6 +79,13 @@ def lines(path: Path) -> list[str]:
     return text.splitlines()
 
 
+def assert_nowhere_in_training(corpus: Path, held_out: set[str], lang: str = "de") -> None:
+    """No held-out sentence in the monolingual files or the training pairs, read from disk."""
+    for side in ("en", lang):
+        for path in (f"mono/{side}.txt", f"parallel/en-{lang}/train.{side}"):
+            assert not set(lines(corpus / path)) & held_out, path
+
+
 LATIN1_ENTRIES = {
     b"Preferences": "Préférences".encode("latin-1"),
     b"menu\x04Quit": b"Quitter",
@@ -573,13 +580,7 @@ def test_real_system_catalogs_give_a_usable_corpus(tmp_path: Path) -> None:
     test = set(lines(tmp_path / "parallel/en-de/test.en")) | set(
         lines(tmp_path / "parallel/en-de/test.de")
     )
-    for path in (
-        "parallel/en-de/train.en",
-        "parallel/en-de/train.de",
-        "mono/en.txt",
-        "mono/de.txt",
-    ):
-        assert not set(lines(tmp_path / path)) & test, path
+    assert_nowhere_in_training(tmp_path, test)
     assert len(lines(tmp_path / "dict/en-de.tsv")) > 100
     domains = report["pairs"]["en-de"]["split_domains"]
     assert not [d for split in domains.values() for d in split if is_name_catalog(d)]
@@ -590,3 +591,130 @@ def test_real_system_catalogs_give_a_usable_corpus(tmp_path: Path) -> None:
             strict=True,
         )
         assert not [p for p in pairs if copies_source(*p)], split
+
+
+_CHAPTER_WORDS = ("red", "green", "blue", "brown", "black", "white")
+_GERMAN_WORDS = {"red": "rot", "green": "grün", "blue": "blau", "brown": "braun"}
+_GERMAN_WORDS |= {"black": "schwarz", "white": "weiss"}
+
+
+def _handbook_page(title: str, paragraphs: list[str]) -> str:
+    body = "".join(f'<div class="para">{p}</div><pre>make all</pre>' for p in paragraphs)
+    return f"<html><head><title>{title}</title></head><body>{body}</body></html>"
+
+
+def _doc_root(root: Path) -> None:
+    """A handbook of six chapters in English and German, a German man page and its English
+    original: what debian-handbook and manpages-de install, in small."""
+    for number, word in enumerate(_CHAPTER_WORDS, start=1):
+        german = _GERMAN_WORDS[word]
+        en = [
+            f"The {word} machine reads every {thing}. A {word} user writes {kind} letters."
+            for thing, kind in (("book", "short"), ("page", "long"), ("note", "kind"))
+        ]
+        de = [
+            f"Die {german} Maschine liest jedes {thing}. Ein {german} Benutzer schreibt {kind} "
+            "Briefe."
+            for thing, kind in (("Buch", "kurze"), ("Blatt", "lange"), ("Heft", "nette"))
+        ]
+        for lang_dir, title, paragraphs in (
+            ("en-US", f"Chapter {number}. The {word} one", en),
+            ("de-DE", f"Kapitel {number}. Das {german}e", de),
+        ):
+            path = root / "doc/debian-handbook/html" / lang_dir / f"chapter-{word}.html"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(_handbook_page(title, paragraphs), encoding="utf-8")
+    for directory, text in (
+        ("man/man1", "Every page of this manual explains the program."),
+        ("man/de/man1", "Jede Seite dieses Handbuchs erklärt das Programm."),
+    ):
+        page = root / directory / "demo.1"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(f".TH DEMO 1\n.SH DESCRIPTION\n{text}\n", encoding="utf-8")
+
+
+def test_documentation_gives_prose_valid_and_test_sets_kept_out_of_training(
+    tmp_path: Path,
+) -> None:
+    from megasemface.data.demo.doc_split import DocSplitConfig
+
+    locale_dir, doc_root, out = tmp_path / "locale", tmp_path / "share", tmp_path / "out"
+    _big_locale(locale_dir)
+    _doc_root(doc_root)
+    split = DocSplitConfig(test_pairs=6, test_fraction=0.3, valid_fraction=0.1, min_pairs=10)
+    report = build_demo_corpus(locale_dir, ["de"], out, doc_root=doc_root, doc_split=split)
+    info = report["pairs"]["en-de"]
+    assert info["held_out_from"] == "debian_handbook"
+    chapters = report["documentation"]["held_out_chapters"]
+    assert (
+        chapters["test"]
+        and chapters["valid"]
+        and not set(chapters["test"]) & set(chapters["valid"])
+    )
+    held: set[str] = set()
+    for name in ("valid", "test"):
+        en = lines(out / f"parallel/en-de/{name}.en")
+        de = lines(out / f"parallel/en-de/{name}.de")
+        assert len(en) == len(de) == 6 * len(chapters[name])  # 3 paragraphs of 2 sentences
+        assert all(s.startswith(("The ", "A ")) for s in en)
+        held |= set(en) | set(de)
+        # The catalogs' own held-out pairs stay, as a second test set.
+        assert lines(out / f"parallel/en-de/{name}-catalogs.en")
+    # No held-out sentence in any monolingual or training file, checked on the files.
+    assert_nowhere_in_training(out, held)
+    mono_en, mono_de = set(lines(out / "mono/en.txt")), set(lines(out / "mono/de.txt"))
+    assert "Every page of this manual explains the program." in mono_en
+    assert "Jede Seite dieses Handbuchs erklärt das Programm." in mono_de
+    # The chapters not held out are monolingual text, in both languages.
+    held_chapters = {chapter for names in chapters.values() for chapter in names}
+    kept = [w for n, w in enumerate(_CHAPTER_WORDS, start=1) if str(n) not in held_chapters]
+    assert kept and f"The {kept[0]} machine reads every book." in mono_en
+    assert f"Die {_GERMAN_WORDS[kept[0]]} Maschine liest jedes Buch." in mono_de
+
+
+def test_demo_says_in_one_line_that_it_runs_on_the_catalogs_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megasemface.pipeline.config import PipelineConfig
+    from megasemface.pipeline.data_steps import build_corpus
+
+    _big_locale(tmp_path / "locale")
+    (tmp_path / "share").mkdir()
+    config = PipelineConfig(
+        workdir=tmp_path / "work", locale_dir=tmp_path / "locale", doc_root=tmp_path / "share"
+    )
+    corpus = build_corpus(config)
+    notices = [line for line in capsys.readouterr().out.splitlines() if "documentation" in line]
+    assert notices == [
+        f"no Debian documentation under {tmp_path / 'share'}: the corpus is the gettext "
+        "catalogs alone (apt-get install debian-handbook manpages-de manpages-fr "
+        "debian-reference-en debian-reference-de debian-reference-fr adds text and a prose "
+        "test set)"
+    ]
+    report = json.loads((corpus / "report.json").read_text())
+    assert report["pairs"]["en-de"]["held_out_from"] == "catalogs"
+    assert not (corpus / "parallel/en-de/test-catalogs.en").exists()
+
+
+@pytest.mark.skipif(
+    not Path("/usr/share/doc/debian-handbook/html/de-DE").is_dir()
+    or not any((SYSTEM_LOCALE_DIR / "de" / "LC_MESSAGES").glob("*.mo")),
+    reason="the German handbook (debian-handbook) or German gettext catalogs are not installed",
+)
+def test_real_handbook_gives_prose_on_which_copying_scores_little(tmp_path: Path) -> None:
+    import sacrebleu
+
+    report = build_demo_corpus(SYSTEM_LOCALE_DIR, ["de"], tmp_path, doc_root="/usr/share")
+    info = report["pairs"]["en-de"]
+    assert info["held_out_from"] == "debian_handbook"
+    assert info["split_sizes"]["test"] >= 1000 and info["split_sizes"]["valid"] >= 200
+    held: set[str] = set()
+    for split in ("valid", "test"):
+        en = lines(tmp_path / f"parallel/en-de/{split}.en")
+        de = lines(tmp_path / f"parallel/en-de/{split}.de")
+        # Copying the source: about 13.8 BLEU on the catalogs' software messages.
+        assert sacrebleu.corpus_bleu(en, [de]).score < 7, split
+        held |= set(en) | set(de)
+    assert_nowhere_in_training(tmp_path, held)
+    for lang in ("en", "de"):
+        assert report["mono"][lang]["lines"] > 50_000

@@ -24,7 +24,7 @@ def test_one_pretraining_over_every_language_is_fine_tuned_on_every_pair(
     args += ["--languages", ",".join(LANGUAGES), "--systems", "vq", "--settings", "supervised"]
     # One process and few sentences: the claim is the lineage and the table, not the scores.
     args += ["--vocab-size", "1000", "--procs", "1", "--test-sentences", "10"]
-    args += ["--valid-sentences", "5"]
+    args += ["--valid-sentences", "5", "--doc-root", str(tmp_path / "no-docs")]  # catalogs alone
     assert main(args) == 0
     out = capsys.readouterr().out
     # One table: every pair's two directions and the average.

@@ -3,10 +3,13 @@
 Example::
 
     python tools/make_demo_corpus.py --langs de,fr --out demo/corpus
+    python tools/make_demo_corpus.py --langs de --doc-root /usr/share --out demo/corpus
 
 writes mono/<lang>.txt, parallel/en-<xx>/{train,valid,test}.{en,<xx>}, dict/en-<xx>.tsv
 and, last, report.json under the output directory (see megasemface.data.demo.demo_corpus).
-Catalogs of names and translations that copy their source are left out.
+Catalogs of names and translations that copy their source are left out. With --doc-root,
+the Debian documentation installed there adds text, and the Debian Administrator's
+Handbook's held-out chapters give valid and test (the catalogs' own: {valid,test}-catalogs).
 """
 
 from __future__ import annotations
@@ -42,6 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=dc.DEFAULT_LOCALE_DIR,
         help="holds <lang>/LC_MESSAGES/*.mo (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--doc-root",
+        type=Path,
+        default=None,
+        help="where Debian's documentation packages are installed (e.g. /usr/share: the "
+        "handbook, the Debian Reference, man pages); default: the catalogs alone",
+    )
+    parser.add_argument(
+        "--max-mono-lines",
+        type=int,
+        default=dc.DEFAULT_MAX_MONO_LINES,
+        help="monolingual lines kept per language at most (default: %(default)s)",
     )
     parser.add_argument(
         "--out",
@@ -111,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             test_fraction=args.test_fraction,
             valid_fraction=args.valid_fraction,
             min_test_pairs=args.min_test_pairs,
+            doc_root=args.doc_root,
+            max_mono_lines=args.max_mono_lines,
         )
     except (dc.DemoCorpusError, ValueError) as exc:  # no catalogs, or invalid options
         print(f"{_PROG}: error: {exc}", file=sys.stderr)

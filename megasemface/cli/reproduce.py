@@ -66,6 +66,12 @@ def build_parser(
         "table (instead of --pair; supervised; default work directory runs/<budget>-<languages>)",
     )
     add("--locale-dir", type=Path, help="gettext catalogs of the demo corpus")
+    add(
+        "--doc-root",
+        type=Path,
+        help="where Debian's documentation packages are installed, whose text the demo corpus "
+        "adds (default: /usr/share; a directory without them: the catalogs alone)",
+    )
     add("--corpus", type=Path, help="a corpus in the demo corpus layout instead of the demo")
     add(
         "--systems",

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from megasemface.data.demo.demo_corpus import DEFAULT_LOCALE_DIR, SOURCE_LANG
+from megasemface.data.demo.documentation import DEFAULT_DOC_ROOT
 from megasemface.data.demo.gettext_catalogs import find_catalogs
 from megasemface.pipeline.settings import SETTINGS
 from megasemface.pipeline.settings import setting as find_setting
@@ -42,6 +43,9 @@ class PipelineConfig:
     all of them, then fine-tuning and test of every pair en-xx from it, in one table
     (:attr:`pairs`); replaces ``pair``. Empty: the one pair ``pair``."""
     locale_dir: Path = Path(DEFAULT_LOCALE_DIR)
+    doc_root: Path = Path(DEFAULT_DOC_ROOT)
+    """Where the Debian documentation packages of the demo corpus are installed (the handbook,
+    the Debian Reference, man pages); without them the corpus is the catalogs alone."""
     systems: tuple[str, ...] = ("transformer", "cl", "vq")
     settings: tuple[str, ...] = ("supervised",)
     model_preset: str = "tiny"
@@ -53,8 +57,9 @@ class PipelineConfig:
     train_pairs: int = 2000
     """The low-resource slice of the parallel training data (supervised setting): the
     regime of the paper's claim, where monolingual text dwarfs the parallel data. On the
-    demo corpus 2,000 of its 24,346 training pairs against every monolingual sentence (25,721
-    English, 24,256 German: 12-13 times as many). With the whole split pre-training's lead was
+    demo corpus 2,000 of its 24,570 training pairs against every monolingual sentence (from
+    the catalogs alone 25,958 English and 24,485 German lines, 12-13 times as many; with
+    Debian's documentation 71,310 and 83,616). With the whole split pre-training's lead was
     gone by the end of fine-tuning (docs/reproduce.md#the-demo-budget)."""
     test_sentences: int = 1000
     """Test sentences translated per direction (0: all)."""
@@ -424,7 +429,8 @@ and paper (the paper's scale, on GPUs). A budget may name its systems and settin
 
 lowres: the regime the paper's gains are claimed in (supervised), where monolingual text
 dwarfs the parallel data: 2,000 training pairs against every monolingual sentence of each language
-(on the demo corpus 25,721 English and 24,256 German ones, 12 to 13 times as many), as many
+(on the demo corpus from the catalogs alone 25,958 English and 24,485 German ones, 12 to 13
+times as many; with Debian's documentation 70,870 and 83,128), as many
 pre-training steps as fine-tuning steps (a joint SemFace step costs more than a fine-tuning
 step of the same batch), and fine-tuning's peak learning rate chosen per system, setting
 and seed on validation BLEU from a grid, each run's steps by its best checkpoint on

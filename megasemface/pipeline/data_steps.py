@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from megasemface.data.demo.demo_corpus import build_demo_corpus
+from megasemface.data.demo.documentation import PACKAGES
 from megasemface.data.shards.shard_build_config import ShardBuildConfig
 from megasemface.data.shards.shard_builder import build_shards
 from megasemface.data.text.lines import read_lines, write_lines
@@ -34,8 +35,9 @@ __all__ = [
 
 
 def build_corpus(config: PipelineConfig, corpus: Path | None = None) -> Path:
-    """The demo corpus from gettext catalogs, or a corpus of the same layout given by the
-    user (``mono/<lang>.txt``, ``parallel/<pair>/{train,valid,test}.<lang>``)."""
+    """The demo corpus from gettext catalogs and Debian's documentation, or a corpus of the
+    same layout given by the user (``mono/<lang>.txt``,
+    ``parallel/<pair>/{train,valid,test}.<lang>``)."""
     if corpus is not None:
         for path in (
             *[corpus / "mono" / f"{lang}.txt" for lang in config.all_langs],
@@ -70,12 +72,21 @@ def build_corpus(config: PipelineConfig, corpus: Path | None = None) -> Path:
         if all(f.exists() for f in files):
             print(f"reusing {out} (delete it to rebuild)")
             return out
-    report = build_demo_corpus(config.locale_dir, list(config.all_langs[1:]), out)
+    report = build_demo_corpus(
+        config.locale_dir, list(config.all_langs[1:]), out, doc_root=config.doc_root
+    )
+    if not (report["documentation"] or {}).get("installed"):
+        print(
+            f"no Debian documentation under {config.doc_root}: the corpus is the gettext "
+            f"catalogs alone (apt-get install {PACKAGES} adds text and a prose test set)"
+        )
     for pair, info in report["pairs"].items():
         sizes = ", ".join(f"{split} {n:,}" for split, n in info["split_sizes"].items())
-        print(f"{pair} parallel pairs: {sizes} (split by program, no test text in training)")
+        held = "the handbook's held-out chapters" if info["held_out_from"] != "catalogs" else ""
+        where = f"valid and test from {held}, " if held else "split by program, "
+        print(f"{pair} parallel pairs: {sizes} ({where}no test text in training)")
     for lang, info in report["mono"].items():
-        print(f"{lang} monolingual: {info['lines']:,} lines")
+        print(f"{lang} monolingual: {info['lines']:,} lines, {info['tokens']:,} words")
     return out
 
 

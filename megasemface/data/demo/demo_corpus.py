@@ -21,6 +21,7 @@ left out of the monolingual files, so pre-training never sees test text.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -32,6 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megasemface.data.demo.doc_split import (
+    DEFAULT_DOC_SPLIT,
+    DocSplit,
+    DocSplitConfig,
+    split_documentation,
+)
+from megasemface.data.demo.documentation import read_documentation
 from megasemface.data.demo.gettext_catalogs import MoFormatError, find_catalogs, parse_mo
 from megasemface.data.demo.message_cleaning import (
     DEFAULT_MAX_CHARS,
@@ -48,6 +56,7 @@ from megasemface.files import atomic_write_text
 
 __all__ = [
     "DEFAULT_LOCALE_DIR",
+    "DEFAULT_MAX_MONO_LINES",
     "DEFAULT_MIN_TEST_PAIRS",
     "DEFAULT_TEST_FRACTION",
     "DEFAULT_VALID_FRACTION",
@@ -66,6 +75,9 @@ DEFAULT_LOCALE_DIR = Path("/usr/share/locale")
 DEFAULT_TEST_FRACTION = 0.1
 DEFAULT_VALID_FRACTION = 0.05
 DEFAULT_MIN_TEST_PAIRS = 200
+DEFAULT_MAX_MONO_LINES = 300_000
+"""Monolingual lines kept per language at most (a stable-hash sample beyond): bounds the data
+steps (SentencePiece, shards, the cross-lingual table) whatever documentation is installed."""
 SPLITS = ("train", "valid", "test")
 
 # The test set may take at most this share of a pair, whatever --min-test-pairs asks:
@@ -320,12 +332,57 @@ def _write_lines(path: Path, lines: Iterable[str]) -> None:
     atomic_write_text(path, "".join(f"{line}\n" for line in lines))
 
 
+def _add_documentation(
+    doc_root: str | os.PathLike[str] | None,
+    config: DocSplitConfig,
+    langs: list[str],
+    splits: dict[str, dict[str, list[tuple[str, str]]]],
+    removed: dict[str, dict[str, int]],
+    mono_sets: dict[str, set[str]],
+) -> tuple[DocSplit, dict[str, Any] | None]:
+    """Adds the documentation's text to ``mono_sets`` and, where the handbook gives them, its
+    valid and test pairs to ``splits`` (the catalogs' own moved to ``*-catalogs``); train
+    pairs touching any held-out sentence are removed. Returns the split and its report."""
+    if doc_root is None:
+        return DocSplit(), None
+    docs = read_documentation(Path(doc_root), langs)
+    if docs.empty:
+        return DocSplit(), {"doc_root": str(doc_root), "installed": False}
+    doc_split = split_documentation(docs, config)
+    for lang, held_pairs in doc_split.pairs.items():
+        for name in ("valid", "test"):
+            splits[lang][f"{name}-catalogs"] = splits[lang][name]
+            splits[lang][name] = list(dict.fromkeys(held_pairs[name]))
+    for lang, split in splits.items():
+        held = doc_split.held_out
+        kept = [p for p in split["train"] if p[0] not in held and p[1] not in held]
+        removed[lang]["train"] += len(split["train"]) - len(kept)
+        split["train"] = kept
+    sources: dict[str, dict[str, int]] = {}
+    for lang, by_source in doc_split.mono.items():
+        if lang in mono_sets:
+            for sentences in by_source.values():
+                mono_sets[lang].update(sentences)
+            sources[lang] = {
+                source: {"sentences": len(ss), "tokens": sum(len(s.split()) for s in ss)}
+                for source, ss in by_source.items()
+            }  # type: ignore[assignment]
+    return doc_split, {
+        "doc_root": str(doc_root),
+        "installed": True,
+        "held_out_chapters": doc_split.chapters,
+        "mono_by_source": sources,
+        **docs.report,
+    }
+
+
 def _check_options(
     langs: Sequence[str],
     max_chars: int,
     test_fraction: float,
     valid_fraction: float,
     min_test_pairs: int,
+    max_mono_lines: int,
 ) -> None:
     if not langs:
         raise ValueError("no target language given")
@@ -336,6 +393,8 @@ def _check_options(
             raise ValueError(f"invalid language code {lang!r} (expected e.g. de, pt_BR, sr@latin)")
     if max_chars < 1:
         raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+    if max_mono_lines < 1:
+        raise ValueError(f"max_mono_lines must be >= 1, got {max_mono_lines}")
     if min_test_pairs < 0:
         raise ValueError(f"min_test_pairs must be >= 0, got {min_test_pairs}")
     for name, value in (("test_fraction", test_fraction), ("valid_fraction", valid_fraction)):
@@ -354,8 +413,16 @@ def build_demo_corpus(
     test_fraction: float = DEFAULT_TEST_FRACTION,
     valid_fraction: float = DEFAULT_VALID_FRACTION,
     min_test_pairs: int = DEFAULT_MIN_TEST_PAIRS,
+    doc_root: str | os.PathLike[str] | None = None,
+    doc_split: DocSplitConfig = DEFAULT_DOC_SPLIT,
+    max_mono_lines: int = DEFAULT_MAX_MONO_LINES,
 ) -> dict[str, Any]:
     """Builds the demo corpus of en-<lang> pairs under ``out_dir`` and returns its report.
+
+    With ``doc_root`` (``/usr/share``), the Debian documentation installed under it adds
+    monolingual text, and where the Debian Administrator's Handbook is translated into a
+    language, its held-out chapters' ordinary sentence pairs are that pair's valid and test
+    sets; the catalogs' own are then written as ``{valid,test}-catalogs.<lang>``.
 
     Raises ValueError for invalid options and NoCatalogsError when a language has no
     readable catalog, both before anything is written. Every file is replaced atomically
@@ -363,7 +430,7 @@ def build_demo_corpus(
     The same inputs and options always give byte-identical files.
     """
     langs = list(dict.fromkeys(langs))
-    _check_options(langs, max_chars, test_fraction, valid_fraction, min_test_pairs)
+    _check_options(langs, max_chars, test_fraction, valid_fraction, min_test_pairs, max_mono_lines)
     locale_dir, out_dir = Path(locale_dir), Path(out_dir)
     cache: dict[str, CleanResult] = {}
     harvests = {lang: _harvest_language(locale_dir, lang, max_chars, cache) for lang in langs}
@@ -389,6 +456,10 @@ def build_demo_corpus(
     removed, held_out = _remove_held_out_text(splits)
     mono_sets = {SOURCE_LANG: set().union(*(h.source_text for h in harvests.values()))}
     mono_sets.update({lang: harvest.target_text for lang, harvest in harvests.items()})
+    held_docs, doc_report = _add_documentation(
+        doc_root, doc_split, langs, splits, removed, mono_sets
+    )
+    held_out |= held_docs.held_out
 
     # An existing report would vouch for a corpus this run is about to half-rewrite.
     (out_dir / "report.json").unlink(missing_ok=True)
@@ -396,11 +467,13 @@ def build_demo_corpus(
     for lang, texts in mono_sets.items():
         lines = sorted(texts - held_out, key=_line_order)
         path = Path("mono", f"{lang}.txt")
-        _write_lines(out_dir / path, lines)
+        _write_lines(out_dir / path, lines[:max_mono_lines])
         mono_report[lang] = {
             "file": str(path),
-            "lines": len(lines),
+            "lines": min(len(lines), max_mono_lines),
             "removed_held_out": len(texts) - len(lines),
+            "left_out_over_cap": max(0, len(lines) - max_mono_lines),
+            "tokens": sum(len(line.split()) for line in lines[:max_mono_lines]),
         }
 
     common_words = lowercase_words(mono_sets[SOURCE_LANG])
@@ -419,10 +492,11 @@ def build_demo_corpus(
             "directory": str(Path("parallel", pair)),
             "unique_pairs": len(all_pairs),
             "duplicates_removed": harvests[lang].report["pairs_kept"] - len(all_pairs),
-            "split_sizes": {name: len(split[name]) for name in SPLITS},
+            "split_sizes": {name: len(pairs) for name, pairs in split.items()},
             "removed_for_leakage": removed[lang],
             "split_domains": split_domains[lang],
             "dictionary": {"file": str(Path("dict", f"{pair}.tsv")), "entries": len(entries)},
+            "held_out_from": "debian_handbook" if lang in held_docs.pairs else "catalogs",
         }
 
     report: dict[str, Any] = {
@@ -434,11 +508,15 @@ def build_demo_corpus(
             "test_fraction": test_fraction,
             "valid_fraction": valid_fraction,
             "min_test_pairs": min_test_pairs,
+            "doc_root": None if doc_root is None else str(doc_root),
+            "doc_split": dataclasses.asdict(doc_split),
+            "max_mono_lines": max_mono_lines,
             "name_catalogs_left_out": list(NAME_CATALOGS),
         },
         "languages": {lang: harvest.report for lang, harvest in harvests.items()},
         "pairs": pair_report,
         "mono": mono_report,
+        "documentation": doc_report,
     }
     _write_lines(out_dir / "report.json", [json.dumps(report, indent=2, ensure_ascii=False)])
     return report
