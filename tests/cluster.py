@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 IFNAME = "eth0"
 """Every host's link to the bridge has this name (namespaces keep names apart), so one
@@ -195,15 +195,18 @@ class Cluster:
             private.mkdir(parents=True, exist_ok=True)
             mount = f"mount -t tmpfs {host.name} {private} && exec {' '.join(sshd)}"
             sshd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
+        self.spawn(host, sshd, log)
+        self.wait_port(host, 22, 20)
+
+    def spawn(self, host: Host | None, cmd: list[str], log: IO[bytes]) -> None:
+        """A daemon: ``cmd`` on ``host`` (on the machine itself for None), its output to
+        ``log``, stopped by :meth:`down`."""
+        where = [] if host is None else ["ip", "netns", "exec", host.name]
         self._daemons.append(
             subprocess.Popen(
-                ["ip", "netns", "exec", host.name, *sshd],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                [*where, *cmd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         )
-        self.wait_port(host, 22, 20)
 
     def start_mlflow(self) -> None:
         assert self.mlflow is not None

@@ -23,8 +23,8 @@ def restored_handlers() -> Iterator[None]:
         signal.signal(sig, handler)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_repeated_sigterm_and_sighup_are_absorbed(
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1])
+def test_repeated_sigterm_sighup_and_sigusr1_are_absorbed(
     restored_handlers: None, sig: signal.Signals
 ) -> None:
     stop = StopRequest()

@@ -1,4 +1,4 @@
-"""Graceful stop on SIGTERM, SIGINT or SIGHUP, agreed by all ranks at a step boundary.
+"""Graceful stop on SIGTERM, SIGINT, SIGHUP or SIGUSR1, agreed by all ranks at a step boundary.
 
 A signal only sets a flag; the trainer all-reduces the flag at every step boundary, so
 whichever rank was signalled, every rank sees it after the same step, saves a checkpoint
@@ -6,7 +6,10 @@ with the others and exits 0. A second SIGINT is left to its default action, so a
 impatient user can still interrupt; repeated SIGTERMs and SIGHUPs are absorbed, because
 launchers send them more than once (DeepSpeed's node launcher passes SIGTERM on to its
 ranks as often as it is signalled itself: twice when its runner is stopped) and escalate
-to SIGKILL after a grace period of their own.
+to SIGKILL after a grace period of their own. SIGUSR1 is the signal a Slurm job asks for
+ahead of its time limit or preemption (``#SBATCH --signal=B:USR1@300``, passed on to the
+ranks by the batch script, examples/slurm/pretrain.sbatch); its default action would kill
+the rank without a checkpoint.
 
 On a cluster the ranks' output reaches the user through the launcher: DeepSpeed's runner
 starts each node's ranks through pdsh and ssh, and when the runner is stopped, the ssh
@@ -29,7 +32,7 @@ from megasemface.distributed.collectives import any_rank
 
 __all__ = ["StopRequest", "survive_lost_output"]
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 
 class StopRequest:

@@ -1,0 +1,95 @@
+"""examples/slurm/pretrain.sbatch on a simulated Slurm cluster (tests/slurm_cluster.py):
+slurmctld on the MLflow host, a slurmd on each of 2 nodes, one CPU rank a node started by
+srun, gloo between them. Each test submits the script as docs/pretraining.md says, with
+the #SBATCH lines a user edits given on sbatch's command line (2 nodes of one CPU, no GPU),
+then faults it as a cluster does: preemption, a node set down. Skipped where the simulated
+cluster or Slurm cannot run (not root, no slurm-wlm or munge: .ci/run installs them)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cluster import Cluster
+from cluster_jobs import experiment, server_run
+from launch import ROOT, environment, train_command
+from slurm_cluster import TERMINAL, Slurm, node_name
+
+pytestmark = [pytest.mark.launcher, pytest.mark.slow]
+
+SCRIPT = ROOT / "examples" / "slurm" / "pretrain.sbatch"
+JOB_S = 300
+"""How long a job may take to end, requeues included (a few steps of the tiny preset)."""
+
+
+@pytest.fixture
+def cluster_slurm(slurm: Slurm) -> Iterator[Slurm]:
+    """The session's Slurm, left as each test found it: no job, every node up."""
+    yield slurm
+    slurm.client(["scancel", "--user", "root"], check=False)
+    names = ",".join(node_name(host) for host in slurm.cluster.hosts)
+    slurm.client(["scontrol", "update", f"nodename={names}", "state=resume"], check=False)
+    slurm.wait_idle()
+
+
+def submit(slurm: Slurm, launch_data: dict, out: Path, *args: str, nodes: str = "2") -> str:
+    """Submits the example script for a tiny-preset run in ``out`` tracking to the cluster's
+    MLflow server; returns the job's id."""
+    data = {"shards": launch_data["mono"], "spm": launch_data["spm"]}
+    config = ROOT / "ds_configs" / "cpu_fp32_zero2.json"
+    cmd = train_command(
+        data, out, "--stage", "encoder", "--interface", "vq",
+        "--tracking-uri", slurm.cluster.mlflow_uri, "--experiment", experiment(out), *args,
+        config=config,
+    )  # fmt: skip
+    train_args = cmd[cmd.index("--deepspeed_config") + 2 :]
+    cluster: Cluster = slurm.cluster
+    env = cluster.environment(environment())
+    env.update(PYTHON=sys.executable, DS_CONFIG=str(config))
+    out.mkdir(parents=True)
+    sbatch = [
+        "sbatch", "--parsable", f"--nodes={nodes}", "--ntasks-per-node=1", "--cpus-per-task=1",
+        "--gpus-per-node=0", "--time=10:00", f"--output={out.parent / 'slurm.out'}",
+    ]  # fmt: skip
+    done = slurm.client([*sbatch, str(SCRIPT), *train_args], env=env, cwd=ROOT)
+    return done.stdout.strip().split(";")[0]
+
+
+def log(out: Path) -> str:
+    return (out.parent / "slurm.out").read_text()
+
+
+def wait_end(slurm: Slurm, job: str, out: Path) -> dict[str, str]:
+    try:
+        return slurm.wait_job(job, lambda j: j["JobState"] in TERMINAL, JOB_S, "no end")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{log(out)[-4000:]}") from None
+
+
+def loss_steps(out: Path) -> list[int]:
+    """The step of every loss record, in the order logged: a resumed run re-logs the steps
+    after its checkpoint."""
+    records = (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+    return [record["step"] for record in records if "loss" in record]
+
+
+def test_a_two_node_job_trains_and_tracks_to_the_server(
+    cluster_slurm: Slurm, launch_data: dict, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    job = submit(cluster_slurm, launch_data, out, "--steps", "4", "--save-interval", "2")
+    ended = wait_end(cluster_slurm, job, out)
+    assert ended["JobState"] == "COMPLETED", log(out)[-4000:]
+    text = log(out)
+    names = [node_name(host) for host in cluster_slurm.cluster.hosts]
+    assert f"on n[1-2], rendezvous {names[0]}:" in text, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    assert loss_steps(out) == [1, 2, 3, 4]
+    # Both nodes' ranks wrote their shard of the ZeRO-2 optimizer state.
+    assert len(list((out / "checkpoints" / "step-00000004").rglob("*optim_states.pt"))) == 2
+    tracked = server_run(cluster_slurm.cluster, out, ("loss",))
+    assert tracked["run"].info.status == "FINISHED"
+    assert sorted(tracked["history"]["loss"]) == [1, 2, 3, 4]
