@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from megasemface.training.signals import catch_stop_signals
+
+    catch_stop_signals()  # a scheduler's signal during the start-up stops at the first step
     from megasemface.cli.parsing import parse_or_status
     from megasemface.distributed.slurm import srun_rank_environment
 

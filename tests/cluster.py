@@ -198,15 +198,19 @@ class Cluster:
         self.spawn(host, sshd, log)
         self.wait_port(host, 22, 20)
 
-    def spawn(self, host: Host | None, cmd: list[str], log: IO[bytes]) -> None:
+    def spawn(self, host: Host | None, cmd: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
         """A daemon: ``cmd`` on ``host`` (on the machine itself for None), its output to
-        ``log``, stopped by :meth:`down`."""
+        ``log``, stopped by :meth:`down` (or by :meth:`stop_daemon`)."""
         where = [] if host is None else ["ip", "netns", "exec", host.name]
-        self._daemons.append(
-            subprocess.Popen(
-                [*where, *cmd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        proc = subprocess.Popen(
+            [*where, *cmd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        self._daemons.append(proc)
+        return proc
+
+    def stop_daemon(self, proc: subprocess.Popen[bytes], grace: float = 3) -> None:
+        self.stop(proc, grace)
+        self._daemons.remove(proc)
 
     def start_mlflow(self) -> None:
         assert self.mlflow is not None
@@ -318,8 +322,7 @@ class Cluster:
     def stop_mlflow(self) -> None:
         for proc in list(self._daemons):
             if "server" in proc.args:  # type: ignore[operator]
-                self.stop(proc)
-                self._daemons.remove(proc)
+                self.stop_daemon(proc)
 
     def kill_jobs(self, host: Host) -> None:
         """SIGKILLs every process on ``host`` but its daemons (sshd stays up): what a node

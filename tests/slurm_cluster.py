@@ -62,6 +62,7 @@ class Slurm:
 
     cluster: Cluster
     root: Path = field(init=False)
+    slurmds: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root = self.cluster.root / "slurm"
@@ -101,20 +102,20 @@ class Slurm:
             "MpiDefault=none\nSelectType=select/linear\nSchedulerType=sched/builtin\n"
             "AccountingStorageType=accounting_storage/none\n"
             "JobAcctGatherType=jobacct_gather/none\nJobCompType=jobcomp/none\n"
-            "SlurmdParameters=config_overrides\nReturnToService=2\n"
+            "SlurmdParameters=config_overrides\nReturnToService=1\n"
             "SlurmctldDebug=info\nSlurmdDebug=info\nMinJobAge=600\nKillWait=30\n"
             "InactiveLimit=0\nSlurmdTimeout=60\nSlurmctldTimeout=60\nMessageTimeout=30\n"
             f"{nodes}PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP\n"
         )
         (root / "plugstack.conf").write_text("")
 
-    def _daemon(self, host: Host, name: str, cmd: list[str]) -> None:
+    def _daemon(self, host: Host, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
         """``cmd`` on ``host`` under the host name ``name``, with the cluster's hosts file."""
         log = open(self.root / f"{name}.out", "ab")  # noqa: SIM115
         setup = f"hostname {name} && mount --bind {self.root / 'hosts'} /etc/hosts && exec "
         # nsenter, not `ip netns exec`: that one mounts a /sys of its own, without the
         # machine's cgroup filesystems, which slurmd's cgroup plugin needs to start.
-        self.cluster.spawn(
+        return self.cluster.spawn(
             None,
             ["nsenter", f"--net=/run/netns/{host.name}", "unshare", "--mount", "--uts",
              "--propagation", "private", "sh", "-c", setup + " ".join(cmd)],
@@ -146,10 +147,32 @@ class Slurm:
         self._daemon(self.head, HEAD, [str(SLURMCTLD), "-D", "-i", "-f", str(self.conf)])
         self.cluster.wait_port(self.head, 6817, 60)
         for host in self.cluster.hosts:
-            name = node_name(host)
-            self._daemon(host, name, [str(SLURMD), "-D", "-N", name, "-f", str(self.conf)])
+            self.start_slurmd(host)
         self.wait_idle()
         return self
+
+    def start_slurmd(self, host: Host) -> None:
+        name = node_name(host)
+        cmd = [str(SLURMD), "-D", "-N", name, "-f", str(self.conf)]
+        self.slurmds[name] = self._daemon(host, name, cmd)
+
+    def lose_node(self, host: Host) -> None:
+        """What a node that fails leaves: its slurmd and every process of its jobs gone
+        at once (SIGKILL). Slurm notices after SlurmdTimeout; :meth:`restore_nodes` brings
+        it back."""
+        self.cluster.stop_daemon(self.slurmds.pop(node_name(host)), grace=0)
+        self.cluster.kill_jobs(host)
+
+    def restore_nodes(self) -> None:
+        """Every node up and idle again, after a test that lost one or set it down."""
+        for host in self.cluster.hosts:
+            if node_name(host) not in self.slurmds:
+                self.start_slurmd(host)
+        shown = self.client(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.split("\n")
+        for name, state in (line.split() for line in shown if line.strip()):
+            if state.rstrip("*") not in ("idle", "allocated", "mixed", "completing"):
+                self.client(["scontrol", "update", f"nodename={name}", "state=resume"])
+        self.wait_idle()
 
     def wait_idle(self) -> None:
         """Returns once every node is idle: registered, up and running no job."""
@@ -195,6 +218,17 @@ class Slurm:
         """``scontrol show job``'s fields of ``job_id`` (JobState, Restarts, NodeList...)."""
         shown = self.client(["scontrol", "-o", "show", "job", job_id]).stdout
         return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+    def start_requeued(self, job_id: str, restarts: int) -> None:
+        """Waits until ``job_id`` is pending after its ``restarts``-th requeue, then lets it
+        start at once: Slurm holds a requeued job for two minutes (its BeginTime)."""
+        self.wait_job(
+            job_id,
+            lambda job: job["JobState"] == "PENDING" and job["Restarts"] == str(restarts),
+            120,
+            f"no requeue number {restarts}",
+        )
+        self.client(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
 
     def wait_job(self, job_id: str, done: object, timeout: float, what: str) -> dict[str, str]:
         """Waits until ``done(job)`` holds for ``job_id``'s fields; fails naming ``what``."""

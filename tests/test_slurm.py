@@ -8,7 +8,9 @@ cluster or Slurm cannot run (not root, no slurm-wlm or munge: .ci/run installs t
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,9 +32,7 @@ def cluster_slurm(slurm: Slurm) -> Iterator[Slurm]:
     """The session's Slurm, left as each test found it: no job, every node up."""
     yield slurm
     slurm.client(["scancel", "--user", "root"], check=False)
-    names = ",".join(node_name(host) for host in slurm.cluster.hosts)
-    slurm.client(["scontrol", "update", f"nodename={names}", "state=resume"], check=False)
-    slurm.wait_idle()
+    slurm.restore_nodes()
 
 
 def submit(slurm: Slurm, launch_data: dict, out: Path, *args: str, nodes: str = "2") -> str:
@@ -93,3 +93,86 @@ def test_a_two_node_job_trains_and_tracks_to_the_server(
     tracked = server_run(cluster_slurm.cluster, out, ("loss",))
     assert tracked["run"].info.status == "FINISHED"
     assert sorted(tracked["history"]["loss"]) == [1, 2, 3, 4]
+
+
+def wait_for_step(slurm: Slurm, job: str, out: Path, step: int) -> None:
+    """Returns once the job's run has logged ``step``; fails if the job ends first."""
+    deadline = time.monotonic() + JOB_S
+    while not (out / "metrics.jsonl").exists() or max(loss_steps(out), default=0) < step:
+        state = slurm.job(job)["JobState"]
+        assert state not in TERMINAL, f"job {job} {state} before step {step}:\n{log(out)[-4000:]}"
+        assert time.monotonic() < deadline, f"no step {step} in {JOB_S} s:\n{log(out)[-4000:]}"
+        time.sleep(0.5)
+
+
+def resumed_at(out: Path) -> int:
+    """The step the requeued job resumed from, as its rank 0 printed it."""
+    (line,) = [line for line in log(out).splitlines() if line.startswith("resuming from ")]
+    match = re.search(r"\(step (\d+)\)", line)
+    assert match, line
+    return int(match[1])
+
+
+def test_preemption_saves_and_requeues_and_the_job_resumes_losing_no_step(
+    cluster_slurm: Slurm, launch_data: dict, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    steps = 30
+    job = submit(cluster_slurm, launch_data, out, "--steps", str(steps), "--save-interval", "1000")
+    wait_for_step(cluster_slurm, job, out, 3)
+    # Preemption's signal to the batch script: what `#SBATCH --signal=B:USR1@300` sends.
+    cluster_slurm.client(["scancel", "--batch", "--signal=USR1", job])
+    cluster_slurm.start_requeued(job, 1)
+    ended = wait_end(cluster_slurm, job, out)
+    text = log(out)
+    assert ended["JobState"] == "COMPLETED", text[-4000:]
+    assert ended["Restarts"] == "1", text[-4000:]
+    assert "pretrain.sbatch: SIGUSR1: the ranks save a checkpoint" in text, text[-4000:]
+    assert f"pretrain.sbatch: checkpoint saved; requeueing job {job}" in text, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    saved = resumed_at(out)
+    assert 3 <= saved < steps
+    assert (out / "checkpoints" / f"step-{saved:08d}" / "COMPLETE").is_file()
+    # The signal's checkpoint is of the step the ranks were at: no step ran twice, none lost.
+    assert loss_steps(out) == list(range(1, steps + 1))
+    tracked = server_run(cluster_slurm.cluster, out, ("loss",))
+    assert sorted(tracked["history"]["loss"]) == list(range(1, steps + 1))
+    assert tracked["run"].info.status == "FINISHED"
+
+
+def test_a_lost_node_ends_the_job_in_one_line_and_it_resumes_on_the_nodes_left(
+    cluster_slurm: Slurm, launch_data: dict, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    steps = 30
+    # --nodes=1-2: the job takes both nodes, and starts again on one when one is down.
+    job = submit(
+        cluster_slurm, launch_data, out, "--steps", str(steps), "--save-interval", "5",
+        nodes="1-2",
+    )  # fmt: skip
+    wait_for_step(cluster_slurm, job, out, 12)
+    kept, lost = cluster_slurm.cluster.hosts
+    cluster_slurm.lose_node(lost)
+    # What slurmctld does itself once the node missed SlurmdTimeout (minutes).
+    cluster_slurm.client(
+        ["scontrol", "update", f"nodename={node_name(lost)}", "state=down", "reason=lost"]
+    )
+    cluster_slurm.start_requeued(job, 1)
+    ended = wait_end(cluster_slurm, job, out)
+    text = log(out)
+    assert ended["JobState"] == "COMPLETED", text[-4000:]
+    assert ended["Restarts"] == "1", text[-4000:]
+    assert ended["NodeList"] == node_name(kept), text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    # The job ended in one line: the kept node's rank names the lost one and the checkpoint.
+    (line,) = [line for line in text.splitlines() if "train: error" in line]
+    checkpoint = resumed_at(out)
+    assert f"lost node {lost.address} (" in line, line
+    assert f"the last complete checkpoint is {out / 'checkpoints'}/" in line, line
+    assert f"(step {checkpoint})" in line, line
+    # Nothing lost but the steps after that checkpoint, which the one rank left ran again.
+    logged = loss_steps(out)
+    restart = next(i for i in range(1, len(logged)) if logged[i] <= logged[i - 1])
+    assert checkpoint % 5 == 0 and logged[restart - 1] >= 12, logged
+    assert logged[:restart] == list(range(1, logged[restart - 1] + 1)), logged
+    assert logged[restart:] == list(range(checkpoint + 1, steps + 1)), logged

@@ -28,18 +28,38 @@ import sys
 from types import FrameType
 from typing import TextIO
 
-from megasemface.distributed.collectives import any_rank
-
-__all__ = ["StopRequest", "survive_lost_output"]
+__all__ = ["StopRequest", "catch_stop_signals", "survive_lost_output"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+
+_caught: list[str] = []
+"""The stop signals received before the training loop began (see :func:`catch_stop_signals`)."""
+
+
+def _record(signum: int, frame: FrameType | None) -> None:
+    _caught.append(signal.Signals(signum).name)
+    if signum == signal.SIGINT:
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def catch_stop_signals() -> None:
+    """Records the stop signals from now on, for the :class:`StopRequest` made later.
+
+    A rank takes a while to import, meet the others and load its checkpoint, and a
+    scheduler's signal may come in that time (Slurm sends ``--signal``'s up to a minute
+    early); the signals' default action would end the rank there, without a checkpoint.
+    Recorded, the signal stops the run at its first step boundary instead."""
+    for sig in SIGNALS:
+        signal.signal(sig, _record)
 
 
 class StopRequest:
     def __init__(self) -> None:
-        self.signal_name: str | None = None
+        self.signal_name: str | None = _caught[-1] if _caught else None
+        caught, _caught[:] = list(_caught), []  # the next run in this process starts afresh
         for sig in SIGNALS:
-            signal.signal(sig, self._handle)
+            if sig.name not in caught or sig != signal.SIGINT:  # a second SIGINT stays fatal
+                signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signal_name = signal.Signals(signum).name
@@ -48,6 +68,9 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled (a collective: call on all)."""
+        # Imported here: catch_stop_signals runs before torch is imported.
+        from megasemface.distributed.collectives import any_rank
+
         return any_rank(self.signal_name is not None)
 
 
