@@ -22,7 +22,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,9 +44,10 @@ def unavailable() -> str | None:
     for daemon, package in ((SLURMCTLD, "slurm-wlm"), (SLURMD, "slurm-wlm"), (MUNGED, "munge")):
         if not daemon.is_file():
             return f"no {daemon} (install Debian's {package})"
-    for tool in ("sbatch", "scontrol", "squeue", "unshare"):
+    tools = [(tool, "slurm-wlm") for tool in ("sbatch", "scontrol", "sinfo", "scancel")]
+    for tool, package in [*tools, ("nsenter", "util-linux"), ("unshare", "util-linux")]:
         if shutil.which(tool) is None:
-            return f"no `{tool}` (install Debian's slurm-wlm)"
+            return f"no `{tool}` (install Debian's {package})"
     return None
 
 
@@ -178,9 +179,9 @@ class Slurm:
         """Returns once every node is idle: registered, up and running no job."""
         self._wait(self._nodes_idle, 90, "not every node is idle")
 
-    def _wait(self, ready: object, timeout: float, what: str) -> None:
+    def _wait(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
-        while not ready():  # type: ignore[operator]
+        while not ready():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what} within {timeout} s; logs in {self.root}")
             time.sleep(0.5)
@@ -219,23 +220,25 @@ class Slurm:
         shown = self.client(["scontrol", "-o", "show", "job", job_id]).stdout
         return dict(field.split("=", 1) for field in shown.split() if "=" in field)
 
-    def start_requeued(self, job_id: str, restarts: int) -> None:
+    def start_requeued(self, job_id: str, restarts: int, timeout: float = 120) -> None:
         """Waits until ``job_id`` is pending after its ``restarts``-th requeue, then lets it
         start at once: Slurm holds a requeued job for two minutes (its BeginTime)."""
         self.wait_job(
             job_id,
             lambda job: job["JobState"] == "PENDING" and job["Restarts"] == str(restarts),
-            120,
+            timeout,
             f"no requeue number {restarts}",
         )
         self.client(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
 
-    def wait_job(self, job_id: str, done: object, timeout: float, what: str) -> dict[str, str]:
+    def wait_job(
+        self, job_id: str, done: Callable[[dict[str, str]], bool], timeout: float, what: str
+    ) -> dict[str, str]:
         """Waits until ``done(job)`` holds for ``job_id``'s fields; fails naming ``what``."""
         deadline = time.monotonic() + timeout
         while True:
             job = self.job(job_id)
-            if done(job):  # type: ignore[operator]
+            if done(job):
                 return job
             if time.monotonic() > deadline:
                 raise AssertionError(

@@ -35,9 +35,11 @@ def cluster_slurm(slurm: Slurm) -> Iterator[Slurm]:
     slurm.restore_nodes()
 
 
-def submit(slurm: Slurm, launch_data: dict, out: Path, *args: str, nodes: str = "2") -> str:
+def submit(
+    slurm: Slurm, launch_data: dict, out: Path, *args: str, nodes: str = "2", sbatch: str = ""
+) -> str:
     """Submits the example script for a tiny-preset run in ``out`` tracking to the cluster's
-    MLflow server; returns the job's id."""
+    MLflow server, ``sbatch``'s options after the test's own; returns the job's id."""
     data = {"shards": launch_data["mono"], "spm": launch_data["spm"]}
     config = ROOT / "ds_configs" / "cpu_fp32_zero2.json"
     cmd = train_command(
@@ -50,11 +52,12 @@ def submit(slurm: Slurm, launch_data: dict, out: Path, *args: str, nodes: str = 
     env = cluster.environment(environment())
     env.update(PYTHON=sys.executable, DS_CONFIG=str(config))
     out.mkdir(parents=True)
-    sbatch = [
+    options = [
         "sbatch", "--parsable", f"--nodes={nodes}", "--ntasks-per-node=1", "--cpus-per-task=1",
         "--gpus-per-node=0", "--time=10:00", f"--output={out.parent / 'slurm.out'}",
+        *sbatch.split(),
     ]  # fmt: skip
-    done = slurm.client([*sbatch, str(SCRIPT), *train_args], env=env, cwd=ROOT)
+    done = slurm.client([*options, str(SCRIPT), *train_args], env=env, cwd=ROOT)
     return done.stdout.strip().split(";")[0]
 
 
@@ -138,6 +141,34 @@ def test_preemption_saves_and_requeues_and_the_job_resumes_losing_no_step(
     tracked = server_run(cluster_slurm.cluster, out, ("loss",))
     assert sorted(tracked["history"]["loss"]) == list(range(1, steps + 1))
     assert tracked["run"].info.status == "FINISHED"
+
+
+def test_a_job_at_its_time_limit_saves_and_is_requeued_and_resumes(
+    cluster_slurm: Slurm, launch_data: dict, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    # 3 minutes, the script's SIGUSR1 70 s before their end: Slurm sends it up to a minute
+    # early, so between 50 and 110 s after the start, the ranks started or starting.
+    job = submit(
+        cluster_slurm, launch_data, out, "--steps", "100000", "--save-interval", "100000",
+        sbatch="--time=3 --signal=B:USR1@70",
+    )  # fmt: skip
+    cluster_slurm.start_requeued(job, 1, timeout=240)
+    text = log(out)
+    assert "pretrain.sbatch: SIGUSR1: the ranks save a checkpoint" in text, text[-4000:]
+    assert f"pretrain.sbatch: checkpoint saved; requeueing job {job}" in text, text[-4000:]
+    saved = max(loss_steps(out))
+    assert (out / "checkpoints" / f"step-{saved:08d}" / "COMPLETE").is_file(), text[-4000:]
+    assert loss_steps(out) == list(range(1, saved + 1))
+    # The requeued job resumes from that step; it is cancelled there, its point made.
+    deadline = time.monotonic() + JOB_S
+    while "resuming from " not in log(out):
+        state = cluster_slurm.job(job)["JobState"]
+        assert state not in TERMINAL, f"job {job} {state} before resuming:\n{log(out)[-4000:]}"
+        assert time.monotonic() < deadline, f"no resume in {JOB_S} s:\n{log(out)[-4000:]}"
+        time.sleep(0.5)
+    assert resumed_at(out) == saved
+    assert "Traceback" not in log(out), log(out)[-4000:]
 
 
 def test_a_lost_node_ends_the_job_in_one_line_and_it_resumes_on_the_nodes_left(
