@@ -164,6 +164,15 @@ class Slurm:
         self.cluster.stop_daemon(self.slurmds.pop(node_name(host)), grace=0)
         self.cluster.kill_jobs(host)
 
+    def cancel_all(self) -> None:
+        """Cancels every job and waits until none is left, requeued ones included."""
+        deadline = time.monotonic() + 120
+        while self.client(["squeue", "-h", "-o", "%i"]).stdout.strip():
+            self.client(["scancel", "--user", "root"], check=False)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"jobs left after 120 s of scancel; logs in {self.root}")
+            time.sleep(1)
+
     def restore_nodes(self) -> None:
         """Every node up and idle again, after a test that lost one or set it down."""
         for host in self.cluster.hosts:

@@ -1,9 +1,10 @@
 """examples/slurm/pretrain.sbatch on a simulated Slurm cluster (tests/slurm_cluster.py):
 slurmctld on the MLflow host, a slurmd on each of 2 nodes, one CPU rank a node started by
-srun, gloo between them. Each test submits the script as docs/pretraining.md says, with
-the #SBATCH lines a user edits given on sbatch's command line (2 nodes of one CPU, no GPU),
-then faults it as a cluster does: preemption, a node set down. Skipped where the simulated
-cluster or Slurm cannot run (not root, no slurm-wlm or munge: .ci/run installs them)."""
+srun, gloo between them. Each test submits the script as docs/pretraining.md says, with the
+#SBATCH lines a user edits given on sbatch's command line (2 nodes of one CPU, no GPU), then
+faults it as a cluster does: preemption's signal, the time limit, scancel, a node lost.
+Skipped where the simulated cluster or Slurm cannot run (not root, no slurm-wlm or munge:
+.ci/run installs them)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ JOB_S = 300
 def cluster_slurm(slurm: Slurm) -> Iterator[Slurm]:
     """The session's Slurm, left as each test found it: no job, every node up."""
     yield slurm
-    slurm.client(["scancel", "--user", "root"], check=False)
+    slurm.cancel_all()
     slurm.restore_nodes()
 
 
@@ -143,7 +144,7 @@ def test_preemption_saves_and_requeues_and_the_job_resumes_losing_no_step(
     assert tracked["run"].info.status == "FINISHED"
 
 
-def test_a_job_at_its_time_limit_saves_and_is_requeued_and_resumes(
+def test_a_job_at_its_time_limit_saves_is_requeued_resumes_and_a_cancel_saves_too(
     cluster_slurm: Slurm, launch_data: dict, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
@@ -160,15 +161,20 @@ def test_a_job_at_its_time_limit_saves_and_is_requeued_and_resumes(
     saved = max(loss_steps(out))
     assert (out / "checkpoints" / f"step-{saved:08d}" / "COMPLETE").is_file(), text[-4000:]
     assert loss_steps(out) == list(range(1, saved + 1))
-    # The requeued job resumes from that step; it is cancelled there, its point made.
-    deadline = time.monotonic() + JOB_S
-    while "resuming from " not in log(out):
-        state = cluster_slurm.job(job)["JobState"]
-        assert state not in TERMINAL, f"job {job} {state} before resuming:\n{log(out)[-4000:]}"
-        assert time.monotonic() < deadline, f"no resume in {JOB_S} s:\n{log(out)[-4000:]}"
-        time.sleep(0.5)
+    # The requeued job resumes from that step and trains on.
+    wait_for_step(cluster_slurm, job, out, saved + 1)
     assert resumed_at(out) == saved
-    assert "Traceback" not in log(out), log(out)[-4000:]
+    # Cancelled (SIGTERM to the script and the ranks), it saves again and stays cancelled.
+    cluster_slurm.client(["scancel", job])
+    ended = wait_end(cluster_slurm, job, out)
+    text = log(out)
+    assert ended["JobState"] == "CANCELLED" and ended["Restarts"] == "1", text[-4000:]
+    assert "pretrain.sbatch: SIGTERM: the ranks save a checkpoint and stop" in text, text[-4000:]
+    last = max(loss_steps(out))
+    # The ranks name the first signal they got: Slurm's SIGTERM or the script's SIGUSR1.
+    assert re.search(rf"SIG(TERM|USR1): saved step {last} and stopping", text), text[-4000:]
+    assert (out / "checkpoints" / f"step-{last:08d}" / "COMPLETE").is_file()
+    assert "Traceback" not in text, text[-4000:]
 
 
 def test_a_lost_node_ends_the_job_in_one_line_and_it_resumes_on_the_nodes_left(
