@@ -9,8 +9,10 @@
         --spm-model spm/joint.model --valid-prefix corpus/en-de/valid --output-dir runs/ft
 
 Started again with the same output directory, a run resumes from its newest complete
-checkpoint. SIGTERM, SIGINT or SIGHUP on any rank: every rank saves after the current step
-and the run exits 0. ``python -m megasemface.train --help`` lists every option.
+checkpoint. SIGTERM, SIGINT, SIGHUP or SIGUSR1 on any rank: every rank saves after the
+current step and the run exits 0. Under Slurm, ``srun`` may start the ranks itself (one task
+per accelerator; see examples/slurm/pretrain.sbatch). ``python -m megasemface.train --help``
+lists every option.
 """
 
 from __future__ import annotations
@@ -54,8 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from megasemface.cli.parsing import parse_or_status
+    from megasemface.training.signals import catch_stop_signals
 
+    catch_stop_signals()  # a scheduler's signal during the start-up stops at the first step
+    from megasemface.cli.parsing import parse_or_status
+    from megasemface.distributed.slurm import srun_rank_environment
+
+    try:
+        # Under srun each task is a rank; first, since --local_rank's default reads it.
+        os.environ.update(srun_rank_environment(os.environ))
+    except ValueError as exc:
+        print(f"train: error: {exc}", file=sys.stderr)
+        return 2
     # An unknown option stops here, before the process group and the cluster's time.
     args = parse_or_status(build_parser(), argv)
     if isinstance(args, int):

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 IFNAME = "eth0"
 """Every host's link to the bridge has this name (namespaces keep names apart), so one
@@ -195,15 +195,22 @@ class Cluster:
             private.mkdir(parents=True, exist_ok=True)
             mount = f"mount -t tmpfs {host.name} {private} && exec {' '.join(sshd)}"
             sshd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
-        self._daemons.append(
-            subprocess.Popen(
-                ["ip", "netns", "exec", host.name, *sshd],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
+        self.spawn(host, sshd, log)
         self.wait_port(host, 22, 20)
+
+    def spawn(self, host: Host | None, cmd: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+        """A daemon: ``cmd`` on ``host`` (on the machine itself for None), its output to
+        ``log``, stopped by :meth:`down` (or by :meth:`stop_daemon`)."""
+        where = [] if host is None else ["ip", "netns", "exec", host.name]
+        proc = subprocess.Popen(
+            [*where, *cmd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self._daemons.append(proc)
+        return proc
+
+    def stop_daemon(self, proc: subprocess.Popen[bytes], grace: float = 3) -> None:
+        self.stop(proc, grace)
+        self._daemons.remove(proc)
 
     def start_mlflow(self) -> None:
         assert self.mlflow is not None
@@ -315,8 +322,7 @@ class Cluster:
     def stop_mlflow(self) -> None:
         for proc in list(self._daemons):
             if "server" in proc.args:  # type: ignore[operator]
-                self.stop(proc)
-                self._daemons.remove(proc)
+                self.stop_daemon(proc)
 
     def kill_jobs(self, host: Host) -> None:
         """SIGKILLs every process on ``host`` but its daemons (sshd stays up): what a node

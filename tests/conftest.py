@@ -193,3 +193,15 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         pytest.skip(f"no simulated cluster: {reason}")
     with cluster(tmp_path_factory.mktemp("cluster")) as made:
         yield made
+
+
+@pytest.fixture(scope="session")
+def slurm(nodes: Any) -> Any:
+    """Slurm on the simulated cluster (tests/slurm_cluster.py): slurmctld on its MLflow host,
+    a slurmd on each node; skipped where Slurm or munge is missing."""
+    from slurm_cluster import Slurm, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"no simulated Slurm: {reason}")
+    return Slurm(nodes).up()

@@ -144,6 +144,20 @@ def _check_pipeline(module_name: str, argv: list[str], command: Command) -> None
         pytest.fail(f"{command}\nrejected: {exc}")
 
 
+def _check_sbatch(argv: list[str], command: Command) -> None:
+    """``sbatch [OPTIONS] examples/slurm/SCRIPT TRAIN-OPTIONS``: the script exists and
+    train.py accepts the options with the script's DeepSpeed config (or ``DS_CONFIG=``)."""
+    scripts = [i for i, arg in enumerate(argv) if arg.endswith(".sbatch")]
+    _require(scripts, command, "sbatch runs a script of examples/slurm/")
+    script = ROOT / argv[scripts[0]]
+    _require(script.is_file(), command, f"{argv[scripts[0]]} does not exist")
+    default = re.search(r"DS_CONFIG:-([^}]+)\}", script.read_text(encoding="utf-8"))
+    _require(default, command, f"{argv[scripts[0]]} names no default DS_CONFIG")
+    given = [e.split("=", 1)[1] for e in command.env if e.startswith("DS_CONFIG=")]
+    config = given[0] if given else default[1]  # type: ignore[index]
+    _check_train(["--deepspeed_config", config, *argv[scripts[0] + 1 :]], command)
+
+
 def _check_train(argv: list[str], command: Command) -> None:
     """megasemface/train.py's parser, then the training options' validation."""
     from megasemface.train import build_parser
@@ -301,6 +315,8 @@ def check(command: Command) -> None:
         _check_deepspeed(argv, command)
     elif program == "make":
         _check_make(argv, command)
+    elif program == "sbatch":
+        _check_sbatch(argv, command)
     elif program == "mlflow":
         _check_mlflow(argv, command)
     elif program == "pip":
@@ -358,6 +374,11 @@ def test_the_checks_refuse_what_they_should() -> None:
     refused("make demo NO_SUCH_VARIABLE=1")
     refused('make demo DEMO_ARGS="--pair de-en"')
     refused("python tools/build_shards.py --spm-model m --out o --config ds_configs/none.json")
+    refused("sbatch examples/slurm/no_such.sbatch --stage encoder")
+    refused(
+        "sbatch examples/slurm/pretrain.sbatch --stage encoder --interface vq --data d"
+        " --spm-model s --output-dir o --no-such-option"
+    )
 
 
 # Inline commands and links -----------------------------------------------------------------

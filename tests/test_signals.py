@@ -23,8 +23,8 @@ def restored_handlers() -> Iterator[None]:
         signal.signal(sig, handler)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_repeated_sigterm_and_sighup_are_absorbed(
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1])
+def test_repeated_sigterm_sighup_and_sigusr1_are_absorbed(
     restored_handlers: None, sig: signal.Signals
 ) -> None:
     stop = StopRequest()
@@ -32,6 +32,24 @@ def test_repeated_sigterm_and_sighup_are_absorbed(
         os.kill(os.getpid(), sig)
     assert stop.signal_name == sig.name
     assert signal.getsignal(sig) == stop._handle
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
+def test_a_signal_before_the_training_loop_stops_it_at_its_first_step(
+    restored_handlers: None, sig: signal.Signals
+) -> None:
+    from megasemface.training import signals
+
+    signals.catch_stop_signals()
+    try:
+        os.kill(os.getpid(), sig)  # while the rank imports, meets the others, loads
+        stop = StopRequest()
+    finally:
+        signals._caught.clear()
+    assert stop.signal_name == sig.name
+    # A second SIGINT still interrupts; the other signals are the request's from now on.
+    expected = signal.SIG_DFL if sig == signal.SIGINT else stop._handle
+    assert signal.getsignal(sig) == expected
 
 
 def test_a_second_sigint_is_left_to_its_default_action(restored_handlers: None) -> None:

@@ -1,4 +1,4 @@
-"""Graceful stop on SIGTERM, SIGINT or SIGHUP, agreed by all ranks at a step boundary.
+"""Graceful stop on SIGTERM, SIGINT, SIGHUP or SIGUSR1, agreed by all ranks at a step boundary.
 
 A signal only sets a flag; the trainer all-reduces the flag at every step boundary, so
 whichever rank was signalled, every rank sees it after the same step, saves a checkpoint
@@ -6,7 +6,10 @@ with the others and exits 0. A second SIGINT is left to its default action, so a
 impatient user can still interrupt; repeated SIGTERMs and SIGHUPs are absorbed, because
 launchers send them more than once (DeepSpeed's node launcher passes SIGTERM on to its
 ranks as often as it is signalled itself: twice when its runner is stopped) and escalate
-to SIGKILL after a grace period of their own.
+to SIGKILL after a grace period of their own. SIGUSR1 is the signal a Slurm job asks for
+ahead of its time limit or preemption (``#SBATCH --signal=B:USR1@300``, passed on to the
+ranks by the batch script, examples/slurm/pretrain.sbatch); its default action would kill
+the rank without a checkpoint.
 
 On a cluster the ranks' output reaches the user through the launcher: DeepSpeed's runner
 starts each node's ranks through pdsh and ssh, and when the runner is stopped, the ssh
@@ -25,18 +28,38 @@ import sys
 from types import FrameType
 from typing import TextIO
 
-from megasemface.distributed.collectives import any_rank
+__all__ = ["StopRequest", "catch_stop_signals", "survive_lost_output"]
 
-__all__ = ["StopRequest", "survive_lost_output"]
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_caught: list[str] = []
+"""The stop signals received before the training loop began (see :func:`catch_stop_signals`)."""
+
+
+def _record(signum: int, frame: FrameType | None) -> None:
+    _caught.append(signal.Signals(signum).name)
+    if signum == signal.SIGINT:
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def catch_stop_signals() -> None:
+    """Records the stop signals from now on, for the :class:`StopRequest` made later.
+
+    A rank takes a while to import, meet the others and load its checkpoint, and a
+    scheduler's signal may come in that time (Slurm sends ``--signal``'s up to a minute
+    early); the signals' default action would end the rank there, without a checkpoint.
+    Recorded, the signal stops the run at its first step boundary instead."""
+    for sig in SIGNALS:
+        signal.signal(sig, _record)
 
 
 class StopRequest:
     def __init__(self) -> None:
-        self.signal_name: str | None = None
+        self.signal_name: str | None = _caught[-1] if _caught else None
+        caught, _caught[:] = list(_caught), []  # the next run in this process starts afresh
         for sig in SIGNALS:
-            signal.signal(sig, self._handle)
+            if sig.name not in caught or sig != signal.SIGINT:  # a second SIGINT stays fatal
+                signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signal_name = signal.Signals(signum).name
@@ -45,6 +68,9 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled (a collective: call on all)."""
+        # Imported here: catch_stop_signals runs before torch is imported.
+        from megasemface.distributed.collectives import any_rank
+
         return any_rank(self.signal_name is not None)
 
 
