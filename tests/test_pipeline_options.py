@@ -788,9 +788,14 @@ def test_only_a_supervised_run_seeds_the_cl_mapping_with_its_training_pairs(
     )
     item = f"en-de:{data / 'train-2.en'},{data / 'train-2.de'}"
     assert command[command.index("--seed-parallel") + 1] == item and "--pivot" not in command
+    assert command[command.index("--max-iterations") + 1] == "0"
     for settings in (("unsupervised",), ("supervised", "unsupervised")):
         config = dataclasses.replace(supervised, settings=settings)
         assert data_steps.cl_seed_pairs(config, corpus) == []
+    unseeded = data_steps._cl_embeddings_command(
+        supervised, tmp_path / "shards", tmp_path / "spm", 64, corpus, tmp_path / "cl"
+    )
+    assert "--seed-parallel" not in unseeded and "--max-iterations" not in unseeded
     several = PipelineConfig(
         workdir=tmp_path, train_pairs=2, settings=("supervised",), languages=("en", "de", "fr")
     )

@@ -8,8 +8,11 @@ Pipeline, from the token shards of a joint SentencePiece vocabulary:
    has V rows of which only the language's seen ids are meaningful;
 3. **map**: every language onto the pivot (the first language, or ``config.pivot``) by
    VecMap-style self-learning Procrustes (:mod:`megasemface.embeddings.mapping`), seeded
-   with the ids both languages use often (``init="identical"``) or with VecMap's fully
-   unsupervised initialisation from similarity distributions (``init="unsupervised"``);
+   with the ids both languages use often (``init="identical"``), those of them holding a
+   digit (``init="numerals"``) or VecMap's fully unsupervised initialisation from
+   similarity distributions (``init="unsupervised"``; :mod:`megasemface.embeddings.inits`),
+   plus the pairs of a seed dictionary given from outside, translated sentences or a word
+   list (:mod:`megasemface.embeddings.seeds`);
    only the ``induction_vocab`` most frequent ids of each language take part in dictionary
    induction (VecMap's vocabulary cutoff), the map is then applied to every row;
 4. **merge**: an id trained in several languages gets the mean of its mapped vectors

@@ -127,7 +127,8 @@ def map_language(
         # The given pairs whose two ids take part in induction (frequent enough).
         "seed_given": int(given_seed.shape[0]),
         # The share of seed pairs that are one piece in both languages: 1 for the identical
-        # seed; for the unsupervised one, a sign of whether it found the shared pieces.
+        # and numeral seeds alone; for the unsupervised one, a sign of whether it found the
+        # shared pieces.
         "seed_identical_fraction": round(seed_identical, 4),
         "iterations": result.iterations,
         "converged": result.converged,
