@@ -301,3 +301,25 @@ def test_cli_reports_errors_without_traceback(
         code = cli_main(base + extra)
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, (extra, err)
+
+
+def test_cli_refuses_bad_seeds_in_one_line(
+    small_shards: Path, spm_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--shards", str(small_shards), "--spm-model", str(spm_model), "--out", str(tmp_path)]
+    en, de = tmp_path / "t.en", tmp_path / "t.de"
+    en.write_text("a\nb\n", encoding="utf-8")
+    de.write_text("a\n", encoding="utf-8")
+    cases = [
+        (["--seed-parallel", f"en-de:{en},{de}"], "not line-aligned"),
+        (["--seed-parallel", f"en-fr:{en},{de}"], "a seed must pair the pivot"),
+        (["--seed-parallel", f"en:{en}"], "expected SRC-TGT:SRC_PATH,TGT_PATH"),
+        (["--seed-dictionary", str(tmp_path / "words.tsv")], "name the dictionary <src>-<tgt>"),
+        (["--seed-dictionary", str(tmp_path / "en-de.tsv")], "seed dictionary not found"),
+        (["--seed-pair-min-count", "0"], "seed_pair_min_count"),
+    ]
+    for extra, message in cases:
+        code = cli_main(base + extra)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (extra, err)
+        assert len(err.strip().splitlines()) == 1, err

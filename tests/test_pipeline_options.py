@@ -768,3 +768,51 @@ def test_the_grid_tests_the_fine_tuning_best_on_validation(tmp_path: Path) -> No
     (tmp_path / "runs" / "supervised-transformer-lr0.001-w20" / "best" / "config.json").unlink()
     with pytest.raises(LaunchError, match="no best model with a validation BLEU"):
         best_valid_bleu(tmp_path / "runs" / "supervised-transformer-lr0.001-w20")
+
+
+def test_only_a_supervised_run_seeds_the_cl_mapping_with_its_training_pairs(
+    tmp_path: Path,
+) -> None:
+    """The table is built once for all the run's settings: the low-resource slice of the
+    training pairs seeds it when every setting fine-tunes on them, never validation or
+    test pairs; several pairs map each language onto English with its own pairs."""
+    from megasemface.pipeline import data_steps
+
+    corpus = tmp_path / "corpus"
+    for pair in ("en-de", "en-fr"):
+        for lang in pair.split("-"):
+            for split in ("train", "valid", "test"):
+                path = corpus / "parallel" / pair / f"{split}.{lang}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"{split} a\n{split} b\n{split} c\n")
+    supervised = PipelineConfig(workdir=tmp_path, train_pairs=2, settings=("supervised",))
+    seeds = data_steps.cl_seed_pairs(supervised, corpus)
+    data = tmp_path / "data"
+    assert seeds == [("en-de", data / "train-2.en", data / "train-2.de")]
+    assert (data / "train-2.de").read_text() == "train a\ntrain b\n"
+    command = data_steps._cl_embeddings_command(
+        supervised, tmp_path / "shards", tmp_path / "spm", 64, corpus, tmp_path / "cl", seeds
+    )
+    item = f"en-de:{data / 'train-2.en'},{data / 'train-2.de'}"
+    assert command[command.index("--seed-parallel") + 1] == item and "--pivot" not in command
+    assert command[command.index("--max-iterations") + 1] == "0"
+    for settings in (("unsupervised",), ("supervised", "unsupervised")):
+        config = dataclasses.replace(supervised, settings=settings)
+        assert data_steps.cl_seed_pairs(config, corpus) == []
+    unseeded = data_steps._cl_embeddings_command(
+        supervised, tmp_path / "shards", tmp_path / "spm", 64, corpus, tmp_path / "cl"
+    )
+    assert "--seed-parallel" not in unseeded and "--max-iterations" not in unseeded
+    several = PipelineConfig(
+        workdir=tmp_path, train_pairs=2, settings=("supervised",), languages=("en", "de", "fr")
+    )
+    seeds = data_steps.cl_seed_pairs(several, corpus)
+    assert [(pair, src.parent.name) for pair, src, _ in seeds] == [
+        ("en-de", "en-de"),
+        ("en-fr", "en-fr"),
+    ]
+    command = data_steps._cl_embeddings_command(
+        several, tmp_path / "shards", tmp_path / "spm", 64, corpus, tmp_path / "cl", seeds
+    )
+    assert command.count("--seed-parallel") == 2
+    assert command[command.index("--pivot") + 1] == "en"

@@ -9,8 +9,12 @@ Writes ``<out>.safetensors`` (tensor ``embeddings``, [vocab, dim]) and ``<out>.j
 report: sizes, iterations, ids never seen, time and memory per phase, BLI before and after
 mapping). With ``--dictionary-out DIR/en-de.tsv`` it also writes a word dictionary induced
 from the mapped spaces (CSLS nearest neighbours above ``--dictionary-min-score``), which
-mRASP's random aligned substitution reads (``train.py --ras-dictionary``). Exit status 2
-with a one-line message on bad input.
+mRASP's random aligned substitution reads (``train.py --ras-dictionary``).
+
+``--seed-parallel en-de:train.en,train.de`` seeds the mapping with piece pairs that co-occur
+in translated sentences (the supervised setting's training pairs; never validation or test
+pairs), ``--seed-dictionary en-de.tsv`` with a word list; BLI then leaves out the gold
+queries the seed covers. Exit status 2 with a one-line message on bad input.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import sys
 from pathlib import Path
 
 from megasemface.cli.parsing import command_parser
+from megasemface.data.text.textio import parse_parallel
 from megasemface.embeddings.build import (
     INITS,
     CLEmbeddingConfig,
     CLEmbeddingError,
+    SeedParallel,
     build_cl_embeddings,
 )
 from megasemface.embeddings.mapping import DIRECTIONS
@@ -70,9 +76,29 @@ def build_parser() -> argparse.ArgumentParser:
     mapping.add_argument("--pivot", default=None, help="language mapped onto (default: first)")
     mapping.add_argument(
         "--init",
-        choices=INITS,
+        choices=list(INITS),
         default=cl.init,
-        help="initial dictionary: shared pieces, or VecMap's unsupervised initialisation",
+        help="initial dictionary: shared pieces, shared pieces holding a digit, or VecMap's "
+        "unsupervised initialisation",
+    )
+    mapping.add_argument(
+        "--seed-parallel",
+        action="append",
+        default=[],
+        metavar="SRC-TGT:SRC_FILE,TGT_FILE",
+        help="translated sentences whose co-occurring pieces seed the mapping (repeat)",
+    )
+    mapping.add_argument(
+        "--seed-dictionary",
+        type=Path,
+        default=None,
+        help="word pairs that seed the mapping, a file named <src>-<tgt>.tsv",
+    )
+    mapping.add_argument(
+        "--seed-pair-min-count",
+        type=int,
+        default=cl.seed_pair_min_count,
+        help="sentence pairs a seed piece pair must co-occur in (default: %(default)s)",
     )
     mapping.add_argument("--init-vocab", type=int, default=cl.init_vocab)
     mapping.add_argument("--seed-min-count", type=int, default=cl.seed_min_count)
@@ -142,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             init=args.init,
             init_vocab=args.init_vocab,
             seed_min_count=args.seed_min_count,
+            seed_pair_min_count=args.seed_pair_min_count,
             dict_min_count=args.dict_min_count,
             induction_vocab=args.induction_vocab,
             max_iterations=args.max_iterations,
@@ -160,12 +187,17 @@ def main(argv: list[str] | None = None) -> int:
             config,
             gold_dict=args.gold_dict,
             dictionary_out=args.dictionary_out,
+            seed_parallel=[
+                SeedParallel(spec.pair, tuple(zip(spec.paths, spec.target_paths, strict=True)))
+                for spec in parse_parallel(args.seed_parallel)
+            ],
+            seed_dictionary=args.seed_dictionary,
         )
     except (CLEmbeddingError, ValueError, FileNotFoundError, OSError) as exc:
         print(f"build_cl_embeddings: error: {exc}", file=sys.stderr)
         return 2
     summary = {k: report[k] for k in ("table", "vocab_size", "dim", "ids", "mapping", "seconds")}
-    for key in ("gold", "bli_before", "bli_after", "dictionary"):
+    for key in ("gold", "seeds", "bli_before", "bli_after", "dictionary"):
         if key in report:
             summary[key] = report[key]
     print(json.dumps(summary, indent=2))

@@ -9,8 +9,11 @@ Pipeline, from the token shards of a joint SentencePiece vocabulary:
    every space has V rows of which only the language's trained ids are meaningful;
 3. **map**: every language onto the pivot (the first language, or ``config.pivot``) by
    VecMap-style self-learning Procrustes (:mod:`megasemface.embeddings.mapping`), seeded
-   with the ids both languages use often (``init="identical"``) or with VecMap's fully
-   unsupervised initialisation from similarity distributions (``init="unsupervised"``);
+   with the ids both languages use often (``init="identical"``), those of them holding a
+   digit (``init="numerals"``) or VecMap's fully unsupervised initialisation from
+   similarity distributions (``init="unsupervised"``; :mod:`megasemface.embeddings.inits`),
+   plus the pairs of a seed dictionary given from outside, translated sentences or a word
+   list (:mod:`megasemface.embeddings.seeds`);
    only the ``induction_vocab`` most frequent ids of each language take part in dictionary
    induction (VecMap's vocabulary cutoff), the map is then applied to every row;
 4. **merge**: an id trained in several languages gets the mean of its mapped vectors
@@ -73,7 +76,16 @@ from megasemface.embeddings.gold import (
     gold_queries,
     load_gold_dictionary,
 )
+from megasemface.embeddings.inits import digit_pieces
 from megasemface.embeddings.mapping import bli_precision, normalize
+from megasemface.embeddings.seeds import (
+    SeedDictionary,
+    SeedDictionaryError,
+    SeedParallel,
+    disjoint_gold,
+    parallel_seed,
+    word_list_seed,
+)
 from megasemface.embeddings.skipgram import train_skipgram
 from megasemface.embeddings.table import map_language, merge_table
 from megasemface.files import write_atomically
@@ -82,6 +94,7 @@ __all__ = [
     "INITS",
     "CLEmbeddingConfig",
     "CLEmbeddingError",
+    "SeedParallel",
     "build_cl_embeddings",
     "read_language",
 ]
@@ -178,6 +191,8 @@ def build_cl_embeddings(
     gold_dict: str | Path | None = None,
     gold_langs: tuple[str, str] | None = None,
     dictionary_out: str | Path | None = None,
+    seed_parallel: Sequence[SeedParallel] = (),
+    seed_dictionary: str | Path | None = None,
 ) -> dict[str, Any]:
     """Builds and writes the [V, dim] table; returns the report also written as JSON.
 
@@ -189,6 +204,11 @@ def build_cl_embeddings(
     languages it holds) receives a word
     dictionary induced from the mapped spaces (:mod:`megasemface.embeddings.dictionary`), with
     its precision on the gold dictionary in the report when there is one.
+
+    ``seed_parallel`` (translated sentences) and ``seed_dictionary`` (a word list named
+    ``<src>-<tgt>.tsv``) add seed pairs to the mapping of their non-pivot language onto the
+    pivot (:mod:`megasemface.embeddings.seeds`); BLI then leaves out the gold queries a seed
+    covers, and the report's ``gold`` says how many.
     """
     config = config or CLEmbeddingConfig()
     previous_threads = torch.get_num_threads()
@@ -203,6 +223,8 @@ def build_cl_embeddings(
             gold_dict,
             gold_langs,
             None if dictionary_out is None else Path(dictionary_out),
+            seed_parallel,
+            None if seed_dictionary is None else Path(seed_dictionary),
         )
     finally:
         # The thread count is process-wide: give the caller back what it had.
@@ -217,6 +239,8 @@ def _build(
     gold_dict: str | Path | None,
     gold_langs: tuple[str, str] | None,
     dictionary_out: Path | None,
+    seed_parallel: Sequence[SeedParallel],
+    seed_dictionary: Path | None,
 ) -> dict[str, Any]:
     """The body of :func:`build_cl_embeddings`, run under its thread setting."""
     from safetensors.torch import save_file
@@ -270,6 +294,19 @@ def _build(
         except RasDictionaryError as exc:
             raise CLEmbeddingError(str(exc)) from None
 
+    # Read before the training too: a bad file fails at once.
+    seeds = _read_seeds(seed_parallel, seed_dictionary, tokenizer, languages, pivot, config)
+    if seeds:
+        report["seeds"] = [
+            {
+                "languages": "-".join(seed.langs),
+                "pairs": len(seed.pairs),
+                "origin": seed.origin,
+                "files": [[str(a), str(b)] for a, b in seed.files],
+            }
+            for seed in seeds
+        ]
+
     spaces: dict[str, torch.Tensor] = {}
     trained: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
@@ -316,6 +353,13 @@ def _build(
             queries=len({s for s, _ in gold}),
             min_count=config.bli_min_count,
         )
+        covering = [
+            s.oriented(gold_src, gold_tgt) for s in seeds if {*s.langs} == {gold_src, gold_tgt}
+        ]
+        if covering:
+            # The evaluation dictionary must be disjoint from the seed the mapping was given.
+            gold, removed = disjoint_gold(gold, np.concatenate(covering))
+            report["gold"].update(queries=len({s for s, _ in gold}), seed_queries_removed=removed)
     if gold:
         with _phase(report, "bli_before"):
             report["bli_before"] = _bli(
@@ -328,10 +372,19 @@ def _build(
             )
 
     report["mapping"] = {}
+    digits = digit_pieces(pieces)
     for lang in others:
+        given = [s.oriented(lang, pivot) for s in seeds if {*s.langs} == {lang, pivot}]
         with _phase(report, f"map_{lang}"):
             matrix, report["mapping"][lang] = map_language(
-                lang, pivot, spaces, counts, trained, config
+                lang,
+                pivot,
+                spaces,
+                counts,
+                trained,
+                config,
+                digits=digits,
+                given=np.concatenate(given) if given else None,
             )
             # Mapped in place of the unmapped space, which is not needed again: a second
             # [V, d] copy per language would set the peak at scale.
@@ -397,6 +450,40 @@ def _build(
     report["threads"] = torch.get_num_threads()
     write_json_atomic(out_path.with_name(out_path.name + ".json"), report)
     return report
+
+
+def _read_seeds(
+    seed_parallel: Sequence[SeedParallel],
+    seed_dictionary: Path | None,
+    tokenizer: Tokenizer,
+    languages: Sequence[str],
+    pivot: str,
+    config: CLEmbeddingConfig,
+) -> list[SeedDictionary]:
+    """The seed dictionaries given to the build; each must pair the pivot with another of
+    the build's languages, the only mappings there are."""
+    seeds: list[SeedDictionary] = []
+    try:
+        for source in seed_parallel:
+            _check_seed_languages(source.langs, languages, pivot, "seed parallel data")
+            seeds.append(parallel_seed(source, tokenizer, config.seed_pair_min_count))
+        if seed_dictionary is not None:
+            langs = dictionary_languages(seed_dictionary, languages)
+            _check_seed_languages(langs, languages, pivot, str(seed_dictionary))
+            seeds.append(word_list_seed(langs, seed_dictionary, tokenizer))
+    except (SeedDictionaryError, RasDictionaryError) as exc:
+        raise CLEmbeddingError(str(exc)) from None
+    return seeds
+
+
+def _check_seed_languages(
+    langs: tuple[str, str], languages: Sequence[str], pivot: str, what: str
+) -> None:
+    if not set(langs) <= set(languages) or pivot not in langs:
+        raise CLEmbeddingError(
+            f"{what} is {'-'.join(langs)}: a seed must pair the pivot {pivot!r} with another "
+            f"of the languages {list(languages)}; choose the pivot with --pivot"
+        )
 
 
 def _write_dictionary(

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from megasemface.embeddings.inits import INITS
 from megasemface.embeddings.mapping import DIRECTIONS, METHODS
 from megasemface.embeddings.skipgram import SkipGramConfig
 
 __all__ = ["INITS", "CLEmbeddingConfig", "CLEmbeddingError"]
-
-INITS = ("identical", "unsupervised")
 
 
 class CLEmbeddingError(ValueError):
@@ -26,12 +25,17 @@ class CLEmbeddingConfig:
     pivot: str | None = None
     """Language the others are mapped onto (default: the first language)."""
     init: str = "identical"
-    """Initial dictionary: ``identical`` (ids both languages use, the joint vocabulary's
-    shared pieces) or ``unsupervised`` (VecMap's similarity-distribution initialisation)."""
+    """Initial dictionary (:data:`INITS`): ``identical`` (ids both languages use, the joint
+    vocabulary's shared pieces, numerals among them), ``numerals`` (the shared ids holding a
+    digit) or ``unsupervised`` (VecMap's similarity-distribution initialisation). A seed
+    dictionary given to the build (parallel sentences, a word list) adds its pairs."""
     init_vocab: int = 4000
     """Most frequent ids per language that the unsupervised initialisation compares."""
     seed_min_count: int = 5
     """A shared id seeds the dictionary when it occurs this often in both languages."""
+    seed_pair_min_count: int = 2
+    """A piece pair of the seed parallel sentences is a seed candidate when it co-occurs in
+    this many sentence pairs (one co-occurrence pairs a sentence's every piece by chance)."""
     dict_min_count: int = 10
     """Only ids this frequent in their language take part in dictionary induction: rare
     pieces have noisy vectors and would add spurious pairs."""
@@ -60,12 +64,14 @@ class CLEmbeddingConfig:
     """RAS dictionary: the confidence threshold, the lowest CSLS score of a pair kept."""
 
     def __post_init__(self) -> None:
-        if self.seed_min_count < 1 or self.max_iterations < 0 or self.csls_k < 1:
-            raise CLEmbeddingError("seed_min_count, csls_k >= 1 and max_iterations >= 0 needed")
+        if min(self.seed_min_count, self.seed_pair_min_count, self.csls_k) < 1:
+            raise CLEmbeddingError("seed_min_count, seed_pair_min_count and csls_k must be >= 1")
+        if self.max_iterations < 0:
+            raise CLEmbeddingError(f"max_iterations must be >= 0, got {self.max_iterations}")
         if self.block_size < 1 or not self.row_rms > 0:
             raise CLEmbeddingError("block_size must be >= 1 and row_rms > 0")
         if self.init not in INITS:
-            raise CLEmbeddingError(f"unknown init {self.init!r}; choose one of {INITS}")
+            raise CLEmbeddingError(f"unknown init {self.init!r}; choose one of {tuple(INITS)}")
         if self.direction not in DIRECTIONS or self.retrieval not in METHODS:
             raise CLEmbeddingError(
                 f"direction must be one of {DIRECTIONS} and retrieval one of {METHODS}"

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from megasemface.embeddings.config import CLEmbeddingConfig, CLEmbeddingError
-from megasemface.embeddings.mapping import map_onto, unsupervised_seed
+from megasemface.embeddings.inits import INITS, InitInputs
+from megasemface.embeddings.mapping import map_onto
 
 __all__ = ["induction_rows", "map_language", "merge_table"]
 
@@ -28,6 +29,18 @@ def induction_rows(
     return ids[: config.induction_vocab] if config.induction_vocab else ids
 
 
+def _positions(pairs: np.ndarray, x_rows: np.ndarray, z_rows: np.ndarray) -> torch.Tensor:
+    """(source id, pivot id) pairs as (position in x_rows, position in z_rows), without
+    repeats; pairs of an id outside the induction rows are dropped."""
+    position_x = np.full(int(max(x_rows.max(), pairs[:, 0].max(initial=0))) + 1, -1)
+    position_z = np.full(int(max(z_rows.max(), pairs[:, 1].max(initial=0))) + 1, -1)
+    position_x[x_rows] = np.arange(len(x_rows))
+    position_z[z_rows] = np.arange(len(z_rows))
+    found = np.stack([position_x[pairs[:, 0]], position_z[pairs[:, 1]]], 1)
+    found = found[(found >= 0).all(1)]
+    return torch.unique(torch.from_numpy(found).long().reshape(-1, 2), dim=0)
+
+
 def _seed(
     x: torch.Tensor,
     z: torch.Tensor,
@@ -35,25 +48,25 @@ def _seed(
     z_rows: np.ndarray,
     x_counts: np.ndarray,
     z_counts: np.ndarray,
+    digits: np.ndarray,
     config: CLEmbeddingConfig,
-) -> torch.Tensor:
-    """The initial dictionary, as (position in x_rows, position in z_rows) pairs."""
-    if config.init == "unsupervised":
-        n = config.init_vocab
-        return unsupervised_seed(
-            x[torch.from_numpy(x_rows[:n])],
-            z[torch.from_numpy(z_rows[:n])],
-            csls_k=config.csls_k,
-            block_size=config.block_size,
-        )
+) -> np.ndarray:
+    """The initialisation's (source id, pivot id) pairs (:data:`INITS`)."""
     floor = max(config.seed_min_count, config.dict_min_count)
     shared = np.intersect1d(x_rows, z_rows)
     shared = shared[(x_counts[shared] >= floor) & (z_counts[shared] >= floor)]
-    position_x = {int(i): p for p, i in enumerate(x_rows)}
-    position_z = {int(i): p for p, i in enumerate(z_rows)}
-    return torch.tensor(
-        [[position_x[int(i)], position_z[int(i)]] for i in shared], dtype=torch.int64
-    ).reshape(-1, 2)
+    inputs = InitInputs(
+        x=x,
+        z=z,
+        x_rows=x_rows,
+        z_rows=z_rows,
+        shared=shared,
+        digits=digits,
+        init_vocab=config.init_vocab,
+        csls_k=config.csls_k,
+        block_size=config.block_size,
+    )
+    return INITS[config.init](inputs).astype(np.int64).reshape(-1, 2)
 
 
 def map_language(
@@ -63,8 +76,16 @@ def map_language(
     counts: dict[str, np.ndarray],
     trained: dict[str, np.ndarray],
     config: CLEmbeddingConfig,
+    *,
+    digits: np.ndarray,
+    given: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The orthogonal map of ``lang`` onto ``pivot`` and its report entry."""
+    """The orthogonal map of ``lang`` onto ``pivot`` and its report entry.
+
+    ``digits`` marks the ids whose piece holds a digit (the ``numerals`` initialisation);
+    ``given`` holds (``lang`` id, ``pivot`` id) pairs of a seed dictionary from outside
+    the spaces, added to the initialisation's.
+    """
     x_rows = induction_rows(counts[lang], trained[lang], config)
     z_rows = induction_rows(counts[pivot], trained[pivot], config)
     if min(len(x_rows), len(z_rows)) < 2:
@@ -73,11 +94,15 @@ def map_language(
             f"(have {len(x_rows)} and {len(z_rows)}); lower dict_min_count or use more data"
         )
     x, z = spaces[lang], spaces[pivot]
-    seed = _seed(x, z, x_rows, z_rows, counts[lang], counts[pivot], config)
+    init_pairs = _seed(x, z, x_rows, z_rows, counts[lang], counts[pivot], digits, config)
+    init_seed = _positions(init_pairs, x_rows, z_rows)
+    given_seed = _positions(given, x_rows, z_rows) if given is not None else init_seed[:0]
+    seed = torch.unique(torch.cat([init_seed, given_seed]), dim=0)
     if seed.numel() == 0:
         raise CLEmbeddingError(
-            f"{lang} and {pivot} share no id seen >= {config.seed_min_count} times in "
-            "both; lower seed_min_count, use more data or --init unsupervised"
+            f"the {config.init} initialisation of {lang} onto {pivot} is empty (no id of it "
+            f"seen >= {config.seed_min_count} times in both); lower seed_min_count, use more "
+            "data, give a seed dictionary or --init unsupervised"
         )
     seed_identical = float((x_rows[seed[:, 0].numpy()] == z_rows[seed[:, 1].numpy()]).mean())
     result = map_onto(
@@ -98,8 +123,12 @@ def map_language(
         "init": config.init,
         "induction_rows": [len(x_rows), len(z_rows)],
         "seed_dictionary": result.seed_size,
+        "seed_init": int(init_seed.shape[0]),
+        # The given pairs whose two ids take part in induction (frequent enough).
+        "seed_given": int(given_seed.shape[0]),
         # The share of seed pairs that are one piece in both languages: 1 for the identical
-        # seed; for the unsupervised one, a sign of whether it found the shared pieces.
+        # and numeral seeds alone; for the unsupervised one, a sign of whether it found the
+        # shared pieces.
         "seed_identical_fraction": round(seed_identical, 4),
         "iterations": result.iterations,
         "converged": result.converged,

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from megasemface.data.demo.demo_corpus import build_demo_corpus
+from megasemface.data.demo.demo_corpus import SOURCE_LANG, build_demo_corpus
 from megasemface.data.demo.documentation import PACKAGES
 from megasemface.data.shards.shard_build_config import ShardBuildConfig
 from megasemface.data.shards.shard_builder import build_shards
@@ -21,6 +22,7 @@ from megasemface.data.text.tokenizer import Tokenizer
 from megasemface.nn.config import build_model_config
 from megasemface.pipeline.config import PipelineConfig
 from megasemface.pipeline.launcher import ROOT, run_logged
+from megasemface.pipeline.settings import setting
 
 __all__ = [
     "build_cl_table",
@@ -30,6 +32,7 @@ __all__ = [
     "build_parallel_shards",
     "build_ras_dictionary",
     "build_tokenizer",
+    "cl_seed_pairs",
     "slice_parallel",
 ]
 
@@ -166,14 +169,60 @@ def build_parallel_shards(
     return out
 
 
+def cl_seed_pairs(config: PipelineConfig, corpus: Path) -> list[tuple[str, Path, Path]]:
+    """The (pair, source file, target file) translated sentences that seed the cross-lingual
+    mapping: each pair's low-resource slice of training pairs when every setting of the run
+    fine-tunes on it (supervised), else none. The table is built once for all the run's
+    settings, and an unsupervised run may not see a translated sentence, through the table
+    neither; validation and test pairs never seed it."""
+    if not all(setting(name).parallel for name in config.settings):
+        return []
+    seeds = []
+    for pair in config.pairs:
+        own = pair if config.multilingual else None
+        prefix = slice_parallel(config, corpus, "train", config.train_pairs, own)
+        src, tgt = pair.split("-")
+        seeds.append(
+            (
+                pair,
+                prefix.with_name(f"{prefix.name}.{src}"),
+                prefix.with_name(f"{prefix.name}.{tgt}"),
+            )
+        )
+    return seeds
+
+
+def _seed_files(report: dict) -> list[list[str]]:
+    """The seed parallel files a build's report names (none: an unseeded build)."""
+    return [files for seed in report.get("seeds", []) for files in seed.get("files", [])]
+
+
 def _cl_embeddings_command(
-    config: PipelineConfig, shards: Path, spm: Path, dim: int, corpus: Path, out: Path
+    config: PipelineConfig,
+    shards: Path,
+    spm: Path,
+    dim: int,
+    corpus: Path,
+    out: Path,
+    seeds: Sequence[tuple[str, Path, Path]] = (),
 ) -> list[str]:
     """tools/build_cl_embeddings.py on the monolingual shards, writing ``out``.{safetensors,
-    json}; with the corpus' gold dictionary, when it has one, for the report's precision."""
+    json}; with the corpus' gold dictionary, when it has one, for the report's precision,
+    and the mapping seeded by ``seeds`` (:func:`cl_seed_pairs`)."""
     cmd = [sys.executable, str(ROOT / "tools" / "build_cl_embeddings.py")]
     cmd += ["--shards", str(shards), "--spm-model", str(spm), "--out", str(out)]
     cmd += ["--dim", str(dim), "--epochs", str(config.cl_epochs)]
+    for pair, src, tgt in seeds:
+        cmd += ["--seed-parallel", f"{pair}:{src},{tgt}"]
+    if seeds:
+        # VecMap's supervised mode: one Procrustes fit on the seed (the pairs of the training
+        # sentences and the shared pieces), no self-learning, which on the demo's small
+        # spaces drifts away from the seed's translations (BLI p@1 on the queries the seed
+        # leaves out halved: docs/results.md#cross-lingual-embeddings).
+        cmd += ["--max-iterations", "0"]
+    if seeds and config.multilingual:
+        # Every pair is en-xx: each language is mapped onto English with its own pairs.
+        cmd += ["--pivot", SOURCE_LANG]
     # Several pairs: BLI is reported on the first one's dictionary (the table maps all).
     gold = corpus / "dict" / f"{config.pairs[0]}.tsv"
     if gold.is_file():
@@ -200,29 +249,45 @@ def build_mixed_shards(
     return out
 
 
-def build_cl_table(config: PipelineConfig, shards: Path, spm: Path, dim: int, corpus: Path) -> Path:
-    """The CL-SemFace table through tools/build_cl_embeddings.py (the documented command)."""
+def build_cl_table(
+    config: PipelineConfig,
+    shards: Path,
+    spm: Path,
+    dim: int,
+    corpus: Path,
+    seeds: Sequence[tuple[str, Path, Path]] = (),
+) -> Path:
+    """The CL-SemFace table through tools/build_cl_embeddings.py (the documented command),
+    its mapping seeded by ``seeds`` (:func:`cl_seed_pairs`)."""
     out = config.workdir / "cl" / "table"
     table, report = out.with_suffix(".safetensors"), out.with_suffix(".json")
-    if table.is_file() and report.is_file() and json.loads(report.read_text()).get("dim") == dim:
-        print(f"reusing {table}")
-        return table
-    cmd = _cl_embeddings_command(config, shards, spm, dim, corpus, out)
+    wanted = [[str(src), str(tgt)] for _, src, tgt in seeds]
+    if table.is_file() and report.is_file():
+        built = json.loads(report.read_text())
+        if built.get("dim") == dim and _seed_files(built) == wanted:
+            print(f"reusing {table}")
+            return table
+    cmd = _cl_embeddings_command(config, shards, spm, dim, corpus, out, seeds)
     seconds = run_logged(cmd, config.workdir / "cl" / "build.log", show=("p@", "BLI", "error"))
     print(f"built {table} in {seconds:.0f}s")
     return table
 
 
 def build_ras_dictionary(
-    config: PipelineConfig, shards: Path, spm: Path, dim: int, corpus: Path
+    config: PipelineConfig,
+    shards: Path,
+    spm: Path,
+    dim: int,
+    corpus: Path,
+    seeds: Sequence[tuple[str, Path, Path]] = (),
 ) -> Path:
     """The word dictionary of random aligned substitution: the user's file, or one induced
     from the cross-lingual embeddings through tools/build_cl_embeddings.py --dictionary-out.
 
-    The embeddings are built as the CL table's (same options and seed, so the same
-    vectors), in their own directory, ``<workdir>/ras/``, so that a work directory whose
-    table was built before keeps it. The corpus' gold dictionary is passed for the report
-    only (the induced dictionary's precision on it), never as the dictionary.
+    The embeddings are built as the CL table's (same options, seed dictionary and seed, so
+    the same vectors), in their own directory, ``<workdir>/ras/``, so that a work directory
+    whose table was built before keeps it. The corpus' gold dictionary is passed for the
+    report only (the induced dictionary's precision on it), never as the dictionary.
     """
     gold = corpus / "dict" / f"{config.pair}.tsv"
     if config.ras_dictionary is not None:
@@ -241,12 +306,14 @@ def build_ras_dictionary(
     dictionary = out / f"{config.pair}.tsv"
     report = out / "embeddings.json"
     wanted = {"min_score": config.ras_min_score, "words": config.ras_words}
+    seed_files = [[str(src), str(tgt)] for _, src, tgt in seeds]
     if dictionary.is_file() and report.is_file():
         built = json.loads(report.read_text()).get("dictionary", {})
-        if {key: built.get(key) for key in wanted} == wanted:
+        seeded = _seed_files(json.loads(report.read_text()))
+        if {key: built.get(key) for key in wanted} == wanted and seeded == seed_files:
             print(f"reusing {dictionary} ({built.get('pairs')} pairs)")
             return dictionary
-    cmd = _cl_embeddings_command(config, shards, spm, dim, corpus, out / "embeddings")
+    cmd = _cl_embeddings_command(config, shards, spm, dim, corpus, out / "embeddings", seeds)
     cmd += ["--dictionary-out", str(dictionary), "--dictionary-words", str(config.ras_words)]
     cmd += ["--dictionary-min-score", str(config.ras_min_score)]
     seconds = run_logged(cmd, out / "build.log", show=("error",))

@@ -168,10 +168,12 @@ class Pipeline:
             else:  # mRASP's pre-training, or its fine-tuning, reads parallel pairs
                 print(f"left out {system.display}: it trains on parallel pairs, so it has no run")
         self.cl_table: Path | None = None
+        # The training pairs seed the cross-lingual mapping in a supervised run only.
+        seeds = data_steps.cl_seed_pairs(cfg, self.corpus)
         if any(s.reads_table for s in systems):
             self._step("cross-lingual embeddings (CL-SemFace's interface)")
             self.cl_table = data_steps.build_cl_table(
-                cfg, self.mono, self.spm, self.model_config.d_model, self.corpus
+                cfg, self.mono, self.spm, self.model_config.d_model, self.corpus, seeds
             )
         self.mixed = None
         fusion = any(s.fusion for s in systems)
@@ -187,7 +189,7 @@ class Pipeline:
         if any(s.pretraining_ras or s.finetuning_ras for s in systems):
             self._step("word dictionary of random aligned substitution (mRASP)")
             self.ras_dictionary = data_steps.build_ras_dictionary(
-                cfg, self.mono, self.spm, self.model_config.d_model, self.corpus
+                cfg, self.mono, self.spm, self.model_config.d_model, self.corpus, seeds
             )
         if cfg.multilingual:
             first = self.by_pair[cfg.pairs[0]]
