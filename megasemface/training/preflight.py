@@ -20,7 +20,7 @@ from megasemface.tracking.mlflow_refusal import refusal_line
 from megasemface.training.options import TrainConfig, user_model_config
 from megasemface.training.units import unit_class, unit_of
 
-__all__ = ["check_before_start", "lr_schedule_of", "tracking_server_problem"]
+__all__ = ["check_before_start", "lr_schedule_of", "preset_warning", "tracking_server_problem"]
 
 TRACKING_CONNECT_S = 5.0
 """How long the start waits for the MLflow server to accept a connection: a server that
@@ -79,6 +79,17 @@ def _api_refusal(uri: str) -> str | None:
     except Exception:  # connected, then no answer: an outage, not a refusal
         return None
     return refusal_line(uri, response.status_code, response.text)
+
+
+def preset_warning(config: TrainConfig, device_type: str) -> str | None:
+    """A line for a GPU run of the ``tiny`` preset, the default: it is the tests' and the
+    demo's model, and a GPU run that forgot ``--preset`` would train it for days."""
+    if config.preset != "tiny" or device_type != "cuda":
+        return None
+    return (
+        "--preset tiny (the default) is the tests' and the demo's model, about a million "
+        "parameters; on GPUs pass --preset paper (or small) for the paper's model"
+    )
 
 
 def lr_schedule_of(config: TrainConfig, ds_config: dict[str, Any]) -> str:
