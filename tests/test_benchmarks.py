@@ -22,7 +22,7 @@ SMALLEST = {
     "bench_embeddings.py": "--vocab 2000 --dim 16",
     "bench_export.py": "--model-dir {init} --input {text} --sentences 4 --rounds 1",
     "bench_gpu.py": "--cpu --preset tiny --sentences 4 --length 8 --repeats 1 --no-compile",
-    "bench_model.py": "--presets tiny --repeats 1",
+    "bench_model.py": "--presets tiny --repeats 1 --no-compile",
     "bench_peer.py": "--shapes tiny --repeats 1 --batch-scale 0.125",
     "bench_revision.py": "--rounds 1 --steps 2",
     "bench_scale.py": "--smoke --workdir {out}/work --out {out}/report.md",

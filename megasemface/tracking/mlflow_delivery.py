@@ -126,10 +126,6 @@ class DeliveryWorker:
         """Metric points dropped so far: those submitted while the queue was full."""
         return self._queue_full_dropped
 
-    @property
-    def spool_path(self) -> Path:
-        return self._disk.path
-
     def submit(self, op: Op) -> None:
         """Hand ``op`` to the worker without ever blocking the training loop."""
         try:
