@@ -179,9 +179,9 @@ def test_the_start_stops_in_one_line_on_a_refusal(
     unlisted = f"http://localhost:{server.port}"
     assert _problem(unlisted) == (
         f"the MLflow server at {unlisted} refuses the host name 'localhost' (403 Invalid Host "
-        "header - possible DNS rebinding attack detected): start it with `mlflow server ... "
-        f"--allowed-hosts localhost:{server.port}`, or address it by IP address, or pass "
-        "--no-tracking"
+        "header - possible DNS rebinding attack detected): list it in the server's allowed "
+        f"hosts, `mlflow server ... --allowed-hosts localhost:{server.port}` (without the option "
+        "MLflow allows only localhost and IP addresses), or pass --no-tracking"
     )
     line = _problem(f"http://trainer:s3cret-pw@localhost:{server.port}")
     assert line is not None and "s3cret-pw" not in line and "***@localhost" in line

@@ -45,9 +45,9 @@ def refusal_line(uri: str, status: int, body: str) -> str | None:
     if status == 403 and _HOST_CHECK in body:
         return (
             f"the MLflow server at {shown} refuses the host name {urlsplit(uri).hostname!r} "
-            "(403 Invalid Host header - possible DNS rebinding attack detected): start it "
-            f"with `mlflow server ... --allowed-hosts {_host_port(uri)}`, or address it by "
-            "IP address"
+            "(403 Invalid Host header - possible DNS rebinding attack detected): list it in "
+            f"the server's allowed hosts, `mlflow server ... --allowed-hosts {_host_port(uri)}` "
+            "(without the option MLflow allows only localhost and IP addresses)"
         )
     given = [name for name in _CREDENTIAL_VARS if os.environ.get(name)]
     if status == 401:
