@@ -195,10 +195,15 @@ class Slurm:
                 raise RuntimeError(f"{what} within {timeout} s; logs in {self.root}")
             time.sleep(0.5)
 
+    def _node_states(self) -> list[str]:
+        return self.client(["sinfo", "-h", "-o", "%T", "-N"], check=False).stdout.split()
+
     def _nodes_idle(self) -> bool:
-        done = self.client(["sinfo", "-h", "-o", "%T", "-N"], check=False)
-        states = done.stdout.split()
+        states = self._node_states()
         return len(states) == len(self.cluster.hosts) and all(s == "idle" for s in states)
+
+    def _nodes_completing(self) -> bool:
+        return any(state.startswith("completing") for state in self._node_states())
 
     def environment(self, base: dict[str, str]) -> dict[str, str]:
         """``base`` with ``SLURM_CONF``: what Slurm's clients and jobs read."""
@@ -231,13 +236,21 @@ class Slurm:
 
     def start_requeued(self, job_id: str, restarts: int, timeout: float = 120) -> None:
         """Waits until ``job_id`` is pending after its ``restarts``-th requeue, then lets it
-        start at once: Slurm holds a requeued job for two minutes (its BeginTime)."""
+        start at once: Slurm holds a requeued job for two minutes (its BeginTime).
+
+        That hold is what keeps the new start's credential apart from the old one, which each
+        slurmd revoked when it killed the job: slurmd compares the two times to the second,
+        and refuses a credential made in the second of the revocation ("Job credential
+        revoked": the job fails). So the start waits until no node is still completing the
+        old run (every slurmd has revoked) and the clock has reached the next second."""
         self.wait_job(
             job_id,
             lambda job: job["JobState"] == "PENDING" and job["Restarts"] == str(restarts),
             timeout,
             f"no requeue number {restarts}",
         )
+        self._wait(lambda: not self._nodes_completing(), 90, "a node is still completing")
+        time.sleep(1 - time.time() % 1)
         self.client(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
 
     def wait_job(

@@ -148,11 +148,13 @@ def test_a_job_at_its_time_limit_saves_is_requeued_resumes_and_a_cancel_saves_to
     cluster_slurm: Slurm, launch_data: dict, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    # 3 minutes, the script's SIGUSR1 70 s before their end: Slurm sends it up to a minute
-    # early, so between 50 and 110 s after the start, the ranks started or starting.
+    # 3 minutes, the script's SIGUSR1 45 s before their end: Slurm sends it up to a minute
+    # early, so between 75 and 135 s after each start. The requeued run must log a step and
+    # be cancelled before its own signal, which leaves its start a minute under load; the
+    # checkpoint (a second or two) has 45 s.
     job = submit(
         cluster_slurm, launch_data, out, "--steps", "100000", "--save-interval", "100000",
-        sbatch="--time=3 --signal=B:USR1@70",
+        sbatch="--time=3 --signal=B:USR1@45",
     )  # fmt: skip
     cluster_slurm.start_requeued(job, 1, timeout=240)
     text = log(out)
