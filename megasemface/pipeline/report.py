@@ -30,7 +30,6 @@ from megasemface.tracking.compare import (
     plot_curves,
     select_runs,
 )
-from megasemface.tracking.mlflow_names import redact_uri
 
 __all__ = [
     "EncoderMlmRow",
@@ -490,12 +489,8 @@ def build_report(
         print(f"(for reference, {floor})")
     print(f"\nruns:\n{runs_table}")
     print(f"\nreport: {markdown}\nplots: {', '.join(str(p) for p in plots)}")
-    shown = redact_uri(tracking_uri)
-    print(f"MLflow store: {shown}")
-    if tracking_uri.startswith(("http://", "https://")):
-        print(f"open the MLflow UI at {shown}")
-    else:
-        print(f"open the MLflow UI with: mlflow ui --backend-store-uri {shown}")
+    print(f"MLflow store: {tracking_uri}")
+    print(f"open the MLflow UI with: mlflow ui --backend-store-uri {tracking_uri}")
     return Report(
         {setting: section.table for setting, section in sections.items()},
         {setting: section.bleu for setting, section in sections.items()},
