@@ -172,10 +172,13 @@ def _batch(vocab: int, sentences: int, length: int) -> SequenceBatch:
     return SequenceBatch(tokens, torch.full((sentences,), length), torch.arange(sentences) % 2)
 
 
-def bench(preset: str, layout: str, repeats: int, kept_memory: bool = False) -> dict[str, float]:
+def bench(
+    preset: str, layout: str, repeats: int, kept_memory: bool = False, compile: bool = True
+) -> dict[str, float]:
     """One preset and codebook layout; the step, the peak matmul and the VQ calls alternate.
     ``kept_memory``: freed memory is kept (:func:`keep_freed_memory` applied), so that a
-    round whose calls grew the heap is timed again."""
+    round whose calls grew the heap is timed again. ``compile``: time the compiled step too
+    (its first call compiles, minutes on a busy machine)."""
     matmul = _matmul_operands()
     config = build_model_config(preset, [f"vq.layout={layout}"])
     torch.manual_seed(0)
@@ -209,20 +212,24 @@ def bench(preset: str, layout: str, repeats: int, kept_memory: bool = False) -> 
     step()
     first_step = time.perf_counter() - started
 
-    torch.manual_seed(0)
-    compiled = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
-    apply_cpu_speed(compiled, "cpu")
-    compile_layers(compiled)
-    compiled_optimizer = torch.optim.Adam(compiled.parameters(), lr=1e-4, fused=True)
+    calls: dict[str, Callable[[], None]] = {}
+    first_compiled = 0.0
+    if compile:
+        torch.manual_seed(0)
+        compiled = SemFaceModel(config, build_interface("vq", config), SPECIAL, TRAIN_OBJECTIVE)
+        apply_cpu_speed(compiled, "cpu")
+        compile_layers(compiled)
+        compiled_optimizer = torch.optim.Adam(compiled.parameters(), lr=1e-4, fused=True)
 
-    def compiled_step() -> None:
-        compiled_optimizer.zero_grad(set_to_none=True)
-        compiled.joint_loss(batch, generator).loss.backward()
-        compiled_optimizer.step()
+        def compiled_step() -> None:
+            compiled_optimizer.zero_grad(set_to_none=True)
+            compiled.joint_loss(batch, generator).loss.backward()
+            compiled_optimizer.step()
 
-    started = time.perf_counter()
-    compiled_step()
-    first_compiled = time.perf_counter() - started
+        started = time.perf_counter()
+        compiled_step()
+        first_compiled = time.perf_counter() - started
+        calls["compiled"] = compiled_step
 
     # The VQ layer's two calls per joint step, timed alone on the same number of tokens.
     quantizer = model.interface.quantizer
@@ -246,7 +253,7 @@ def bench(preset: str, layout: str, repeats: int, kept_memory: bool = False) -> 
             "matmul": matmul,
             "vq": vq_calls,
             "autograd": autograd_step,
-            "compiled": compiled_step,
+            **calls,
         },
         repeats,
         retime_heap_growth=kept_memory,
@@ -254,6 +261,17 @@ def bench(preset: str, layout: str, repeats: int, kept_memory: bool = False) -> 
     step_time = statistics.median(times["step"])
     peak_flops = [2 * PEAK_SIZE**3 / t for t in times["matmul"]]
     real_tokens = float(batch.lengths_B.sum())
+    compiled_figures = (
+        {
+            "compiled_step_s": statistics.median(times["compiled"]),
+            "compiled_speedup": statistics.median(
+                t / c for t, c in zip(times["step"], times["compiled"], strict=True)
+            ),
+            "compile_s": first_compiled - statistics.median(times["compiled"]),
+        }
+        if compile
+        else {}
+    )
     return {
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "step_s": step_time,
@@ -276,11 +294,7 @@ def bench(preset: str, layout: str, repeats: int, kept_memory: bool = False) -> 
         "fused_speedup": statistics.median(
             a / t for a, t in zip(times["autograd"], times["step"], strict=True)
         ),
-        "compiled_step_s": statistics.median(times["compiled"]),
-        "compiled_speedup": statistics.median(
-            t / c for t, c in zip(times["step"], times["compiled"], strict=True)
-        ),
-        "compile_s": first_compiled - statistics.median(times["compiled"]),
+        **compiled_figures,
         "rounds_retimed": float(retimed),
     }
 
@@ -330,6 +344,15 @@ def allocator_comparison(rounds: int, steps: int = 8) -> dict[str, float]:
     }
 
 
+def _compiled_cell(r: dict[str, float]) -> str:
+    if "compiled_step_s" not in r:
+        return "not timed (--no-compile)"
+    return (
+        f"{r['compiled_step_s'] * 1e3:,.0f} ms ({r['compiled_speedup']:.2f}x), "
+        f"{r['compile_s']:.0f} s"
+    )
+
+
 def report(results: dict[str, dict[str, float]], allocator: dict[str, float] | None) -> str:
     rows = [
         f"fp32 matmul peak ({PEAK_SIZE}-square, timed in turn with each step): "
@@ -350,8 +373,7 @@ def report(results: dict[str, dict[str, float]], allocator: dict[str, float] | N
             f"({r['share_of_peak']:.0%}; {r['stock_share_of_peak']:.0%}) "
             f"| {r['vq_time_share']:.0%} / "
             f"{r['vq_flop_share']:.0%} | {r['autograd_step_s'] * 1e3:,.0f} ms "
-            f"({r['fused_speedup']:.2f}x) | {r['compiled_step_s'] * 1e3:,.0f} ms "
-            f"({r['compiled_speedup']:.2f}x), {r['compile_s']:.0f} s |"
+            f"({r['fused_speedup']:.2f}x) | {_compiled_cell(r)} |"
         )
     retimed = {name: int(r["rounds_retimed"]) for name, r in results.items()}
     if any(retimed.values()):
@@ -373,10 +395,12 @@ def report(results: dict[str, dict[str, float]], allocator: dict[str, float] | N
 
 
 def run(
-    presets: list[str], repeats: int | None = None, kept_memory: bool = False
+    presets: list[str], repeats: int | None = None, kept_memory: bool = False, compile: bool = True
 ) -> dict[str, dict[str, float]]:
     return {
-        f"{preset}, {layout}": bench(preset, layout, repeats or REPEATS[preset], kept_memory)
+        f"{preset}, {layout}": bench(
+            preset, layout, repeats or REPEATS[preset], kept_memory, compile
+        )
         for preset in presets
         for layout in ("flat", "product")
     }
@@ -388,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="timed rounds (default: 15 tiny, 5 paper)")
     parser.add_argument("--json", help="also write the figures as JSON")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled step")
     parser.add_argument("--allocator-child", choices=("keep", "glibc"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -405,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     # An empty kernel cache: the first compile pays what a run on a new machine pays; later
     # rows reuse the graphs of layers of the same shapes, as a pipeline's later runs do.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
-    results = run(args.presets.split(","), args.repeats, kept_memory)
+    results = run(args.presets.split(","), args.repeats, kept_memory, not args.no_compile)
     allocator = allocator_comparison(args.repeats or 3) if "tiny" in args.presets else None
     print(report(results, allocator))
     if args.json:

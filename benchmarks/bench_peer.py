@@ -5,7 +5,7 @@ same shape (d_model, heads, FFN size, encoder and decoder layers, vocabulary, ma
 dropout), randomly initialised in this process (nothing is downloaded). Both run the same step
 on the same batches, one after the other and alternating, with the same threads and dtype:
 
-- megasemface: ``TranslationModel(config, special)("supervised", src, tgt)``, the teacher-forced
+- megasemface: ``model(model.translation_loss, src, tgt)``, the teacher-forced
   label-smoothed (0.1) cross-entropy of fine-tuning, then backward and an Adam step;
 - BART: the same source (``x </s>``), decoder inputs (``<tag> y``) and labels (``y </s>``, pads
   ignored), the same label-smoothed cross-entropy from its logits, backward and Adam.
@@ -253,7 +253,8 @@ def build_runners(shape: Shape, device: torch.device) -> tuple[ModelConfig, list
     labels = inputs.pop("labels")
 
     def ours_loss() -> torch.Tensor:
-        return ours("supervised", src, tgt).loss
+        # Through the module's call, as DeepSpeed's engine runs it (its hooks included).
+        return ours(ours.translation_loss, src, tgt).loss
 
     def bart_loss() -> torch.Tensor:
         logits = bart(**inputs, use_cache=False).logits

@@ -23,9 +23,9 @@ built from it are deleted afterwards unless ``--keep``; a kept corpus made with 
 options is reused (``--corpus-only`` writes it and stops, so that it can be made ahead).
 
 Run: ``python benchmarks/bench_scale.py [--sentences 50000000] [--languages en,de]``
-(``make bench-scale SCALE_ARGS="..."``). It is not part of ``make bench``: at the default
-size it needs hours, about 7 GB of disk per language (12 GB with plain text) and an
-otherwise idle machine.
+(``make bench-scale SCALE_ARGS="..."``); ``--smoke`` is the smallest run, a check. It is
+not part of ``make bench``: at the default size it needs hours, about 7 GB of disk per
+language (12 GB with plain text) and an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -257,6 +257,7 @@ def loader_stage(args: argparse.Namespace, work: Path, stage: str) -> dict[str, 
     argv = [sys.executable, str(HERE / "bench_scale.py"), "--stage", stage, "--workdir", str(work)]
     argv += ["--loader-workers", str(args.loader_workers), "--max-tokens", str(args.max_tokens)]
     argv += ["--resume-at", str(args.resume_at), "--seed", str(args.seed)]
+    argv += ["--check-batches", str(args.check_batches)]
     figures = run_stage(f"loader-{stage}", argv, args.logs / f"loader-{stage}.log")
     own = json.loads((work / f"loader-{stage}.json").read_text(encoding="utf-8"))
     return figures | own
@@ -469,6 +470,16 @@ def report(results: dict[str, Any]) -> str:
 
 
 _PACKAGES = ("sentencepiece", "numpy", "torch", "webdataset")
+SMOKE: dict[str, Any] = {
+    "sentences": 2000,
+    "vocab_size": 1000,
+    "max_sentences_per_lang": 2000,
+    "max_tokens": 2048,
+    "check_batches": 1,
+    "threads": 1,
+    "jobs": 1,
+}
+"""``--smoke``'s options."""
 _STAGES = ("train_spm", "build_shards", "loader_pass", "loader_resume")
 
 
@@ -517,8 +528,17 @@ def main(argv: list[str] | None = None) -> int:
     add("--gpu-tokens-per-s", type=int, default=47_500, help="one H200's, docs/results.md")
     add("--extrapolate-jobs", type=int, default=15)
     add("--seed", type=int, default=0)
+    add(
+        "--smoke",
+        action="store_true",
+        help=f"the smallest run, a check that every stage works (no figures to keep): "
+        f"{SMOKE['sentences']:,} sentences, a {SMOKE['vocab_size']:,}-piece model, batches "
+        f"of {SMOKE['max_tokens']:,} tokens, one batch compared after the resume",
+    )
     add("--stage", choices=("pass", "resume"), help=argparse.SUPPRESS)  # a loader stage's process
     args = parser.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.sentences < 1 or args.jobs < 1 or args.loader_workers < 0 or args.check_batches < 1:
         parser.error("--sentences, --jobs and --check-batches must be >= 1, --loader-workers >= 0")
     if not 0 < args.resume_at < 1:

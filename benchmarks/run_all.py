@@ -148,6 +148,7 @@ def _model_rows(r: Figures, others: dict[str, Figures]) -> list[Row]:
                 f"{m['compiled_speedup']:.2f}x",
             )
             for name, m in r["results"].items()
+            if "compiled_step_s" in m
         ]
         + _allocator_rows(r.get("allocator"))
     )

@@ -19,6 +19,37 @@ __all__ = ["CommandParser", "unknown_arguments_message"]
 _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
+class _ShowsDefaults(argparse.HelpFormatter):
+    """Adds ``(default: X)`` to an option's help that does not speak of its default already,
+    where the default is a value (not None, a flag's False or an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        shown = not (
+            default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, (bool, list, tuple))
+            or action.required
+            or not action.option_strings
+        )
+        if shown and "default" not in text.lower():
+            text += " (default: %(default)s)"
+        return text
+
+
+_FORMATTERS: dict[type, type] = {}
+
+
+def _showing_defaults(formatter: type) -> type:
+    """``formatter`` (an argparse formatter class) that shows the options' defaults."""
+    if issubclass(formatter, _ShowsDefaults):
+        return formatter
+    if formatter not in _FORMATTERS:
+        _FORMATTERS[formatter] = type(formatter.__name__, (_ShowsDefaults, formatter), {})
+    return _FORMATTERS[formatter]
+
+
 class CommandParser(argparse.ArgumentParser):
     """The parser of every command: an argument it does not know stops the command before
     anything starts, with one line that names it and the closest valid option
@@ -33,6 +64,10 @@ class CommandParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        # --help shows every option's default: a value a user must know before a long run.
+        kwargs["formatter_class"] = _showing_defaults(
+            kwargs.get("formatter_class", argparse.HelpFormatter)
+        )
         super().__init__(*args, **kwargs)
 
     def parse_known_args(  # type: ignore[override]

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_process()  # the logits buffers outgrow glibc's reuse (see nn/cpu_speed.py)
     from megasemface.distributed.engine import exit_now, init_distributed, load_ds_config
     from megasemface.training.options import train_config_from_args
-    from megasemface.training.preflight import check_before_start
+    from megasemface.training.preflight import check_before_start, preset_warning
     from megasemface.training.trainer import Trainer
 
     try:
@@ -89,9 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         check_before_start(config, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
         if os.environ.get("RANK", "0") == "0":
             # Before the rendezvous, where the ranks would wait for a node that never comes.
+            from megasemface.distributed.engine import accelerator_device
             from megasemface.distributed.hosts import check_nodes
 
             check_nodes()
+            warning = preset_warning(config, accelerator_device().type)
+            if warning:
+                print(f"train: warning: {warning}", file=sys.stderr)
     except (ValueError, FileNotFoundError) as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2

@@ -86,6 +86,8 @@ def case(name: str, tool: str, arguments: str, names: str) -> object:
 
 
 CASES = [
+    case("language-not-in-the-model", "build_shards", "--out {out}/s --input fr:{bad}/three.txt",
+         "--input fr: the SentencePiece model {spm} has no language tag for fr"),
     case("truncated-gzip", "build_shards", "--out {out}/s --input de:{bad}/cut.txt.gz",
          "{bad}/cut.txt.gz"),
     case("directory-as-corpus", "build_shards", "--out {out}/s --input de:{bad}/dir", "{bad}/dir"),
@@ -101,6 +103,8 @@ CASES = [
     case("latin1-model-config", "merge_checkpoints",
          "consolidate {bad}/latin1-config --out {out}/m", "{bad}/latin1-config"),
     case("seq2seq-as-mbart", "merge_checkpoints", "connect --mbart {init} --out {out}/m", "{init}"),
+    case("missing-model-dir", "translate", "--model-dir {bad}/missing " + TRANSLATE,
+         "{bad}/missing: no such directory"),
     case("truncated-weights", "translate", "--model-dir {bad}/truncated " + TRANSLATE,
          "{bad}/truncated/model.safetensors"),
     case("empty-weights", "translate", "--model-dir {bad}/empty-weights " + TRANSLATE,

@@ -420,6 +420,29 @@ def test_relative_links_resolve() -> None:
                 assert anchor in _anchors(linked), f"{_relative(path)}: no heading for {target}"
 
 
+_TABLE_RULE = re.compile(r"^\|(?: *:?-+:? *\|)+ *$")
+
+
+def _cells(row: str) -> int:
+    """The cells of a Markdown table row: pipes in code spans and escaped ones are text."""
+    row = re.sub(r"`[^`]*`", "code", row.strip()).replace("\\|", "pipe")
+    return len(row.strip("|").split("|"))
+
+
+def test_every_table_row_has_its_header_s_cells() -> None:
+    for path in DOC_FILES:
+        lines = _prose(path).splitlines()
+        for index, line in enumerate(lines[1:], 1):
+            if not _TABLE_RULE.match(line):
+                continue
+            header = _cells(lines[index - 1])
+            row = index
+            while row < len(lines) and lines[row].startswith("|"):
+                where = f"{_relative(path)}: the table under {lines[index - 1][:60]!r}"
+                assert _cells(lines[row]) == header, f"{where}: {lines[row][:80]!r}"
+                row += 1
+
+
 # docs/memory.md's figures --------------------------------------------------------------------
 
 GIB = 1 << 30

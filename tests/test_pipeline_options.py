@@ -141,8 +141,8 @@ def test_a_run_stopped_before_its_last_step_stops_the_pipeline(
         pipeline.pretrain(vq, 0)
 
 
-def _pipeline(tmp_path: Path, seeds: tuple[int, ...]) -> Pipeline:
-    values = {**BUDGETS["smoke"], "workdir": tmp_path, "seeds": seeds}
+def _pipeline(tmp_path: Path, seeds: tuple[int, ...], **options: object) -> Pipeline:
+    values = {**BUDGETS["smoke"], "workdir": tmp_path, "seeds": seeds, **options}
     config = PipelineConfig(**values)  # type: ignore[arg-type]
     pipeline = Pipeline(config)
     pipeline.spm, pipeline.mono, pipeline.parallel = (tmp_path / n for n in ("spm", "mono", "par"))
@@ -240,6 +240,16 @@ def test_compile_reaches_every_training_run(tmp_path: Path) -> None:
     pretrain = pipeline.pretrain_config(SYSTEMS["vq"], 0)
     finetune = pipeline.finetune_config(SYSTEMS["vq"], "supervised", tmp_path / "models", 0)
     assert pretrain is not None and pretrain.compile and finetune.compile
+
+
+def test_a_tracking_server_reaches_every_training_run(tmp_path: Path) -> None:
+    uri = "http://mlflow-host:5000"
+    assert _config("--tracking-uri", uri).tracking_uri == uri and _config().tracking_uri is None
+    assert _pipeline(tmp_path, (0,)).tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    pipeline = _pipeline(tmp_path, (0,), tracking_uri=uri)
+    pretrain = pipeline.pretrain_config(SYSTEMS["vq"], 0)
+    finetune = pipeline.finetune_config(SYSTEMS["vq"], "supervised", tmp_path / "models", 0)
+    assert pretrain is not None and pretrain.tracking_uri == finetune.tracking_uri == uri
 
 
 def test_an_ablation_changes_only_its_options(tmp_path: Path) -> None:

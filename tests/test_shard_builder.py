@@ -109,6 +109,36 @@ def test_dedup_off_keeps_duplicates(tmp_path: Path, spm_model: Path) -> None:
     assert manifest["languages"]["en"]["filtered"]["duplicate"] == 0
 
 
+def test_the_sentence_length_limit_keeps_its_former_name_with_a_warning(
+    tmp_path: Path, spm_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "en.txt"
+    corpus.write_text("\n".join(GOOD) + "\n", encoding="utf-8")
+    common = ["--quiet", "--spm-model", str(spm_model), "--input", f"en:{corpus}"]
+    assert build_shards_main([*common, "--out", str(tmp_path / "a"), "--max-tokens", "9"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-tokens is now --max-sentence-tokens" in err
+    limit = ["--max-sentence-tokens", "9"]
+    assert build_shards_main([*common, "--out", str(tmp_path / "b"), *limit]) == 0
+    assert capsys.readouterr().err == ""
+    old, new = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in "ab")
+    assert old["languages"] == new["languages"]
+    assert 0 < new["languages"]["en"]["filtered"]["too_long_tokens"] < len(GOOD)
+
+
+def test_a_language_the_model_has_no_tag_for_is_refused(
+    tmp_path: Path, spm_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "fr.txt"
+    corpus.write_text("\n".join(GOOD) + "\n", encoding="utf-8")
+    argv = ["--quiet", "--spm-model", str(spm_model), "--input", f"fr:{corpus}"]
+    assert build_shards_main([*argv, "--out", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("build_shards: error: --input fr: the SentencePiece model ")
+    assert "no language tag for fr (its languages: " in line
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def _real_corpus(demo_corpus: Path, tmp_path: Path, copies: int = 1) -> dict[str, Path]:
     files = {}
     for lang in ("en", "de"):

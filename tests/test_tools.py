@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from megasemface.data.loading.loader import LoaderConfig, ShardLoader, ShardSource
 from megasemface.data.shards.shard_format import Manifest
@@ -70,3 +73,19 @@ def test_documented_data_commands(tmp_path: Path, locale_dir: Path) -> None:
     )
     batch = next(iter(loader))
     assert tokenizer.decode(batch.tokens[0, : int(batch.lengths[0])].tolist())
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "default"),
+    [
+        ("translate", "--beam", "5"),
+        ("build_shards", "--jobs", "1"),
+        ("train_spm", "--vocab-size", "60000"),
+        ("build_cl_embeddings", "--dim", "300"),
+    ],
+)
+def test_help_shows_the_defaults(command: str, option: str, default: str) -> None:
+    parser = importlib.import_module(f"megasemface.cli.{command}").build_parser()
+    metavar = option[2:].upper().replace("-", "_")
+    lines = " ".join(parser.format_help().split()).split(f" {option} {metavar} ")
+    assert len(lines) == 2 and f"(default: {default})" in lines[1].split(" --")[0], lines

@@ -343,17 +343,29 @@ def test_unreachable_server_never_blocks_and_warns_once(
     assert caller not in connecting_threads
 
 
+def _missing_mount(tmp_path: Path) -> tuple[str, Callable[[Path], None]]:
+    """A store that is really unavailable: its directory is a symlink to nothing (a missing
+    mount). The URI, and what makes it come back: the target directory appearing (atomically,
+    by rename) with the template database in it."""
+    target, link = tmp_path / "mount", tmp_path / "store"
+    link.symlink_to(target, target_is_directory=True)
+
+    def mount(template_db: Path) -> None:
+        staging = tmp_path / "staging"
+        staging.mkdir()
+        shutil.copy(template_db, staging / "mlflow.db")
+        staging.rename(target)
+
+    return f"sqlite:///{link}/mlflow.db", mount
+
+
 def test_spool_is_replayed_in_order_when_the_store_comes_back(
     tmp_path: Path, template_db: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A store that is really unavailable: its directory is a symlink to nothing (a missing
-    # mount). It "comes back" when the target directory appears (atomically, by rename).
-    target, link = tmp_path / "mount", tmp_path / "store"
-    link.symlink_to(target, target_is_directory=True)
-    uri = f"sqlite:///{link}/mlflow.db"
+    uri, mount = _missing_mount(tmp_path)
     caplog.set_level(logging.INFO, logger=LOGGER)
-
-    tracker = MLflowTracker(uri, tmp_path / "out", "nmt", "flaky", max_spooled_metrics=50)
+    out = tmp_path / "out"
+    tracker = MLflowTracker(uri, out, "nmt", "flaky", max_spooled_metrics=50)
     assert tracker.run_id is None
     tracker.log_params({"lr": 1e-3})
     for step in range(100):
@@ -362,11 +374,13 @@ def test_spool_is_replayed_in_order_when_the_store_comes_back(
     assert _wait_for(
         lambda: any(_ours(r) and r.levelno == logging.WARNING for r in caplog.records), 5
     )
+    # Past the bound, the oldest points went to the run directory, as JSON lines.
+    spool = out / "mlflow-spool.jsonl"
+    assert _wait_for(spool.exists, 5)
+    first = json.loads(spool.read_text().splitlines()[0])
+    assert first["kind"] == "metrics" and first["payload"][0][:2] == ["loss", 0.0]
 
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    shutil.copy(template_db, staging / "mlflow.db")
-    staging.rename(target)
+    mount(template_db)
     tracker.end("FINISHED", timeout=15.0)
 
     run_id = tracker.run_id
@@ -375,14 +389,39 @@ def test_spool_is_replayed_in_order_when_the_store_comes_back(
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params == {"lr": "0.001"} and run.data.tags["phase"] == "offline"
-    history = _history(client, run_id, "loss")
-    kept = len(history)
-    assert 0 < kept <= 50  # the oldest points were dropped to respect the bound
-    assert history == [(s, float(s)) for s in range(100 - kept, 100)]
-    messages = [r.getMessage() for r in caplog.records]
-    assert any("available again" in m for m in messages)
-    assert any(f"{100 - kept} metric points were dropped" in m for m in messages)
-    assert run.info.artifact_uri.startswith((link / "mlartifacts").as_uri())
+    assert _history(client, run_id, "loss") == [(s, float(s)) for s in range(100)]  # none lost
+    assert not spool.exists()  # delivered, then removed
+    assert any("available again" in r.getMessage() for r in caplog.records)
+    assert run.info.artifact_uri.startswith((tmp_path / "store" / "mlartifacts").as_uri())
+
+
+def test_what_an_ended_run_could_not_deliver_is_delivered_at_its_next_start(
+    tmp_path: Path, template_db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri, mount = _missing_mount(tmp_path)
+    out = tmp_path / "out"
+    first = MLflowTracker(uri, out, "nmt", "resumed", max_spooled_metrics=10)
+    first.log_params({"lr": 1e-3})
+    for step in range(30):
+        first.log_metrics({"loss": float(step)}, step=step)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        first.end("KILLED", timeout=1.0)
+    spool = out / "mlflow-spool.jsonl"
+    assert spool.exists()
+    (summary,) = [r.getMessage() for r in caplog.records if "could not be ended" in r.getMessage()]
+    assert "about 30 metric points" in summary and str(spool) in summary
+
+    # The next start of the run (its resume, in the same directory), with the store back.
+    mount(template_db)
+    second = MLflowTracker(uri, out, "nmt", "resumed", system_metrics=False)
+    for step in range(30, 32):
+        second.log_metrics({"loss": float(step)}, step=step)
+    second.end("FINISHED", timeout=15.0)
+    assert second.run_id is not None
+    client = MlflowClient(uri)
+    assert _history(client, second.run_id, "loss") == [(s, float(s)) for s in range(32)]
+    assert client.get_run(second.run_id).data.params == {"lr": "0.001"}
+    assert not spool.exists()
 
 
 def test_crash_without_end_leaves_the_run_failed_not_running(

@@ -419,3 +419,22 @@ def test_every_option_is_defined_once_with_one_default() -> None:
             and default is not _own_defaults(owners[name])[name]
         }
         assert not twice, f"{component.__name__} gives {sorted(twice)} defaults of its own"
+
+
+def test_the_tiny_preset_on_gpus_warns_and_workers_follow_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megasemface.training.preflight import preset_warning
+    from megasemface.training.units.base import loader_workers
+
+    def config(**options: object) -> TrainConfig:
+        paths = {"data": Path("d"), "spm_model": Path("s"), "output_dir": Path("o")}
+        return TrainConfig(stage="encoder", interface="cl", **paths, **options)  # type: ignore[arg-type]
+
+    line = preset_warning(config(), "cuda")
+    assert line is not None and "\n" not in line and "--preset paper" in line
+    assert preset_warning(config(), "cpu") is None
+    assert preset_warning(config(preset="paper"), "cuda") is None
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert loader_workers(config()) == 0  # on the CPU a worker would take the training's core
+    assert loader_workers(config(num_workers=3)) == 3

@@ -250,6 +250,8 @@ def test_translate_errors(
     assert "beam must be >= 1" in capsys.readouterr().err
     assert main([*base, "--model-dir", str(tmp_path)]) == 2
     assert "not a megasemface model directory" in capsys.readouterr().err
+    assert main([*base, "--model-dir", str(tmp_path / "missing")]) == 2
+    assert f"{tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
     # A truncated or empty weights file: one line naming it, not safetensors' traceback.
     damaged = tmp_path / "damaged"
     shutil.copytree(model_dir, damaged)

@@ -47,7 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=defaults.jobs, help="encoding processes")
     parser.add_argument("--dedup", action="store_true", help="drop exact duplicate lines")
     parser.add_argument("--max-chars", type=int, default=defaults.max_chars)
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument(
+        "--max-sentence-tokens",
+        type=int,
+        default=defaults.max_tokens,
+        help="longer sentences, or pairs with a longer side, are dropped",
+    )
+    # The former name, which train.py's batch size shares: accepted with a warning.
+    parser.add_argument("--max-tokens", type=int, dest="old_max_tokens", help=argparse.SUPPRESS)
     parser.add_argument("--tokens-per-sample", type=int, default=defaults.tokens_per_sample)
     parser.add_argument("--samples-per-shard", type=int, default=defaults.samples_per_shard)
     parser.add_argument(
@@ -64,11 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.input and not args.parallel:
         parser.error("give at least one --input or --parallel corpus")
+    if args.old_max_tokens is not None:
+        print(
+            "build_shards: warning: --max-tokens is now --max-sentence-tokens (train.py's "
+            "--max-tokens is a batch size); the old name will go",
+            file=sys.stderr,
+        )
+        args.max_sentence_tokens = args.old_max_tokens
     try:
         corpora = parse_lang_path(args.input) + parse_parallel(args.parallel)
         config = ShardBuildConfig(
             max_chars=args.max_chars,
-            max_tokens=args.max_tokens,
+            max_tokens=args.max_sentence_tokens,
             dedup=args.dedup,
             tokens_per_sample=args.tokens_per_sample,
             samples_per_shard=args.samples_per_shard,

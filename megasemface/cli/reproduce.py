@@ -129,6 +129,11 @@ def build_parser(
     add("--hostfile", type=Path, help="DeepSpeed hostfile for multi-node runs")
     add("--experiment", help="MLflow experiment (default: megasemface-<pair>)")
     add(
+        "--tracking-uri",
+        help="MLflow store of every run, e.g. an mlflow server's http://mlflow-host:5000 "
+        "(default: sqlite:///<workdir>/mlflow.db)",
+    )
+    add(
         "--ras-dictionary",
         type=Path,
         help="word dictionary <src>-<tgt>.tsv of random aligned substitution (mRASP, the RAS "

@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PREFIX",
         help="writes PREFIX.model, PREFIX.vocab and PREFIX.json",
     )
-    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    parser.add_argument(
+        "--vocab-size", type=int, default=defaults.vocab_size, help="pieces in the model"
+    )
     parser.add_argument("--model-type", choices=MODEL_TYPES, default=defaults.model_type)
     parser.add_argument(
         "--max-sentences-per-lang",

@@ -121,6 +121,8 @@ def save_model_dir(
 def _read_config(path: Path) -> dict[str, Any]:
     """config.json as a dict whose fields have the types the format gives them."""
     config_path = path / "config.json"
+    if not path.exists():
+        raise ModelDirError(f"{path}: no such directory")
     if not config_path.is_file():
         raise ModelDirError(
             f"{path} is not a megasemface model directory (no config.json); make one with "

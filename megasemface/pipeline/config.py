@@ -36,6 +36,9 @@ class PipelineConfig:
 
     workdir: Path = Path("runs/demo")
     """Everything is built here: corpus, tokenizer, shards, runs, models, the MLflow store."""
+    tracking_uri: str | None = None
+    """The MLflow store of every run, the model registry and the report, e.g. an
+    ``mlflow server``'s ``http://mlflow-host:5000``. None: ``sqlite:///<workdir>/mlflow.db``."""
     pair: str = "en-de"
     """en-xx: the demo corpus translates from English."""
     languages: tuple[str, ...] = ()

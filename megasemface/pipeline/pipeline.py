@@ -3,7 +3,8 @@
 Every step writes under ``config.workdir`` and is skipped when its output is complete, so a
 second run reuses the corpus, tokenizer, shards, tables, finished runs and scores (and says
 so); an interrupted training run resumes from its newest checkpoint. Every training run and
-every test score goes to one MLflow store, ``<workdir>/mlflow.db``, where the comparison
+every test score goes to one MLflow store, ``<workdir>/mlflow.db`` (or ``--tracking-uri``'s
+server), where the comparison
 reads them back; each fine-tuned model is registered in its model registry, with its test
 scores, as a version of ``megasemface-<pair>-<system>`` (``-<setting>`` when unsupervised).
 
@@ -85,7 +86,7 @@ class Pipeline:
         self.workdir = config.workdir.resolve()
         self.config.workdir = self.workdir
         self.corpus_arg = corpus
-        self.tracking_uri = f"sqlite:///{self.workdir / 'mlflow.db'}"
+        self.tracking_uri = config.tracking_uri or f"sqlite:///{self.workdir / 'mlflow.db'}"
         self.ds_config = (config.deepspeed_config or default_ds_config()).resolve()
         self.model_config = build_model_config(config.model_preset, list(config.model_options))
         self.started = time.perf_counter()

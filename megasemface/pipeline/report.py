@@ -30,6 +30,7 @@ from megasemface.tracking.compare import (
     plot_curves,
     select_runs,
 )
+from megasemface.tracking.mlflow_names import redact_uri
 
 __all__ = [
     "EncoderMlmRow",
@@ -489,8 +490,12 @@ def build_report(
         print(f"(for reference, {floor})")
     print(f"\nruns:\n{runs_table}")
     print(f"\nreport: {markdown}\nplots: {', '.join(str(p) for p in plots)}")
-    print(f"MLflow store: {tracking_uri}")
-    print(f"open the MLflow UI with: mlflow ui --backend-store-uri {tracking_uri}")
+    shown = redact_uri(tracking_uri)
+    print(f"MLflow store: {shown}")
+    if tracking_uri.startswith(("http://", "https://")):
+        print(f"open the MLflow UI at {shown}")
+    else:
+        print(f"open the MLflow UI with: mlflow ui --backend-store-uri {shown}")
     return Report(
         {setting: section.table for setting, section in sections.items()},
         {setting: section.bleu for setting, section in sections.items()},

@@ -4,9 +4,13 @@ The training thread hands records over through a bounded queue (:meth:`DeliveryW
 never blocks). The worker moves them into an in-memory spool and delivers them in order,
 coalescing metrics into ``log_batch`` calls of up to 1000 points. A transient failure keeps the
 spool and retries it with exponential backoff; the outage is reported once, its end at INFO.
-While the store is unreachable the metric points in the spool are bounded, oldest dropped first
-and counted; params, tags and artifacts are few and always kept. A record MLflow rejects for good
-is dropped with a (rate-limited) warning.
+A refusal (401, 403, 404: the URI, the server's allowed hosts or the credentials are wrong) is
+reported at once in one line naming the fix, and retried like an outage. Nothing is dropped
+while the store does not answer: past a bound, the oldest metric points go to a spool file in
+the run directory (:class:`~megasemface.tracking.disk_spool.DiskSpool`), replayed when the store
+answers again; what the run could not deliver when it ended stays there and is replayed at the
+next start of the run. A record MLflow rejects for good is dropped with a (rate-limited)
+warning.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ import queue
 import threading
 import time
 from collections import deque
+from pathlib import Path
 
+from megasemface.tracking.disk_spool import DiskSpool
 from megasemface.tracking.mlflow_names import (
     MAX_METRICS_PER_BATCH,
     describe_error,
     sanitize_name,
 )
+from megasemface.tracking.mlflow_refusal import refusal_of
 from megasemface.tracking.mlflow_run import MLflowRun, Op, is_permanent, now_ms
 from megasemface.tracking.system_metrics import SystemMetricsSampler
 
@@ -43,8 +50,10 @@ class DeliveryWorker:
 
     Args:
         run: the MLflow run the records go to.
-        max_spooled_points: at most this many metric points are held while the store is
-            unreachable; beyond it the oldest are dropped (and counted).
+        spool_path: the spool file for what outgrows memory or outlives the process (replayed
+            first if an earlier process left one).
+        max_spooled_points: at most this many metric points are held in memory while the store
+            is unreachable; beyond it the oldest go to ``spool_path``.
         system_metrics: sample system metrics on the worker thread, logged at :attr:`last_step`.
         system_metrics_interval: seconds between samples (None: MLflow's setting or 10).
     """
@@ -52,6 +61,7 @@ class DeliveryWorker:
     def __init__(
         self,
         run: MLflowRun,
+        spool_path: Path,
         *,
         max_spooled_points: int,
         system_metrics: bool,
@@ -74,7 +84,8 @@ class DeliveryWorker:
         self._pending: deque[Op] = deque()
         self._spooled_points = 0
         self._spooled_other = 0
-        self._dropped_points = 0
+        self._disk = DiskSpool(spool_path)
+        self._refusal: str | None = None
         self._drop_warnings = 0
         self._down_since: float | None = None
         self._down_wall: str = ""
@@ -85,6 +96,12 @@ class DeliveryWorker:
         self.finished = False
         """The run's final status was delivered."""
         self._sampler = SystemMetricsSampler()
+        if self._disk.pending():
+            logger.info(
+                "MLflow tracking: %s holds records an earlier start could not deliver; they "
+                "are delivered first",
+                self._disk.path,
+            )
 
         self.started = threading.Event()
         """Set once the first attempt to create or reattach the run is over."""
@@ -106,8 +123,8 @@ class DeliveryWorker:
 
     @property
     def dropped_points(self) -> int:
-        """Metric points dropped so far: beyond the spool's bound, or while the queue was full."""
-        return self._dropped_points + self._queue_full_dropped
+        """Metric points dropped so far: those submitted while the queue was full."""
+        return self._queue_full_dropped
 
     def submit(self, op: Op) -> None:
         """Hand ``op`` to the worker without ever blocking the training loop."""
@@ -139,8 +156,8 @@ class DeliveryWorker:
     def report_undelivered(self, status: str, timeout: float) -> None:
         """Summarise, once, what could not be delivered before the run had to end."""
         # Approximate: the worker may still be inside a call; the counts are plain ints.
-        points = self._spooled_points + self.dropped_points
-        others = self._spooled_other + self._queue.qsize()
+        points = self._spooled_points + self._disk.points + self.dropped_points
+        others = self._spooled_other + self._disk.records + self._queue.qsize()
         since = f" since {self._down_wall}" if self._down_wall else ""
         if self._run.established:
             run, outcome = f"MLflow run {self._run.run_id}", "it stays RUNNING in the store"
@@ -148,7 +165,8 @@ class DeliveryWorker:
             run, outcome = "The MLflow run", "the run was never created"
         logger.warning(
             "%s at %s could not be ended %s within %.1fs (store unavailable%s): about %d metric "
-            "points and %d params/tags/artifact records were not delivered; %s",
+            "points and %d params/tags/artifact records were not delivered; %s. They are kept "
+            "in %s and delivered at the next start of the run in this directory.",
             run,
             self._run.display_uri,
             status,
@@ -157,6 +175,7 @@ class DeliveryWorker:
             points,
             others,
             outcome,
+            self._disk.path,
         )
 
     # ---------------------------------------------------------------- worker thread
@@ -185,10 +204,12 @@ class DeliveryWorker:
             )
         finally:
             self.started.set()
+            if not self.finished and not self._disabled:
+                self._spill(everything=True)  # the next start of the run delivers it
 
     def _wait_time(self, now: float) -> float:
         """How long the worker may block on its queue before it has something to do."""
-        busy = bool(self._pending) or not self._run.established
+        busy = bool(self._pending) or not self._run.established or self._disk.pending()
         if self._disabled:
             wait = 1.0
         elif busy:
@@ -221,23 +242,41 @@ class DeliveryWorker:
             self._ending = True
             # Do not sleep out a long backoff: end() has a deadline.
             self._retry_at = min(self._retry_at, time.monotonic())
+            if self._down_since is not None:
+                self._spill(everything=True)  # as in _on_failure while ending
         elif op.kind != "flush":
             self._spooled_other += 1
 
     def _enforce_spool_limit(self) -> None:
-        """Drop the oldest metric points beyond the bound (down to 90%, to amortise the scan)."""
-        if self._spooled_points <= self._max_spooled_points:
-            return
+        """Move the oldest metric points beyond the bound to the spool file (down to 90%, to
+        amortise the scan)."""
+        if self._spooled_points > self._max_spooled_points:
+            self._spill(everything=False)
+
+    def _spill(self, everything: bool) -> None:
+        """Append the oldest metric points past 90% of the bound, or ``everything`` but the
+        flush and end markers, to the spool file."""
         excess = self._spooled_points - int(self._max_spooled_points * 0.9)
         kept: deque[Op] = deque()
+        spilled: list[Op] = []
         for op in self._pending:
-            if excess > 0 and op.kind == "metrics":
+            if op.done is None and (everything or (excess > 0 and op.kind == "metrics")):
                 excess -= op.points
-                self._spooled_points -= op.points
-                self._dropped_points += op.points
+                spilled.append(op)
             else:
                 kept.append(op)
+        if not spilled:
+            return
+        try:
+            self._disk.append(self._run.run_id, spilled)
+        except OSError as exc:  # a full or lost disk: keep them in memory, say so once
+            if self._drop_warnings == 0:
+                self._drop_warnings += 1
+                logger.warning("MLflow spool %s cannot be written (%s)", self._disk.path, exc)
+            return
         self._pending = kept
+        self._spooled_points -= sum(op.points for op in spilled)
+        self._spooled_other -= sum(op.kind != "metrics" for op in spilled)
 
     def _discard_pending(self) -> None:
         """Tracking is disabled for good: release waiters and forget records."""
@@ -263,6 +302,10 @@ class DeliveryWorker:
                 finally:
                     self.started.set()
                 self._on_success()
+            if self._disk.pending():
+                if not self._replay():
+                    return
+                continue
             if not self._pending:
                 return
             op = self._pending[0]
@@ -289,6 +332,21 @@ class DeliveryWorker:
             self._on_success()
             if time.monotonic() >= slice_end:
                 return
+
+    def _replay(self) -> bool:
+        """Deliver the spool file's next batch; False after a transient failure."""
+        run_id, batch, offset = self._disk.read(MAX_METRICS_PER_BATCH)
+        if batch:
+            try:
+                self._run.execute(batch, run_id)
+            except Exception as exc:
+                if not is_permanent(exc):
+                    self._on_failure(exc, f"replaying {batch[0].kind} from {self._disk.path}")
+                    return False
+                self._warn_dropped(batch, exc)
+        self._disk.delivered(offset, batch)
+        self._on_success()
+        return True
 
     def _take_batch(self) -> list[Op]:
         """The head op, plus following metrics ops while they fit in one log_batch call."""
@@ -321,6 +379,21 @@ class DeliveryWorker:
             self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
         delay = min(self._backoff, _BACKOFF_WHILE_ENDING_S) if self._ending else self._backoff
         self._retry_at = now + delay
+        if self._ending:  # the process may exit before the store answers: the file outlives it
+            self._spill(everything=True)
+        refusal = refusal_of(exc, self._run.tracking_uri)
+        if refusal is not None and refusal != self._refusal:
+            # Not an outage: the same request gets the same answer until someone acts.
+            self._refusal = refusal
+            self._warned_outage = True
+            logger.error(
+                "MLflow tracking: %s. The run's records are kept (past %d metric points in %s) "
+                "and retried.",
+                refusal,
+                self._max_spooled_points,
+                self._disk.path,
+            )
+            return
         if self._warned_outage:
             logger.debug(
                 "MLflow still unavailable (%s); retry in %.1fs", describe_error(exc), delay
@@ -329,13 +402,14 @@ class DeliveryWorker:
         self._warned_outage = True
         logger.warning(
             "MLflow tracking at %s is unavailable (%s while %s). Training continues: metrics, "
-            "params, tags and artifacts are kept in memory (at most %d metric points, oldest "
-            "dropped first) and retried with backoff (up to every %.0fs); whatever is still "
-            "unsent when the run ends or the process exits is lost. Reported once.",
+            "params, tags and artifacts are kept (in memory up to %d metric points, then in "
+            "%s) and retried with backoff (up to every %.0fs); what is still unsent when the "
+            "run ends is delivered at its next start. Reported once.",
             self._run.display_uri,
             describe_error(exc),
             what,
             self._max_spooled_points,
+            self._disk.path,
             _BACKOFF_MAX_S,
         )
 
@@ -344,13 +418,15 @@ class DeliveryWorker:
             return
         logger.info(
             "MLflow tracking at %s is available again after %.0fs; replaying %d spooled "
-            "records (%d metric points dropped meanwhile)",
+            "records and %d metric points from %s",
             self._run.display_uri,
             time.monotonic() - self._down_since,
             len(self._pending),
-            self._dropped_points,
+            self._disk.points,
+            self._disk.path,
         )
         self._down_since = None
+        self._refusal = None
         self._backoff = _BACKOFF_INITIAL_S
         self._retry_at = 0.0
 

@@ -158,11 +158,12 @@ class MLflowRun:
             self.display_uri,
         )
 
-    def execute(self, batch: list[Op]) -> None:
-        """Perform one MLflow call for ``batch`` (raises on failure)."""
+    def execute(self, batch: list[Op], run_id: str | None = None) -> None:
+        """Perform one MLflow call for ``batch`` in ``run_id`` (None: this run); raises on
+        failure."""
         from mlflow.entities import Metric, RunTag
 
-        client, run_id = self._client, self.run_id
+        client, run_id = self._client, run_id or self.run_id
         assert client is not None and run_id is not None
         head = batch[0]
         if head.kind == "metrics":

@@ -23,13 +23,17 @@ Design:
 * **One background thread does every MLflow call.** ``log_*`` only converts its arguments to
   plain tuples, puts them on a queue and returns (microseconds). The worker coalesces metrics
   into ``MlflowClient.log_batch`` calls of up to 1000 points.
-* **Outages are absorbed.** A call that fails for a transient reason (connection refused,
-  timeout, HTTP 5xx, "database is locked", ...) keeps its records in an in-memory spool that is
-  retried with exponential backoff and replayed in order when the store is back. Metric points
-  in the spool are bounded (``max_spooled_metrics``, oldest dropped first and counted); params,
-  tags and artifacts are few and always kept. The outage is reported once with a ``logging``
-  warning naming the URI; recovery is logged at INFO; what could not be delivered by
-  :meth:`MLflowTracker.end` is summarised once more.
+* **Outages lose nothing.** A call that fails for a transient reason (connection refused,
+  timeout, HTTP 5xx, "database is locked", ...) keeps its records in a spool that is retried
+  with exponential backoff and replayed when the store is back. Past ``max_spooled_metrics``
+  points in memory, the oldest go to ``<output_dir>/mlflow-spool.jsonl`` (JSON lines); what
+  :meth:`MLflowTracker.end` could not deliver goes there too, and the next tracker started on
+  the same output directory (the run's resume) delivers it first. The outage is reported once
+  with a ``logging`` warning naming the URI; recovery is logged at INFO; what could not be
+  delivered by :meth:`MLflowTracker.end` is summarised once more.
+* **Refusals are reported at once.** A server that answers 401, 403 or 404 (credentials, a host
+  name missing from its ``--allowed-hosts``, a wrong path) refuses every retry too: one error
+  line names the fix; the records are kept and retried as in an outage.
 * **Requests that can never succeed are dropped**, not retried (MLflow rejected them, e.g. an
   invalid name), with a warning. Changing an already-logged param (MLflow params are immutable,
   typical after a resume with a new learning rate) keeps the old value, logs the other params and
@@ -85,6 +89,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, SupportsFloat
 from urllib.parse import urlsplit
 
+from megasemface.tracking.disk_spool import SPOOL_NAME
 from megasemface.tracking.mlflow_delivery import DeliveryWorker
 from megasemface.tracking.mlflow_names import (
     MAX_DIGEST_LEN,
@@ -148,8 +153,8 @@ class MLflowTracker(Tracker):
             Creating a fresh SQLite database takes a few seconds (schema migrations). If the
             store is unreachable the constructor returns after the first failed attempt and
             :attr:`run_id` stays None until the store comes back.
-        max_spooled_metrics: at most this many metric points are held while the store is
-            unreachable; beyond it the oldest are dropped (and counted).
+        max_spooled_metrics: at most this many metric points are held in memory while the store
+            is unreachable; beyond it the oldest go to the spool file in ``output_dir``.
         system_metrics_interval: seconds between system-metric samples; None:
             ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` or 10.
 
@@ -205,6 +210,7 @@ class MLflowTracker(Tracker):
         self._warned_values: set[str] = set()
         self._worker = DeliveryWorker(
             self._run,
+            self._output_dir / SPOOL_NAME,
             max_spooled_points=max(1, int(max_spooled_metrics)),
             system_metrics=system_metrics,
             system_metrics_interval=system_metrics_interval,
@@ -369,8 +375,8 @@ class MLflowTracker(Tracker):
                 self._worker.report_undelivered(status, timeout)
             elif self._worker.dropped_points:
                 logger.warning(
-                    "MLflow run %s ended %s; %d metric points were dropped while %s was "
-                    "unavailable",
+                    "MLflow run %s ended %s; %d metric points were dropped while a call to %s "
+                    "did not return",
                     self._run.run_id,
                     status,
                     self._worker.dropped_points,

@@ -134,7 +134,7 @@ class TrainConfig(
             parse_schedule(self.denoise_schedule)
         except ValueError as exc:
             raise ValueError(f"--denoise-schedule: {exc}") from None
-        if self.num_workers < 0:
+        if self.num_workers is not None and self.num_workers < 0:
             raise ValueError("--num-workers must be >= 0")
         if self.no_repeat_ngram_size < 0:
             raise ValueError("--no-repeat-ngram-size must be >= 0 (0: no limit)")

@@ -16,24 +16,32 @@ from megasemface.checkpoints.universal import check_parallel_sizes
 from megasemface.interfaces.registry import interface
 from megasemface.nn import cpu_gemm
 from megasemface.tracking.mlflow_names import redact_uri
+from megasemface.tracking.mlflow_refusal import refusal_line
 from megasemface.training.options import TrainConfig, user_model_config
 from megasemface.training.units import unit_class, unit_of
 
-__all__ = ["check_before_start", "lr_schedule_of", "tracking_server_problem"]
+__all__ = ["check_before_start", "lr_schedule_of", "preset_warning", "tracking_server_problem"]
 
 TRACKING_CONNECT_S = 5.0
 """How long the start waits for the MLflow server to accept a connection: a server that
 is up answers in milliseconds, even across a cluster's network."""
+TRACKING_PROBE = "/api/2.0/mlflow/experiments/search"
+"""The API call the start makes: a read every user of a tracking server may make."""
 
 
 def tracking_server_problem(config: TrainConfig) -> str | None:
     """Why the run's MLflow server (``--tracking-uri`` or ``MLFLOW_TRACKING_URI``, http or
-    https) does not accept connections, or None when it does or the store is not a server.
+    https) cannot take the run's records, or None when it can or the store is not a server.
 
     Once a run is going, the tracker rides out a server's outage (it spools and retries).
     At the start, a server that nobody answers for is most often a mistyped URI, or one the
-    nodes cannot route to, and the run would train for hours with nothing tracked: so the
-    start stops, in one line, before the cluster's time is spent."""
+    nodes cannot route to, and one that refuses (a host name its ``--allowed-hosts`` does not
+    list, wrong credentials, a wrong path) refuses every later request too: the run would
+    train for hours with nothing tracked. So the start connects, then makes one API call with
+    the run's credentials (MLflow's own environment variables, read by MLflow's client), and
+    stops in one line on either failure, before the cluster's time is spent. A server that
+    accepts the connection but answers nothing, or an error of its own (5xx), is an outage the
+    tracker rides out."""
     uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if config.no_tracking or not uri:
         return None
@@ -43,12 +51,44 @@ def tracking_server_problem(config: TrainConfig) -> str | None:
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         with socket.create_connection((parts.hostname, port), timeout=TRACKING_CONNECT_S):
-            return None
+            pass
     except OSError as exc:
         reason = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
+        return (
+            f"the MLflow tracking server {redact_uri(uri)} is unreachable ({reason}): start "
+            "it, correct --tracking-uri, or pass --no-tracking"
+        )
+    refusal = _api_refusal(uri)
+    return f"{refusal}, or pass --no-tracking" if refusal else None
+
+
+def _api_refusal(uri: str) -> str | None:
+    """The refusal of one read of the server's experiments, as MLflow's client makes it."""
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        response = http_request(
+            get_default_host_creds(uri),
+            TRACKING_PROBE,
+            "GET",
+            max_retries=0,
+            timeout=TRACKING_CONNECT_S,
+            params={"max_results": 1},
+        )
+    except Exception:  # connected, then no answer: an outage, not a refusal
+        return None
+    return refusal_line(uri, response.status_code, response.text)
+
+
+def preset_warning(config: TrainConfig, device_type: str) -> str | None:
+    """A line for a GPU run of the ``tiny`` preset, the default: it is the tests' and the
+    demo's model, and a GPU run that forgot ``--preset`` would train it for days."""
+    if config.preset != "tiny" or device_type != "cuda":
+        return None
     return (
-        f"the MLflow tracking server {redact_uri(uri)} is unreachable ({reason}): start it, "
-        "correct --tracking-uri, or pass --no-tracking"
+        "--preset tiny (the default) is the tests' and the demo's model, about a million "
+        "parameters; on GPUs pass --preset paper (or small) for the paper's model"
     )
 
 

@@ -90,8 +90,9 @@ class LoaderConfig:
     """Decides shard order, batch composition and language choice."""
     shuffle: bool = True
     """Shuffle shard order each epoch (sentences are always grouped by length)."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank (0: read in the training process)."""
+    num_workers: int | None = None
+    """DataLoader worker processes per rank (0 or None: read in the training process;
+    train.py's ``--num-workers`` picks one by device first, ``units/base.py``)."""
     prefetch_factor: int = 4
     """Batches each worker prepares ahead."""
     max_bad_fraction: float = 0.001
@@ -107,6 +108,8 @@ class LoaderConfig:
             )
         if self.pool_tokens < self.max_tokens:
             raise ValueError(f"pool_tokens ({self.pool_tokens}) must be >= max_tokens")
+        if self.num_workers is None:
+            self.num_workers = 0
         if self.num_workers < 0 or self.prefetch_factor < 1:
             raise ValueError("num_workers must be >= 0 and prefetch_factor >= 1")
         if self.pair_share is not None and not 0 < self.pair_share < 1:

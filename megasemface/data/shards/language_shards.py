@@ -294,7 +294,7 @@ class LanguageShardBuild:
             raise ShardBuildError(
                 f"{self.lang}: no sentence kept from {[str(p) for p in self.corpus.all_paths]} "
                 f"(dropped: { {k: v for k, v in counts.items() if v} }); check the files and "
-                "the language, or raise --max-chars / --max-tokens"
+                "the language, or raise --max-chars / --max-sentence-tokens"
             )
         return {"kind": "language", "lang": self.lang, "lines": self.total_lines, "counts": counts}
 

@@ -65,26 +65,34 @@ def _input_fingerprint(corpus: CorpusSpec) -> list[dict[str, Any]]:
     return out
 
 
+def _check_languages(corpora: list[CorpusSpec], tokenizer: Tokenizer, spm_model: Path) -> None:
+    """Every language of ``corpora`` must have a tag in the model: training puts it before
+    each sentence, and a mistyped code would otherwise cost a whole build before the first
+    run refuses the shards."""
+    for corpus in corpora:
+        langs = corpus.pair or (corpus.lang,)
+        missing = [lang for lang in langs if lang not in tokenizer.languages]
+        if missing:
+            what = f"pair {corpus.lang}" if corpus.pair else f"--input {corpus.lang}"
+            raise ShardBuildError(
+                f"{what}: the SentencePiece model {spm_model} has no language tag for "
+                f"{', '.join(missing)} (its languages: {', '.join(tokenizer.languages)}); fix "
+                "the language code or train a model with these languages"
+            )
+
+
 def _pair_layouts(
     corpora: list[CorpusSpec], tokenizer: Tokenizer, spm_model: Path, config: ShardBuildConfig
 ) -> dict[str, dict[str, Any]]:
     """How each parallel corpus is stored, as the manifest records it under ``pair``.
 
     Pairs are joined with the tokenizer's eos id, which SentencePiece encoding never
-    produces, so the split is unambiguous; each language of a pair needs a tag in the model,
-    which translation training puts before the sentences.
+    produces, so the split is unambiguous.
     """
     layouts = {}
     for corpus in corpora:
         if corpus.pair is None:
             continue
-        missing = [lang for lang in corpus.pair if lang not in tokenizer.languages]
-        if missing:
-            raise ShardBuildError(
-                f"pair {corpus.lang}: the SentencePiece model {spm_model} has no language tag "
-                f"for {', '.join(missing)} (its languages: {', '.join(tokenizer.languages)}); "
-                "fix the pair name or train a model with these languages"
-            )
         try:
             separator = tokenizer.eos_id
         except ValueError as exc:
@@ -158,6 +166,7 @@ def build_shards(
     except ValueError as exc:
         raise ShardBuildError(f"{spm_model}: {exc}") from exc
     vocab_size = tokenizer.vocab_size
+    _check_languages(corpora, tokenizer, spm_model)
     pairs = _pair_layouts(corpora, tokenizer, spm_model, config)
     # Languages never join sides, so any id would do for them.
     separator = tokenizer.eos_id if pairs else -1

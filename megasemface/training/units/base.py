@@ -38,6 +38,7 @@ from megasemface.training.run_data import RunData
 
 __all__ = [
     "TrainUnit",
+    "loader_workers",
     "model_config_from",
     "objective_config_from",
     "rank_loader",
@@ -67,6 +68,16 @@ def model_config_from(config: TrainConfig, data: RunData) -> ModelConfig:
     return apply_overrides(user, list(sizes.items()))
 
 
+def loader_workers(config: TrainConfig) -> int:
+    """``--num-workers``, or without it one worker per rank on a GPU and 0 on the CPU. The
+    data order is the same either way: a run reads max(1, workers) slots per rank."""
+    if config.num_workers is not None:
+        return config.num_workers
+    from megasemface.distributed.engine import accelerator_device
+
+    return 1 if accelerator_device().type == "cuda" else 0
+
+
 def rank_loader(
     config: TrainConfig,
     data: RunData,
@@ -86,7 +97,7 @@ def rank_loader(
             pair_share=pair_share,
             languages=languages,
             seed=config.seed,
-            num_workers=config.num_workers,
+            num_workers=loader_workers(config),
         ),
         pad_id=data.tokenizer.pad_id,
         rank=groups.dp_rank,

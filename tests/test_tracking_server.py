@@ -1,0 +1,207 @@
+"""Tracking to a real ``mlflow server`` started as the docs start it (``--host`` and
+``--allowed-hosts`` naming the server's host): the host name reaches it, a name it does not
+list is refused in one line naming the fix, and a server that is down, then up, gets every
+metric point."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlflow")
+
+from mlflow import MlflowClient
+
+from megasemface.interfaces.registry import DEFAULT
+from megasemface.tracking.mlflow_tracker import MLflowTracker
+from megasemface.training.options import TrainConfig
+from megasemface.training.preflight import tracking_server_problem
+
+pytestmark = pytest.mark.launcher  # starts an MLflow server process (tens of seconds)
+
+SERVER_START_S = 240  # a loaded 2-core machine takes a minute to import and serve
+
+
+def _host_name() -> tuple[str, str]:
+    """This machine's host name and the local address it resolves to (the server binds there,
+    so that the name reaches it)."""
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        pytest.skip(f"this machine's host name {name!r} does not resolve")
+    if not address.startswith("127.") or name == "localhost":
+        pytest.skip(f"{name!r} resolves to {address}: no name of its own for a loopback address")
+    return name, address
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    """An ``mlflow server`` on ``address:port``, started by :meth:`start` (once)."""
+
+    def __init__(self, root: Path, name: str, address: str, template_db: Path) -> None:
+        self.root, self.name, self.address = root, name, address
+        self.port = _free_port(address)
+        self._template_db = template_db
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        if self._proc is not None:
+            return
+        shutil.copy(self._template_db, self.root / "mlflow.db")  # no schema migration to wait
+        mlflow = Path(sys.executable).with_name("mlflow")
+        self._proc = subprocess.Popen(
+            [
+                str(mlflow), "server", "--host", self.address, "--port", str(self.port),
+                "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+                "--artifacts-destination", str(self.root / "artifacts"),
+                "--allowed-hosts", f"{self.name}:{self.port},{self.address}:{self.port}",
+            ],
+            stdout=open(self.root / "server.log", "ab"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=self.root,
+        )  # fmt: skip
+        deadline = time.monotonic() + SERVER_START_S
+        while not self._answers():
+            assert self._proc.poll() is None, (self.root / "server.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the MLflow server did not start"
+            time.sleep(0.5)
+
+    def _answers(self) -> bool:
+        try:
+            MlflowClient(f"http://{self.address}:{self.port}").search_experiments(max_results=1)
+        except Exception:
+            return False
+        return True
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            os.killpg(self._proc.pid, 15)
+            self._proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server for the module, started by the first test that needs it up."""
+    name, address = _host_name()
+    root = tmp_path_factory.mktemp("mlflow-server")
+    template = tmp_path_factory.mktemp("template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{template}").search_experiments()
+    server = Server(root, name, address, template)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_TRACKING_USERNAME",
+        "MLFLOW_TRACKING_PASSWORD",
+        "MLFLOW_TRACKING_TOKEN",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    # The tracker's defaults for HTTP stores; set here so that they do not leak out.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
+def _problem(uri: str) -> str | None:
+    config = TrainConfig(
+        stage="encoder",
+        interface=DEFAULT,
+        data=Path(),
+        spm_model=Path(),
+        output_dir=Path(),
+        tracking_uri=uri,
+    )
+    return tracking_server_problem(config)
+
+
+def _wait_for(predicate: Callable[[], object], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_server_down_then_up_gets_every_point(
+    server: Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="megasemface.tracking")
+    out = tmp_path / "run"
+    uri = f"http://{server.address}:{server.port}"  # not started yet: nothing listens
+    tracker = MLflowTracker(uri, out, "nmt", "outage", max_spooled_metrics=10)
+    assert tracker.run_id is None
+    for step in range(40):
+        tracker.log_metrics({"loss": float(step)}, step=step)
+    spool = out / "mlflow-spool.jsonl"
+    assert _wait_for(spool.exists, 10)  # past 10 points in memory, the rest went to disk
+
+    server.start()
+    tracker.end("FINISHED", timeout=30)
+    assert tracker.run_id is not None
+    client = MlflowClient(uri)
+    history = sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, "loss"))
+    assert history == [(s, float(s)) for s in range(40)]
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert not spool.exists()
+
+
+def test_the_start_stops_in_one_line_on_a_refusal(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server.start()
+    assert _problem(f"http://{server.name}:{server.port}") is None  # the name it lists
+
+    # A name the server's --allowed-hosts leaves out (MLflow's DNS rebinding protection).
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "trainer")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret-pw")
+    unlisted = f"http://localhost:{server.port}"
+    assert _problem(unlisted) == (
+        f"the MLflow server at {unlisted} refuses the host name 'localhost' (403 Invalid Host "
+        "header - possible DNS rebinding attack detected): list it in the server's allowed "
+        f"hosts, `mlflow server ... --allowed-hosts localhost:{server.port}` (without the option "
+        "MLflow allows only localhost and IP addresses), or pass --no-tracking"
+    )
+    line = _problem(f"http://trainer:s3cret-pw@localhost:{server.port}")
+    assert line is not None and "s3cret-pw" not in line and "***@localhost" in line
+
+    wrong_path = f"http://{server.name}:{server.port}/mlflow"
+    line = _problem(wrong_path)
+    assert line is not None and "(404)" in line and "\n" not in line
+
+
+def test_a_refusal_mid_run_is_reported_in_one_line_and_kept_for_the_next_start(
+    server: Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server.start()
+    caplog.set_level(logging.INFO, logger="megasemface.tracking")
+    uri = f"http://localhost:{server.port}"
+    tracker = MLflowTracker(uri, tmp_path / "run", "nmt", "refused", system_metrics=False)
+    for step in range(3):
+        tracker.log_metrics({"loss": float(step)}, step=step)
+    assert _wait_for(lambda: any(r.levelno >= logging.ERROR for r in caplog.records), 10)
+    tracker.end("FINISHED", timeout=1)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and f"--allowed-hosts localhost:{server.port}" in errors[0]
+    assert (tmp_path / "run" / "mlflow-spool.jsonl").exists()
