@@ -41,7 +41,7 @@ demo: setup
 	$(PY) -m megasemface.demo $(DEMO_ARGS)
 
 test: setup lint
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -9,8 +9,8 @@ gives the time its launch spent outside the training loop (start-up and exit of 
 from the loop's own clock in the run's metrics.jsonl), the part a faster step does not
 shorten.
 
-Run: ``python benchmarks/bench_demo.py [--budget demo] [--json out.json]``; ``--budget
-smoke`` is a quick check of the benchmark itself.
+Run: ``python benchmarks/bench_demo.py [--budget demo] [--systems ...] [--json out.json]``;
+``--budget smoke --systems transformer`` is a quick check of the benchmark itself.
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ def _clock(seconds: float) -> str:
     return f"{minutes}:{rest:02d}"
 
 
-def run(budget: str, locale_dir: Path) -> dict[str, Any]:
+def run(budget: str, locale_dir: Path, systems: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-demo-") as tmp:
         workdir = Path(tmp) / "demo"
         log = Path(tmp) / "demo.log"
         cmd = [sys.executable, "-m", "megasemface.demo", "--workdir", str(workdir)]
         cmd += ["--budget", budget, "--locale-dir", str(locale_dir)]
+        if systems:
+            cmd += ["--systems", systems]
         started = time.perf_counter()
         with open(log, "w", encoding="utf-8") as out:
             code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -55,7 +57,13 @@ def run(budget: str, locale_dir: Path) -> dict[str, Any]:
             for run in sorted((workdir / "runs").iterdir())
             if (run / "metrics.jsonl").is_file()
         }
-    return {"budget": budget, "wall_seconds": wall, "timings": timings, "loop_seconds": loops}
+    return {
+        "budget": budget,
+        "systems": systems,
+        "wall_seconds": wall,
+        "timings": timings,
+        "loop_seconds": loops,
+    }
 
 
 def _loop_seconds(metrics: Path) -> float:
@@ -72,8 +80,11 @@ def _loop_seconds(metrics: Path) -> float:
 def report(results: dict[str, Any]) -> str:
     timings = results["timings"]
     total = timings["total_seconds"]
+    command = f"python -m megasemface.demo --budget {results['budget']}"
+    if results.get("systems"):
+        command += f" --systems {results['systems']}"
     lines = [
-        f"`python -m megasemface.demo --budget {results['budget']}` from an empty work "
+        f"`{command}` from an empty work "
         f"directory: **{_clock(total)}** (min:s; the process {_clock(results['wall_seconds'])}"
         f" with its start-up), beside the README's {_clock(LIMIT_SECONDS)} for `make demo` "
         "with its install.",
@@ -102,10 +113,11 @@ def report(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--budget", default="demo", help="the demo's budget (smoke: quick)")
+    parser.add_argument("--systems", help="the demo's systems (default: the demo's own)")
     parser.add_argument("--locale-dir", type=Path, default=Path(DEFAULT_LOCALE_DIR))
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    results = run(args.budget, args.locale_dir)
+    results = run(args.budget, args.locale_dir, args.systems)
     print(report(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

@@ -18,8 +18,8 @@ BENCHMARKS = ROOT / "benchmarks"
 
 SMALLEST = {
     "bench_data.py": "--copies 1",
-    "bench_demo.py": "--budget smoke",
-    "bench_embeddings.py": "--vocab 2000 --dim 16",
+    "bench_demo.py": "--budget smoke --systems transformer",
+    "bench_embeddings.py": "--vocab 2000 --dim 16 --demo-epochs 1 --tokens 100000",
     "bench_export.py": "--model-dir {init} --input {text} --sentences 4 --rounds 1",
     "bench_gpu.py": "--cpu --preset tiny --sentences 4 --length 8 --repeats 1 --no-compile",
     "bench_model.py": "--presets tiny --repeats 1 --no-compile",

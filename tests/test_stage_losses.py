@@ -8,6 +8,11 @@ must equal the ones recorded in ``tests/data/stage_losses.json``: a change to th
 stage, an objective or the data path that alters what a run computes shows up here. The
 tolerance only absorbs the last bits that differ between CPU instruction sets.
 
+The demo corpus is made from the gettext catalogs the machine has installed, so a package
+that brings catalogs of its own changes the data: the record carries a fingerprint of the
+text the runs read, and a corpus that differs is named as the cause before any loss is
+compared.
+
 After an intended change of the numbers, record them again with
 ``MEGASEMFACE_RECORD_STAGE_LOSSES=1 pytest tests/test_stage_losses.py`` and say why in the
 commit.
@@ -15,6 +20,7 @@ commit.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -27,6 +33,7 @@ pytestmark = pytest.mark.launcher
 RECORDED = ROOT / "tests" / "data" / "stage_losses.json"
 RECORD = os.environ.get("MEGASEMFACE_RECORD_STAGE_LOSSES") == "1"
 STEPS = 3
+CORPUS_FILES = ("mono/en.txt", "mono/de.txt", "parallel/en-de/train.en", "parallel/en-de/train.de")
 
 
 # name: (ZeRO stage, shards, arguments, the run whose checkpoint --init-from names, if any)
@@ -115,8 +122,35 @@ def runs_root(launch_data: dict) -> Path:
     return launch_data["root"] / "stage-losses"
 
 
+def corpus_fingerprint(demo_corpus: Path) -> str:
+    """The SHA-256 of the text the runs read: the monolingual and the en-de training files
+    (the SentencePiece model and the shards follow from them deterministically)."""
+    digest = hashlib.sha256()
+    for name in (
+        "mono/en.txt",
+        "mono/de.txt",
+        "parallel/en-de/train.en",
+        "parallel/en-de/train.de",
+    ):
+        digest.update(name.encode() + b"\0" + (demo_corpus / name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 @pytest.fixture(scope="module")
-def measured(launch_data: dict) -> dict[str, list[float]]:
+def recorded(demo_corpus: Path) -> dict[str, list[float]]:
+    """The recorded losses, once the corpus is shown to be the one they were recorded on."""
+    record = json.loads(RECORDED.read_text(encoding="utf-8"))
+    if not RECORD:
+        assert record["corpus"] == corpus_fingerprint(demo_corpus), (
+            "the demo corpus differs from the one the losses were recorded on (a package "
+            "installed or removed gettext catalogs under the locale directory): record "
+            "again with MEGASEMFACE_RECORD_STAGE_LOSSES=1 on the machine CI runs on"
+        )
+    return record["losses"]
+
+
+@pytest.fixture(scope="module")
+def measured(launch_data: dict, demo_corpus: Path) -> dict[str, list[float]]:
     """Runs every stage once; the losses of steps 1..STEPS per run.
 
     The runs share two launches, one after another in each (tests/launch.py's ``chain``),
@@ -165,13 +199,15 @@ def measured(launch_data: dict) -> dict[str, list[float]]:
         found[name] = [by_step[step] for step in range(1, STEPS + 1)]
     if RECORD:
         RECORDED.parent.mkdir(exist_ok=True)
-        RECORDED.write_text(json.dumps(found, indent=1) + "\n", encoding="utf-8")
+        record = {"corpus": corpus_fingerprint(demo_corpus), "losses": found}
+        RECORDED.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return found
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_stage_losses_equal_the_recorded_ones(measured: dict[str, list[float]], name: str) -> None:
-    recorded = json.loads(RECORDED.read_text(encoding="utf-8"))
+def test_stage_losses_equal_the_recorded_ones(
+    measured: dict[str, list[float]], recorded: dict[str, list[float]], name: str
+) -> None:
     assert measured[name] == pytest.approx(recorded[name], rel=2e-5), name
     # The steps differ from each other: the run trained, and the record is not a constant.
     assert len(set(recorded[name])) == STEPS
