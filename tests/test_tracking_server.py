@@ -1,7 +1,9 @@
 """Tracking to a real ``mlflow server`` started as the docs start it (``--host`` and
 ``--allowed-hosts`` naming the server's host): the host name reaches it, a name it does not
 list is refused in one line naming the fix, and a server that is down, then up, gets every
-metric point."""
+metric point. A second server runs MLflow's basic-auth app: the run's credentials (MLflow's
+own environment variables) reach it, and missing or wrong ones stop the start in one line
+that never prints them."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -53,10 +56,18 @@ def _free_port(address: str) -> int:
 class Server:
     """An ``mlflow server`` on ``address:port``, started by :meth:`start` (once)."""
 
-    def __init__(self, root: Path, name: str, address: str, template_db: Path) -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        address: str,
+        template_db: Path,
+        auth_config: Path | None = None,
+    ) -> None:
         self.root, self.name, self.address = root, name, address
         self.port = _free_port(address)
         self._template_db = template_db
+        self._auth_config = auth_config
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -64,18 +75,25 @@ class Server:
             return
         shutil.copy(self._template_db, self.root / "mlflow.db")  # no schema migration to wait
         mlflow = Path(sys.executable).with_name("mlflow")
+        command = [
+            str(mlflow), "server", "--host", self.address, "--port", str(self.port),
+            "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination", str(self.root / "artifacts"),
+            "--allowed-hosts", f"{self.name}:{self.port},{self.address}:{self.port}",
+        ]  # fmt: skip
+        env = dict(os.environ)
+        if self._auth_config is not None:
+            command += ["--app-name", "basic-auth"]
+            env["MLFLOW_AUTH_CONFIG_PATH"] = str(self._auth_config)
+            env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = "csrf-key-of-the-test-server"
         self._proc = subprocess.Popen(
-            [
-                str(mlflow), "server", "--host", self.address, "--port", str(self.port),
-                "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-                "--artifacts-destination", str(self.root / "artifacts"),
-                "--allowed-hosts", f"{self.name}:{self.port},{self.address}:{self.port}",
-            ],
+            command,
             stdout=open(self.root / "server.log", "ab"),  # noqa: SIM115
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=self.root,
-        )  # fmt: skip
+            env=env,
+        )
         deadline = time.monotonic() + SERVER_START_S
         while not self._answers():
             assert self._proc.poll() is None, (self.root / "server.log").read_text()[-2000:]
@@ -83,14 +101,15 @@ class Server:
             time.sleep(0.5)
 
     def _answers(self) -> bool:
+        """Whether the server serves: its health endpoint, which needs no credentials."""
         try:
-            MlflowClient(f"http://{self.address}:{self.port}").search_experiments(max_results=1)
-        except Exception:
+            with urllib.request.urlopen(f"http://{self.address}:{self.port}/health", timeout=5):
+                return True
+        except OSError:
             return False
-        return True
 
     def stop(self) -> None:
-        if self._proc is not None:
+        if self._proc is not None and self._proc.poll() is None:
             os.killpg(self._proc.pid, 15)
             self._proc.wait(30)
 
@@ -205,3 +224,63 @@ def test_a_refusal_mid_run_is_reported_in_one_line_and_kept_for_the_next_start(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and f"--allowed-hosts localhost:{server.port}" in errors[0]
     assert (tmp_path / "run" / "mlflow-spool.jsonl").exists()
+
+
+ADMIN, ADMIN_PASSWORD = "admin", "admin-pw-4f7c2e91"
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """MLflow's basic-auth app on the loopback address (by address: no host name needed),
+    its users in a database of their own and an admin made at its first start."""
+    pytest.importorskip("flask_wtf", reason="MLflow's basic-auth app: pip install 'mlflow[auth]'")
+    root = tmp_path_factory.mktemp("mlflow-auth-server")
+    config = root / "basic_auth.ini"
+    config.write_text(
+        "[mlflow]\n"
+        "default_permission = READ\n"
+        f"database_uri = sqlite:///{root / 'users.db'}\n"
+        f"admin_username = {ADMIN}\n"
+        f"admin_password = {ADMIN_PASSWORD}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n",
+        encoding="utf-8",
+    )
+    template = tmp_path_factory.mktemp("auth-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{template}").search_experiments()
+    server = Server(root, "127.0.0.1", "127.0.0.1", template, auth_config=config)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_credentials_reach_a_server_that_asks_and_wrong_ones_stop_the_start(
+    auth_server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = f"http://{auth_server.address}:{auth_server.port}"
+    # None given: the start stops, naming the variables to set.
+    assert _problem(uri) == (
+        f"the MLflow server at {uri} asks for credentials (401): set MLFLOW_TRACKING_USERNAME "
+        "and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN, in the run's environment, "
+        "or pass --no-tracking"
+    )
+    # Wrong ones: the start stops, naming the variables and never their values.
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
+    assert _problem(uri) == (
+        f"the MLflow server at {uri} refuses the credentials in MLFLOW_TRACKING_USERNAME, "
+        "MLFLOW_TRACKING_PASSWORD (401): correct them, or pass --no-tracking"
+    )
+    # The right ones: the start goes on, and every point the tracker logs arrives.
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", ADMIN_PASSWORD)
+    assert _problem(uri) is None
+    tracker = MLflowTracker(uri, tmp_path / "run", "nmt", "with-credentials", system_metrics=False)
+    for step in range(5):
+        tracker.log_metrics({"loss": float(step)}, step=step)
+    tracker.end("FINISHED", timeout=30)
+    assert tracker.run_id is not None
+    client = MlflowClient(uri)  # reads the same variables
+    history = sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, "loss"))
+    assert history == [(s, float(s)) for s in range(5)]
+    assert not (tmp_path / "run" / "mlflow-spool.jsonl").exists()
