@@ -62,9 +62,14 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
 
     import megasemface
     from megasemface.interfaces.factory import build_interface
-    from megasemface.models.semface import SemFaceModel
-    from megasemface.nn.config import build_model_config
     from megasemface.objectives.sequences import SequenceBatch, SpecialTokens
+
+    try:
+        from megasemface.models.semface import SemFaceModel
+        from megasemface.nn.config import build_model_config
+    except ModuleNotFoundError:  # where the earlier revision's layout kept them
+        from megasemface.models.config import build_model_config
+        from megasemface.objectives.stages import SemFaceModel
 
     where = Path(megasemface.__file__).resolve()
     if args.tree and Path(args.tree).resolve() not in where.parents:

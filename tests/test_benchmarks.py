@@ -56,28 +56,9 @@ def _has_revision(script: Path) -> str | None:
     return revision if found.returncode == 0 else None
 
 
-BROKEN = {
-    "bench_revision.py": "its child imports this revision's modules (megasemface.models.semface, "
-    "megasemface.interfaces.factory) from the earlier revision's tree, which has neither",
-}
-"""Benchmarks that fail now, and why: expected to fail (strict, so that a fix shows)."""
-
-
-def _params() -> list[object]:
-    return [
-        pytest.param(
-            script,
-            marks=[pytest.mark.xfail(strict=True, reason=BROKEN[script])]
-            if script in BROKEN
-            else [],
-        )
-        for script in sorted(SMALLEST)
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.launcher  # each starts the benchmark's own processes
-@pytest.mark.parametrize("script", _params())
+@pytest.mark.parametrize("script", sorted(SMALLEST))
 def test_the_benchmark_runs_at_its_smallest_size(
     script: str, launch_data: dict, tmp_path: Path
 ) -> None:
