@@ -34,38 +34,45 @@ pytestmark = pytest.mark.launcher  # starts an MLflow server process (tens of se
 SERVER_START_S = 240  # a loaded 2-core machine takes a minute to import and serve
 
 
-def _host_name() -> tuple[str, str]:
-    """This machine's host name and the local address it resolves to (the server binds there,
-    so that the name reaches it)."""
+LOOPBACK = "127.0.0.1"
+
+
+def _host_name() -> str:
+    """This machine's host name, which must resolve to an address of this machine: the
+    server listens on all of them (``--host 0.0.0.0``, as the docs start it), so the name
+    reaches it."""
     name = socket.gethostname()
     try:
         address = socket.gethostbyname(name)
-    except OSError:
-        pytest.skip(f"this machine's host name {name!r} does not resolve")
-    if not address.startswith("127.") or name == "localhost":
-        pytest.skip(f"{name!r} resolves to {address}: no name of its own for a loopback address")
-    return name, address
+        with socket.socket() as sock:
+            sock.bind((address, 0))
+    except OSError as exc:
+        pytest.skip(f"this machine's host name {name!r} names no address of its own ({exc})")
+    if name == "localhost":
+        pytest.skip("this machine has no host name of its own, only localhost")
+    return name
 
 
-def _free_port(address: str) -> int:
+def _free_port() -> int:
     with socket.socket() as sock:
-        sock.bind((address, 0))
+        sock.bind(("0.0.0.0", 0))
         return int(sock.getsockname()[1])
 
 
 class Server:
-    """An ``mlflow server`` on ``address:port``, started by :meth:`start` (once)."""
+    """An ``mlflow server`` listening on ``bind`` (every address by default, as the docs
+    start it), reached at ``address:port`` and by ``name``, started by :meth:`start` (once)."""
 
     def __init__(
         self,
         root: Path,
         name: str,
-        address: str,
         template_db: Path,
         auth_config: Path | None = None,
+        bind: str = "0.0.0.0",
     ) -> None:
-        self.root, self.name, self.address = root, name, address
-        self.port = _free_port(address)
+        self.root, self.name, self.address, self.bind = root, name, LOOPBACK, bind
+        self.port = _free_port()
         self._template_db = template_db
         self._auth_config = auth_config
         self._proc: subprocess.Popen[bytes] | None = None
@@ -76,7 +83,7 @@ class Server:
         shutil.copy(self._template_db, self.root / "mlflow.db")  # no schema migration to wait
         mlflow = Path(sys.executable).with_name("mlflow")
         command = [
-            str(mlflow), "server", "--host", self.address, "--port", str(self.port),
+            str(mlflow), "server", "--host", self.bind, "--port", str(self.port),
             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
             "--artifacts-destination", str(self.root / "artifacts"),
             "--allowed-hosts", f"{self.name}:{self.port},{self.address}:{self.port}",
@@ -117,11 +124,11 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server for the module, started by the first test that needs it up."""
-    name, address = _host_name()
+    name = _host_name()
     root = tmp_path_factory.mktemp("mlflow-server")
     template = tmp_path_factory.mktemp("template") / "mlflow.db"
     MlflowClient(f"sqlite:///{template}").search_experiments()
-    server = Server(root, name, address, template)
+    server = Server(root, name, template)
     try:
         yield server
     finally:
@@ -247,7 +254,7 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     )
     template = tmp_path_factory.mktemp("auth-template") / "mlflow.db"
     MlflowClient(f"sqlite:///{template}").search_experiments()
-    server = Server(root, "127.0.0.1", "127.0.0.1", template, auth_config=config)
+    server = Server(root, LOOPBACK, template, auth_config=config, bind=LOOPBACK)
     try:
         server.start()
         yield server
