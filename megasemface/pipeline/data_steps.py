@@ -264,7 +264,8 @@ def build_cl_table(
     wanted = [[str(src), str(tgt)] for _, src, tgt in seeds]
     if table.is_file() and report.is_file():
         built = json.loads(report.read_text())
-        if built.get("dim") == dim and _seed_files(built) == wanted:
+        epochs = built.get("config", {}).get("skipgram", {}).get("epochs")
+        if built.get("dim") == dim and epochs == config.cl_epochs and _seed_files(built) == wanted:
             print(f"reusing {table}")
             return table
     cmd = _cl_embeddings_command(config, shards, spm, dim, corpus, out, seeds)
