@@ -7,6 +7,7 @@ that never prints them."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ import pytest
 
 pytest.importorskip("mlflow")
 
+from conftest import skip_unless_required
 from mlflow import MlflowClient
 
 from megasemface.interfaces.registry import DEFAULT
@@ -47,9 +49,11 @@ def _host_name() -> str:
         with socket.socket() as sock:
             sock.bind((address, 0))
     except OSError as exc:
-        pytest.skip(f"this machine's host name {name!r} names no address of its own ({exc})")
+        skip_unless_required(
+            f"this machine's host name {name!r} names no address of its own ({exc})"
+        )
     if name == "localhost":
-        pytest.skip("this machine has no host name of its own, only localhost")
+        skip_unless_required("this machine has no host name of its own, only localhost")
     return name
 
 
@@ -240,7 +244,8 @@ ADMIN, ADMIN_PASSWORD = "admin", "admin-pw-4f7c2e91"
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """MLflow's basic-auth app on the loopback address (by address: no host name needed),
     its users in a database of their own and an admin made at its first start."""
-    pytest.importorskip("flask_wtf", reason="MLflow's basic-auth app: pip install 'mlflow[auth]'")
+    if importlib.util.find_spec("flask_wtf") is None:
+        skip_unless_required("MLflow's basic-auth app needs Flask-WTF: pip install 'mlflow[auth]'")
     root = tmp_path_factory.mktemp("mlflow-auth-server")
     config = root / "basic_auth.ini"
     config.write_text(
