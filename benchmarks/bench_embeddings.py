@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--locale-dir", type=Path, default=Path(DEFAULT_LOCALE_DIR))
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
+    for name in ("vocab", "dim", "demo_epochs", "tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     results = run(
         args.locale_dir,
         args.vocab,

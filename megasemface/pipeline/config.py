@@ -102,9 +102,9 @@ class PipelineConfig:
     BLEU)."""
     cl_dim_from_model: bool = True
     cl_epochs: int = 10
-    """Skip-gram epochs of the CL-SemFace table, as the documented command trains it: on the
-    demo's 1.3-1.8M tokens a language, 10 epochs map 32% of held-out dictionary words to their
-    translation where 3 map 20% (docs/results.md#the-table-against-the-amount-of-text)."""
+    """Skip-gram epochs of the CL-SemFace table, as the documented command trains it: on a
+    corpus of the demo's size, more passes over the same text map more dictionary words to
+    their translation (docs/results.md#the-table-against-the-amount-of-text)."""
     ras_dictionary: Path | None = None
     """The word dictionary of the systems with random aligned substitution (mRASP, the RAS
     ablations), a file named ``<src>-<tgt>.tsv``; None: induced from the cross-lingual
