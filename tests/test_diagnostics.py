@@ -504,11 +504,25 @@ def _direct_reading(models: DiagnosticModels, src_lang: str, tgt_lang: str, data
     src_ids = _sentences(data["texts"][src_lang], models)
     tgt_ids = _sentences(data["texts"][tgt_lang], models)
     src_index, tgt_index = langs.index(src_lang), langs.index(tgt_lang)
-    nll = {"translation": 0.0, "unrelated": 0.0, "zeros": 0.0}
+    nll = {"translation": 0.0, "unrelated": 0.0, "zeros": 0.0, "recentred": 0.0}
     count = 0
     hypotheses = []
     translator = Translator(models.seq2seq, models.tokenizer)
+
+    def mean_output(sentences: list[list[int]], lang_index: int) -> torch.Tensor:
+        """The encoder's mean output over every position of the sentences, one at a time."""
+        outputs = [
+            models.seq2seq.encode(  # type: ignore[union-attr]
+                torch.tensor([[*s, sp.eos]]),
+                torch.ones(1, len(s) + 1, dtype=torch.bool),
+                torch.tensor([lang_index]),
+            ).hidden_BTD[0]
+            for s in sentences
+        ]
+        return torch.cat(outputs).mean(dim=0)
+
     with torch.no_grad():
+        shift = mean_output(tgt_ids, tgt_index) - mean_output(src_ids, src_index)
         for i, (source, target) in enumerate(zip(src_ids, tgt_ids, strict=True)):
             # the unrelated sentence: the other one nearest in length (of the two neighbours in
             # the order of length and index, the next one on a tie)
@@ -529,6 +543,7 @@ def _direct_reading(models: DiagnosticModels, src_lang: str, tgt_lang: str, data
                 "unrelated": encoded(other),
                 "zeros": (torch.zeros(1, 1, models.config.d_model), torch.ones(1, 1, dtype=bool)),
             }
+            memories["recentred"] = (memories["translation"][0] + shift, memories["translation"][1])
             inputs = torch.tensor([[sp.lang_tags[tgt_index], *target]])
             targets = torch.tensor([*target, sp.eos])
             tgt_langs = torch.tensor([tgt_index])
@@ -563,9 +578,13 @@ def test_reading_a_translation_equals_the_direct_computation(
             assert reading.nll[memory] == pytest.approx(value, rel=1e-5), memory
         assert reading.bleu == pytest.approx(direct["bleu"])
         assert reading.gain_over_zeros == reading.nll["zeros"] - reading.nll["translation"]
+        recentred = reading.nll["zeros"] - reading.nll["recentred"]
+        assert reading.recentred_gain_over_zeros == recentred
     metrics = result.metrics()
     assert metrics["diag_read_de_en_nll_unrelated"] == result.reading[1].nll["unrelated"]
     assert metrics["diag_read_en_de_zero_shot_bleu"] == result.reading[0].bleu
+    assert metrics["diag_read_en_de_nll_recentred"] == result.reading[0].nll["recentred"]
+    assert metrics["diag_read_de_en_recentred_gain_over_zeros"] == recentred
     # Any connected model: the model directory alone (mBART's, XLM's) gives the same figures.
     alone = diagnose_interface(config, load_models(None, model_dir))
     assert [x.to_dict() for x in alone.reading] == [x.to_dict() for x in result.reading]

@@ -12,6 +12,7 @@ from megasemface.pipeline.config import PipelineConfig
 from megasemface.pipeline.connecting import connect_system
 from megasemface.pipeline.launcher import LaunchError, changed_settings, lineage
 from megasemface.pipeline.pipeline import Pipeline
+from megasemface.pipeline.run_inputs import INPUTS_FILE, changed_inputs, record_inputs
 from megasemface.pipeline.systems import SYSTEMS
 from megasemface.training.options import TrainConfig
 
@@ -253,3 +254,79 @@ def test_a_finished_pre_training_s_encoder_mlm_is_measured_once(
     assert pipeline.encoder_mlm(run_dir) == first
     assert calls == []
     assert f"reusing {run_dir / 'valid-mlm.json'}" in capsys.readouterr().out
+
+
+def _joint_cl(workdir: Path) -> TrainConfig:
+    """A CL-SemFace joint run of the pipeline, whose table and RAS dictionary exist."""
+    for path, text in (
+        (workdir / "spm" / "joint.model", "model"),
+        (workdir / "shards" / "mono" / "manifest.json", "{}"),
+        (workdir / "cl" / "table.safetensors", "table"),
+        (workdir / "ras" / "en-de.tsv", "haus\thouse\n"),
+    ):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return TrainConfig(
+        stage="joint",
+        interface="cl",
+        data=workdir / "shards" / "mono",
+        spm_model=workdir / "spm" / "joint.model",
+        output_dir=workdir / "runs" / "pretrain-cl-ras",
+        cl_table=workdir / "cl" / "table.safetensors",
+        ras_dictionary=[workdir / "ras" / "en-de.tsv"],
+        decoder_noise_ras=True,
+        tags=["seed=0"],
+    )
+
+
+@pytest.mark.parametrize(
+    ("rebuilt", "option"),
+    [
+        ("cl/table.safetensors", "cl_table"),
+        ("ras/en-de.tsv", "ras_dictionary[0]"),
+        ("shards/mono/manifest.json", "data"),
+        ("spm/joint.model", "spm_model"),
+    ],
+)
+def test_a_run_on_an_input_rebuilt_at_the_same_path_is_not_reused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rebuilt: str, option: str
+) -> None:
+    """The same settings, the same paths: a table built with other epochs or a dictionary
+    induced with other thresholds in place of the one the run read is named, in one line."""
+    config = _joint_cl(tmp_path)
+    assert changed_inputs(config.output_dir, config) == []  # no record: nothing to compare
+    _finished(config, "pre", {})
+    record_inputs(config.output_dir, config)
+    assert changed_inputs(config.output_dir, config) == []
+    _pipeline(tmp_path)._train(config)
+    assert f"reusing {config.output_dir}" in capsys.readouterr().out
+
+    (tmp_path / rebuilt).write_text("built again")
+    assert changed_inputs(config.output_dir, config) == [f"{option} ({tmp_path / rebuilt})"]
+    with pytest.raises(LaunchError, match="was trained on other contents of") as caught:
+        _pipeline(tmp_path)._train(config)
+    message = str(caught.value)
+    assert "\n" not in message and option in message and "remove that directory" in message
+
+
+def test_the_inputs_record_is_keyed_by_option_so_a_moved_work_directory_is_reused(
+    tmp_path: Path,
+) -> None:
+    config = _joint_cl(tmp_path / "old")
+    _finished(config, "pre", {})
+    record_inputs(config.output_dir, config)
+    (tmp_path / "old").rename(tmp_path / "new")
+    moved = _joint_cl(tmp_path / "new")  # the same contents, written again at the new place
+    assert changed_inputs(moved.output_dir, moved) == []
+    moved.ras_dictionary = []  # a run that no longer reads the dictionary it was trained on
+    assert changed_inputs(moved.output_dir, moved) == ["ras_dictionary[0] (no longer read)"]
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]"])
+def test_an_unreadable_inputs_record_counts_every_input_as_changed(
+    tmp_path: Path, text: str
+) -> None:
+    config = _joint_cl(tmp_path)
+    config.output_dir.mkdir(parents=True)
+    (config.output_dir / INPUTS_FILE).write_text(text)
+    assert len(changed_inputs(config.output_dir, config)) == 4

@@ -49,6 +49,7 @@ from megasemface.pipeline.launcher import (
 )
 from megasemface.pipeline.pretraining_figures import diagnose_run, encoder_mlm_of_run
 from megasemface.pipeline.report import EncoderMlmRow, GridChoice, Report, build_report
+from megasemface.pipeline.run_inputs import changed_inputs, record_inputs
 from megasemface.pipeline.scores import best_valid_bleu
 from megasemface.pipeline.settings import SETTINGS
 from megasemface.pipeline.systems import System
@@ -304,6 +305,12 @@ class Pipeline:
                 f"{run_dir} was trained with other settings ({'; '.join(changed)}): remove that "
                 "directory to train it again with these, or give another --workdir"
             )
+        rebuilt = changed_inputs(run_dir, config)
+        if rebuilt:
+            raise LaunchError(
+                f"{run_dir} was trained on other contents of {', '.join(rebuilt)}: remove that "
+                "directory to train it again on these, or give another --workdir"
+            )
         # A fine-tuning records its model directory's parent runs as its own (a run started
         # from another run's checkpoint records that run instead: not compared here).
         if config.init_from is not None and is_model_dir(config.init_from):
@@ -325,6 +332,7 @@ class Pipeline:
                 f"{run_dir} is trained to step {trained}, past the {config.steps} asked: ask "
                 f"for {trained} steps to reuse it, or remove that directory to train it again"
             )
+        record_inputs(run_dir, config)
         cfg = self.config
         cmd = launch_command(
             config, ds_config=self.ds_config, procs=cfg.procs, hostfile=cfg.hostfile

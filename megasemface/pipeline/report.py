@@ -305,7 +305,10 @@ READING_NOTE = (
     "The pre-trained decoder's NLL per token of each validation sentence with the connected "
     "encoder's output for its translation, for an unrelated sentence of the same language "
     "and the nearest length, and for zeros; and the connected model's zero-shot greedy "
-    "BLEU. A language-independent interface reads the translation clearly better than both."
+    "BLEU. A language-independent interface reads the translation clearly better than both. "
+    "Recentred: the translation's encoding with its language's mean output swapped for the "
+    "target language's; a gain there that the translation lacks is a shift between the "
+    "languages' outputs."
 )
 
 
@@ -313,7 +316,7 @@ def reading_table(rows: Sequence[tuple[str, int, dict[str, Any]]]) -> str:
     """Markdown: per system, seed and direction, whether the connected model reads a
     translation (``Diagnostics.to_dict()``'s ``reading``); empty when none was measured."""
     header = ["system", "seed", "direction", "NLL translation", "NLL unrelated", "NLL zeros"]
-    header += ["vs zeros", "vs unrelated", "zero-shot BLEU"]
+    header += ["vs zeros", "vs unrelated", "recentred vs zeros", "zero-shot BLEU"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for system, seed, data in rows:
         for d in data.get("reading") or []:
@@ -321,6 +324,9 @@ def reading_table(rows: Sequence[tuple[str, int, dict[str, Any]]]) -> str:
             cells = [system, str(seed), d["direction"]]
             cells += [f"{nll[m]:.3f}" for m in ("translation", "unrelated", "zeros")]
             cells += [f"{d['gain_over_zeros']:+.3f}", f"{d['gain_over_unrelated']:+.3f}"]
+            # Runs diagnosed before the recentred memory was measured have no such figure.
+            recentred = d.get("recentred_gain_over_zeros")
+            cells.append("-" if recentred is None else f"{recentred:+.3f}")
             cells.append("-" if d.get("bleu") is None else f"{d['bleu']:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) if len(lines) > 2 else ""

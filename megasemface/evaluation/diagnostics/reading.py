@@ -12,10 +12,16 @@ memories:
 - ``unrelated``: the encoder's output for another ``a`` sentence of the nearest length
   (:func:`unrelated_partners`), so that the memory's length and language are the same and
   only its meaning differs;
-- ``zeros``: nothing to read.
+- ``zeros``: nothing to read;
+- ``recentred``: the translation's encoding with its language's mean output swapped for the
+  target language's (each mean over the encoder's outputs for the measured sentences of that
+  language, ``x </s>``, every position alike): an encoder whose outputs differ between
+  languages by a shift alone reads as language-independent here, so the gap between
+  ``translation`` and ``recentred`` is what that shift costs.
 
-A language-independent interface gives ``translation`` clearly below both; a decoder that
-reads only its own language finds the translation no more useful than nothing. With a
+A language-independent interface gives ``translation`` clearly below ``unrelated`` and
+``zeros``; a decoder that reads only its own language finds the translation no more useful
+than nothing. With a
 connected ``seq2seq`` model the zero-shot greedy translation a -> b is scored too (BLEU and
 chrF against ``b``). Any connected model can be measured, so mBART's and XLM's, which have no
 interface, are the references.
@@ -44,12 +50,13 @@ from megasemface.objectives.sequences import (
 __all__ = [
     "READING_MEMORIES",
     "ReadingFigures",
+    "mean_output",
     "read_translations",
     "unrelated_partners",
     "zero_shot_scores",
 ]
 
-READING_MEMORIES = ("translation", "unrelated", "zeros")
+READING_MEMORIES = ("translation", "unrelated", "zeros", "recentred")
 """The memories of the NLL figures, in the order they are reported."""
 
 Encode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], EncoderOutput]
@@ -87,12 +94,18 @@ class ReadingFigures:
         """How much better than reading an unrelated sentence of the same language."""
         return self.nll["unrelated"] - self.nll["translation"]
 
+    @property
+    def recentred_gain_over_zeros(self) -> float:
+        """The gain over zeros with the two languages' mean outputs swapped (``recentred``)."""
+        return self.nll["zeros"] - self.nll["recentred"]
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.update(
             direction=self.direction,
             gain_over_zeros=self.gain_over_zeros,
             gain_over_unrelated=self.gain_over_unrelated,
+            recentred_gain_over_zeros=self.recentred_gain_over_zeros,
         )
         return out
 
@@ -102,6 +115,7 @@ class ReadingFigures:
         out = {f"{prefix}_nll_{memory}": value for memory, value in self.nll.items()}
         out[f"{prefix}_gain_over_zeros"] = self.gain_over_zeros
         out[f"{prefix}_gain_over_unrelated"] = self.gain_over_unrelated
+        out[f"{prefix}_recentred_gain_over_zeros"] = self.recentred_gain_over_zeros
         if self.bleu is not None and self.chrf is not None:
             out[f"{prefix}_zero_shot_bleu"] = self.bleu
             out[f"{prefix}_zero_shot_chrf"] = self.chrf
@@ -132,6 +146,24 @@ def _encoded(
     return encode(src_BT, mask_BT, batch.langs_B).hidden_BTD, mask_BT
 
 
+def mean_output(
+    encode: Encode,
+    sentences: Sequence[list[int]],
+    special: SpecialTokens,
+    lang_index: int,
+    batch_tokens: int,
+) -> torch.Tensor:
+    """[D]: the encoder's mean output over every position of ``sentences`` (``x </s>``)."""
+    total, positions = None, 0
+    for rows in token_batches([len(s) + 1 for s in sentences], batch_tokens):
+        hidden_BTD, mask_BT = _encoded(encode, [sentences[i] for i in rows], special, lang_index)
+        summed = hidden_BTD[mask_BT].sum(dim=0)
+        total = summed if total is None else total + summed
+        positions += int(mask_BT.sum())
+    assert total is not None  # read_translations needs at least 2 pairs
+    return total / positions
+
+
 def read_translations(
     decoder: TransformerDecoder,
     encode: Encode,
@@ -151,15 +183,21 @@ def read_translations(
     if len(sources) != len(targets):
         raise ValueError(f"{len(sources)} sources against {len(targets)} targets")
     partners = unrelated_partners([len(s) for s in sources])
+    # What turns the source language's mean output into the target language's.
+    shift_D = mean_output(encode, targets, special, langs[1], batch_tokens) - mean_output(
+        encode, sources, special, langs[0], batch_tokens
+    )
     sums = dict.fromkeys(READING_MEMORIES, 0.0)
     tokens = 0
     for rows in token_batches([len(t) + 1 for t in targets], batch_tokens):
         batch = SequenceBatch.from_rows([targets[i] for i in rows], special.pad, langs[1])
+        translation_BSD, mask_BS = _encoded(encode, [sources[i] for i in rows], special, langs[0])
         memories = {
-            "translation": _encoded(encode, [sources[i] for i in rows], special, langs[0]),
+            "translation": (translation_BSD, mask_BS),
             "unrelated": _encoded(encode, [sources[partners[i]] for i in rows], special, langs[0]),
             # Zero keys and values are the same at every position: the length is moot.
             "zeros": (torch.zeros(*batch.tokens_BT.shape, d_model), batch.mask_BT),
+            "recentred": (translation_BSD + shift_D, mask_BS),
         }
         for name, (memory_BSD, mask_BS) in memories.items():
             nll, count = teacher_forced_nll(decoder, special, batch, memory_BSD, mask_BS)

@@ -238,14 +238,16 @@ def _reading_lines(reading: list[ReadingFigures]) -> list[str]:
         return []
     lines = [
         "reading a translation: the decoder's NLL/token of each sentence with the encoder's "
-        "output for its translation / an unrelated sentence / zeros"
+        "output for its translation / an unrelated sentence / zeros / its translation with "
+        "the languages' mean outputs swapped"
     ]
     for d in reading:
         nll = " / ".join(f"{d.nll[m]:.3f}" for m in READING_MEMORIES)
         bleu = "" if d.bleu is None else f"; zero-shot greedy BLEU {d.bleu:.2f}"
         lines.append(
             f"  {d.direction} ({d.pairs:,} pairs): {nll}; {d.gain_over_zeros:+.3f} over zeros, "
-            f"{d.gain_over_unrelated:+.3f} over unrelated{bleu}"
+            f"{d.gain_over_unrelated:+.3f} over unrelated, recentred "
+            f"{d.recentred_gain_over_zeros:+.3f} over zeros{bleu}"
         )
     return lines
 
