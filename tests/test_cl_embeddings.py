@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megasemface.cli.build_cl_embeddings import main as cli_main
 from megasemface.data.shards.shard_build_config import ShardBuildConfig
@@ -39,6 +40,7 @@ from megasemface.embeddings import (
 )
 from megasemface.embeddings.sentence_file import id_words, write_sentence_file
 from megasemface.embeddings.skipgram import SKIPGRAM_BACKENDS
+from megasemface.embeddings.table import merge_table
 from megasemface.interfaces.cross_lingual import load_embedding_table
 
 
@@ -147,6 +149,50 @@ def test_bli_precision_counts_hits_at_k() -> None:
     shifted = vecs[[1, 0, 2, 3, 4, 5]]  # ids 0 and 1 swapped in the target space
     out = bli_precision(vecs, shifted, [(0, 0), (2, 2), (3, 3), (3, 4)], k=(1, 5))
     assert out["queries"] == 3 and out["p@1"] == pytest.approx(2 / 3) and out["p@5"] == 1.0
+
+
+def test_merged_table_loses_each_language_s_mean_in_the_shares_it_uses_each_id() -> None:
+    """Two languages whose rows share a direction of their own: the merged table takes each
+    language's count-weighted mean out of every row in the shares its uses fall to each
+    language, before the rows are scaled to norm sqrt(d)."""
+    rng = np.random.default_rng(0)
+    vocab, dim = 12, 6
+    offsets = {"de": torch.tensor([3.0, 0, 0, 0, 0, 0]), "en": torch.tensor([0, 3.0, 0, 0, 0, 0])}
+    mapped = {lang: torch.randn(vocab, dim) + offsets[lang] for lang in offsets}
+    counts = {lang: rng.integers(1, 50, size=vocab).astype(np.int64) for lang in offsets}
+    counts["de"][7:], counts["en"][:6] = 0, 0  # ids 1-5 German, 7-11 English, 6 both
+    counts["de"][0], counts["en"][0] = 0, 0  # an id no language uses: a random row
+    trained = {lang: counts[lang] > 0 for lang in offsets}
+    config = CLEmbeddingConfig(skipgram=SkipGramConfig(dim=dim))
+    table, _ = merge_table(("de", "en"), mapped, counts, trained, config)
+    plain, _ = merge_table(
+        ("de", "en"), mapped, counts, trained, dataclasses.replace(config, centre_languages=False)
+    )
+
+    # Directly: the merged unit rows, each language's weighted mean, each row's shift.
+    unit = torch.zeros(vocab, dim)
+    for lang in offsets:
+        unit[trained[lang]] += F.normalize(mapped[lang][trained[lang]], dim=1)
+    unit = F.normalize(unit, dim=1)
+    used = torch.from_numpy(counts["de"] + counts["en"] > 0)
+    weights = {lang: torch.from_numpy(counts[lang]).float() * used for lang in offsets}
+    means = {lang: weights[lang] @ unit / weights[lang].sum() for lang in offsets}
+    uses = sum(torch.from_numpy(counts[lang]).float() for lang in offsets).clamp_min(1)
+    shift = sum(
+        (torch.from_numpy(counts[lang]).float() / uses)[:, None] * means[lang] for lang in offsets
+    )
+    wanted = F.normalize(unit - shift, dim=1) * dim**0.5
+    assert torch.allclose(table[used], wanted[used], atol=1e-5)
+    assert torch.allclose(table[~used], plain[~used])  # the random rows are the same
+    assert torch.allclose(table.norm(dim=1), torch.full((vocab,), dim**0.5), atol=1e-4)
+
+    def language_mean(rows: torch.Tensor, lang: str) -> torch.Tensor:
+        return weights[lang] @ F.normalize(rows, dim=1) / weights[lang].sum()
+
+    # The direction that tells the languages apart shrinks.
+    gap = (language_mean(table, "de") - language_mean(table, "en")).norm()
+    plain_gap = (language_mean(plain, "de") - language_mean(plain, "en")).norm()
+    assert gap < 0.5 * plain_gap
 
 
 def _grouped_corpus(seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from megasemface.models.model_dir import FORMAT
 from megasemface.pipeline.config import PipelineConfig
 from megasemface.pipeline.connecting import connect_system
+from megasemface.pipeline.data_steps import table_matches
 from megasemface.pipeline.launcher import LaunchError, changed_settings, lineage
 from megasemface.pipeline.pipeline import Pipeline
 from megasemface.pipeline.run_inputs import INPUTS_FILE, changed_inputs, record_inputs
@@ -330,3 +332,21 @@ def test_an_unreadable_inputs_record_counts_every_input_as_changed(
     config.output_dir.mkdir(parents=True)
     (config.output_dir / INPUTS_FILE).write_text(text)
     assert len(changed_inputs(config.output_dir, config)) == 4
+
+
+def test_a_table_is_reused_only_as_the_run_asks_for_it(tmp_path: Path) -> None:
+    """The CL table's build report against the run: its width, epochs, seeds and centring;
+    a table of a version before the centring counts as uncentred and is built again."""
+    config = PipelineConfig(workdir=tmp_path)
+    seeds = [["train.en", "train.de"]]
+    built = {
+        "dim": 64,
+        "config": {"skipgram": {"epochs": config.cl_epochs}, "centre_languages": True},
+        "seeds": [{"files": seeds}],
+    }
+    assert table_matches(built, config, 64, seeds)
+    assert not table_matches(built, config, 128, seeds)
+    assert not table_matches(built, config, 64, [])
+    assert not table_matches(built, dataclasses.replace(config, cl_epochs=3), 64, seeds)
+    del built["config"]["centre_languages"]
+    assert not table_matches(built, config, 64, seeds)

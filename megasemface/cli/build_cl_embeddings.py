@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="stochastic dictionary induction: initial keep probability, doubling interval",
     )
+    parser.add_argument(
+        "--no-centre-languages",
+        dest="centre_languages",
+        action="store_false",
+        help="keep each language's mean direction in the rows (default: taken out)",
+    )
     parser.add_argument("--max-tokens-per-lang", type=int, default=None)
     parser.add_argument("--gold-dict", type=Path, default=None, help="src<TAB>tgt word pairs")
     parser.add_argument("--bli-min-count", type=int, default=cl.bli_min_count)
@@ -176,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             stochastic=stochastic,
             bli_min_count=args.bli_min_count,
             max_tokens_per_lang=args.max_tokens_per_lang,
+            centre_languages=args.centre_languages,
             threads=args.threads,
             dictionary_words=args.dictionary_words,
             dictionary_min_score=args.dictionary_min_score,

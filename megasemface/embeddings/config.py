@@ -56,6 +56,13 @@ class CLEmbeddingConfig:
     """Read at most about this many tokens per language (whole samples), to bound memory."""
     row_rms: float = 1.0
     """Per-dimension RMS of every output row (row norm ``sqrt(dim) * row_rms``)."""
+    centre_languages: bool = True
+    """Take each language's mean direction, weighted by how often the language uses each
+    id, out of the rows: a row loses the means of the languages that use it, in the shares
+    they use it. Without it, the rows of one language share a direction the other's lack
+    (docs/corpus.md), the encoder regressing the table carries it into its outputs, and a
+    decoder pre-trained on one language's rows reads the other's encoding worse than
+    nothing (docs/results.md)."""
     threads: int | None = None
     dictionary_words: int = 1000
     """RAS dictionary (``dictionary_out``): the most frequent single-piece words of each

@@ -17,7 +17,7 @@ from megasemface.embeddings.config import CLEmbeddingConfig, CLEmbeddingError
 from megasemface.embeddings.inits import INITS, InitInputs
 from megasemface.embeddings.mapping import map_onto
 
-__all__ = ["induction_rows", "map_language", "merge_table"]
+__all__ = ["induction_rows", "language_means", "map_language", "merge_table"]
 
 
 def induction_rows(
@@ -141,6 +141,49 @@ def map_language(
     return result.matrix, entry
 
 
+def language_means(
+    unit_VD: torch.Tensor,
+    languages: Sequence[str],
+    counts: dict[str, np.ndarray],
+    trained_V: torch.Tensor,
+    block_size: int,
+) -> dict[str, torch.Tensor]:
+    """[D] per language: the mean of the ``trained`` rows weighted by the language's count
+    of each id, the direction its text adds to every row it reads on average."""
+    means = {}
+    for lang in languages:
+        weights_V = torch.from_numpy(counts[lang]).to(torch.float64) * trained_V
+        total = weights_V.sum().clamp_min(1.0)
+        mean_D = torch.zeros(unit_VD.shape[1], dtype=torch.float64)
+        for start in range(0, unit_VD.shape[0], block_size):
+            rows = slice(start, start + block_size)
+            mean_D += weights_V[rows] @ unit_VD[rows].to(torch.float64)
+        means[lang] = (mean_D / total).to(unit_VD.dtype)
+    return means
+
+
+def _centre_languages(
+    unit_VD: torch.Tensor,
+    languages: Sequence[str],
+    counts: dict[str, np.ndarray],
+    trained_V: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Takes out of each trained row the languages' means (:func:`language_means`) in the
+    shares its id's uses fall to each language, in place; rows stay to be normalised."""
+    means = language_means(unit_VD, languages, counts, trained_V, block_size)
+    uses_V = sum(torch.from_numpy(counts[lang]).to(torch.float32) for lang in languages)
+    for start in range(0, unit_VD.shape[0], block_size):
+        rows = slice(start, start + block_size)
+        block_uses = uses_V[rows].clamp_min(1.0)
+        shift_BD = sum(
+            (torch.from_numpy(counts[lang][rows]).to(torch.float32) / block_uses)[:, None]
+            * means[lang]
+            for lang in languages
+        )
+        unit_VD[rows] -= shift_BD * trained_V[rows, None]
+
+
 def merge_table(
     languages: Sequence[str],
     mapped: dict[str, torch.Tensor],
@@ -148,7 +191,8 @@ def merge_table(
     trained: dict[str, np.ndarray],
     config: CLEmbeddingConfig,
 ) -> tuple[torch.Tensor, dict[str, int]]:
-    """One row per id: the mean of its languages' mapped vectors, or a random direction.
+    """One row per id: the mean of its languages' mapped vectors, or a random direction;
+    with ``config.centre_languages``, the languages' means taken out of the first.
 
     An id trained in no language (never seen, or rarer than ``min_count`` everywhere) gets a
     random direction from a fixed seed: distinct from every other row, meaning nothing.
@@ -168,6 +212,9 @@ def merge_table(
     for lang in languages:
         seen |= counts[lang] > 0
     untrained = uses == 0
+    total.div_(total.norm(dim=1, keepdim=True).clamp_min_(1e-12))
+    if config.centre_languages:
+        _centre_languages(total, languages, counts, ~untrained, config.block_size)
     generator = torch.Generator().manual_seed(config.skipgram.seed + 7919)
     total[untrained] = torch.randn(int(untrained.sum()), dim, generator=generator)
     table = total.div_(total.norm(dim=1, keepdim=True).clamp_min_(1e-12))

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from megasemface.data.demo.demo_corpus import SOURCE_LANG, build_demo_corpus
 from megasemface.data.demo.documentation import PACKAGES
@@ -19,6 +20,7 @@ from megasemface.data.text.lines import read_lines, write_lines
 from megasemface.data.text.spm_training import SpmTrainConfig, train_spm
 from megasemface.data.text.textio import parse_lang_path, parse_parallel
 from megasemface.data.text.tokenizer import Tokenizer
+from megasemface.embeddings.config import CLEmbeddingConfig
 from megasemface.nn.config import build_model_config
 from megasemface.pipeline.config import PipelineConfig
 from megasemface.pipeline.launcher import ROOT, run_logged
@@ -249,6 +251,19 @@ def build_mixed_shards(
     return out
 
 
+def table_matches(
+    built: dict[str, Any], config: PipelineConfig, dim: int, seed_files: list[list[str]]
+) -> bool:
+    """Whether a table's build report (``<workdir>/cl/table.json``) is the table this run
+    asks for: its width, skip-gram epochs, seed files and centring."""
+    recorded = built.get("config", {})
+    epochs = recorded.get("skipgram", {}).get("epochs")
+    # A table of a version before the centring records no such option: built without it.
+    centred = recorded.get("centre_languages", False) == CLEmbeddingConfig.centre_languages
+    same = built.get("dim") == dim and epochs == config.cl_epochs and centred
+    return same and _seed_files(built) == seed_files
+
+
 def build_cl_table(
     config: PipelineConfig,
     shards: Path,
@@ -262,12 +277,10 @@ def build_cl_table(
     out = config.workdir / "cl" / "table"
     table, report = out.with_suffix(".safetensors"), out.with_suffix(".json")
     wanted = [[str(src), str(tgt)] for _, src, tgt in seeds]
-    if table.is_file() and report.is_file():
-        built = json.loads(report.read_text())
-        epochs = built.get("config", {}).get("skipgram", {}).get("epochs")
-        if built.get("dim") == dim and epochs == config.cl_epochs and _seed_files(built) == wanted:
-            print(f"reusing {table}")
-            return table
+    built = json.loads(report.read_text()) if report.is_file() else {}
+    if table.is_file() and built and table_matches(built, config, dim, wanted):
+        print(f"reusing {table}")
+        return table
     cmd = _cl_embeddings_command(config, shards, spm, dim, corpus, out, seeds)
     seconds = run_logged(cmd, config.workdir / "cl" / "build.log", show=("p@", "BLI", "error"))
     print(f"built {table} in {seconds:.0f}s")
