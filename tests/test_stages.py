@@ -612,3 +612,46 @@ def test_joint_step_waits_for_the_device_only_where_its_sizes_depend_on_the_data
     noising = waits.pop("noising.py", 0)
     assert waits == {"layers.py": 3, "semface.py": 1, "vector_quantized.py": 1, "backward": 1}
     assert noising > 0  # still there: a change that removes them updates this test
+
+
+def test_the_language_mean_term_is_each_language_s_mean_normalised_output() -> None:
+    """--language-mean-weight: the encoder stage adds, at its weight, the squared norm of each
+    language's mean output before the final norm's gain and bias, over that language's
+    tokens of the batch (pads left out), averaged over the languages (a direct computation
+    sentence by sentence); it trains the encoder below the final norm, never the norm."""
+    config = tiny()
+    batch = random_batch(config, batch=4)
+    batch.langs_B = torch.tensor([0, 1, 1, 0])
+    plain = model_for("cl", config)
+    weighted = model_for("cl", config, language_mean_weight=0.5)
+    out = weighted.encoder_loss(batch, torch.Generator().manual_seed(0))
+    base = plain.encoder_loss(batch, torch.Generator().manual_seed(0))
+    assert "enc_lang_mean" not in base.components
+
+    # Directly: the MLM inputs as the stage masks them, each sentence through the encoder
+    # alone, its own outputs normalised, then each language's mean over its tokens.
+    inputs, lengths, _ = plain._masked_with_eos(batch, torch.Generator().manual_seed(0))
+    sums = {0: torch.zeros(config.d_model), 1: torch.zeros(config.d_model)}
+    counts = dict.fromkeys(sums, 0)
+    with torch.no_grad():
+        for row, length in enumerate(lengths.tolist()):
+            tokens = inputs[row : row + 1, :length]
+            lang = int(batch.langs_B[row])
+            encoded = plain.encoder(
+                tokens, torch.ones_like(tokens, dtype=torch.bool), batch.langs_B[row : row + 1]
+            )
+            normed = torch.nn.functional.layer_norm(encoded.pre_norm_BTD[0], (config.d_model,))
+            sums[lang] += normed.sum(dim=0)
+            counts[lang] += length
+    wanted = sum((sums[lang] / counts[lang]).pow(2).sum() for lang in sums) / 2
+    torch.testing.assert_close(out.components["enc_lang_mean"], wanted, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out.loss, base.loss + 0.5 * wanted, rtol=1e-4, atol=1e-5)
+
+    out.loss.backward()
+    norm = weighted.encoder.final_norm
+    base.loss.backward()
+    shift_only = [
+        a.grad - b.grad
+        for a, b in zip(norm.parameters(), plain.encoder.final_norm.parameters(), strict=True)
+    ]
+    assert all(torch.allclose(g, torch.zeros_like(g), atol=1e-6) for g in shift_only)

@@ -159,6 +159,25 @@ def test_the_table_input_is_on_where_cl_has_an_encoder_stage_and_refused_elsewhe
             TrainConfig(stage=stage, interface=kind, cl_table_input=True, **PATHS)
 
 
+def test_the_language_mean_term_is_on_for_cl_s_encoder_and_refused_without_one() -> None:
+    """--language-mean-weight is 1 in CL-SemFace's encoder and joint stages, 0 elsewhere; a
+    weight is taken by any SemFace encoder (VQ's too) and refused where no SemFace encoder
+    trains (the decoder stage, the baselines) or below 0."""
+    for stage in ("encoder", "joint"):
+        assert TrainConfig(stage=stage, interface="cl", **PATHS).language_mean_weight == 1.0
+        given = TrainConfig(stage=stage, interface="cl", language_mean_weight=0.0, **PATHS)
+        assert given.language_mean_weight == 0.0
+    assert TrainConfig(stage="joint", interface="vq", **PATHS).language_mean_weight == 0.0
+    vq = TrainConfig(stage="joint", interface="vq", language_mean_weight=0.5, **PATHS)
+    assert vq.language_mean_weight == 0.5
+    for stage, kind in (("decoder", "cl"), ("encoder", "none"), ("mbart", "none")):
+        assert TrainConfig(stage=stage, interface=kind, **PATHS).language_mean_weight == 0.0
+        with pytest.raises(ValueError, match="--language-mean-weight pulls the SemFace encoder"):
+            TrainConfig(stage=stage, interface=kind, language_mean_weight=1.0, **PATHS)
+    with pytest.raises(ValueError, match="--language-mean-weight must be >= 0"):
+        TrainConfig(stage="joint", interface="cl", language_mean_weight=-1.0, **PATHS)
+
+
 def test_the_connection_options_default_by_stage_and_refuse_where_they_mean_nothing() -> None:
     """CL-SemFace's MSE takes the table's rows as they are unless told to take unit rows (in
     the stages with an MLM), and its joint stage's decoder reads the table's rows through the

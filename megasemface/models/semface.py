@@ -21,6 +21,7 @@ from megasemface.interfaces.base import InterfaceMemory, SemanticInterface
 from megasemface.nn.config import ModelConfig
 from megasemface.nn.layers import positions
 from megasemface.nn.transformer import TransformerDecoder, TransformerEncoder
+from megasemface.objectives.language_mean import language_mean_loss
 from megasemface.objectives.noising import (
     drop_and_shuffle,
     mask_for_mlm,
@@ -138,6 +139,11 @@ class SemFaceModel(nn.Module):
         for name, value in head.losses.items():
             loss = loss + self.objective.weight_of(name) * value
             components[f"enc_{name}"] = value.detach()
+        if self.objective.language_mean_weight:
+            mask = lengths_to_mask(lengths, inputs.shape[1])
+            shift = language_mean_loss(encoded.pre_norm_BTD, mask, batch.langs_B)
+            loss = loss + self.objective.language_mean_weight * shift
+            components["enc_lang_mean"] = shift.detach()
         metrics = {**head.metrics, "enc_mlm_accuracy": mlm.accuracy}
         return StageOutput(loss, components, metrics, int(wanted.numel()))
 

@@ -55,6 +55,9 @@ class ObjectiveConfig(PretrainingOptions):
             self.decoder_codes = "extractor"
         self.decoder_memory_norm = bool(self.decoder_memory_norm)
         self.decoder_continuous = self.decoder_continuous or 0.0
+        self.language_mean_weight = self.language_mean_weight or 0.0
+        if self.language_mean_weight < 0:
+            raise ValueError(f"language_mean_weight must be >= 0, got {self.language_mean_weight}")
         if self.decoder_objective not in DECODER_OBJECTIVES:
             raise ValueError(
                 f"decoder_objective must be one of {', '.join(DECODER_OBJECTIVES)}, got "

@@ -61,6 +61,14 @@ class PretrainingOptions:
     encoder's output, comes through: CL-SemFace's table rows of the noised copy become
     LN(E(C(x))). Default: on for --interface cl --stage joint where it reads the table's
     rows (--decoder-codes extractor, or --decoder-continuous below 1)."""
+    language_mean_weight: float | None = None
+    """SemFace encoder stage: the weight of a term that pulls each language's mean output,
+    normalised as the final LayerNorm normalises it (before its gain and bias) and taken over
+    the batch's tokens of that language, to zero, so that the encoder's outputs for two
+    languages differ by no shift of their own (not in the paper). A decoder pre-trained on
+    one language at a time reads such a shift in the connected model as noise (the
+    diagnostics' recentred reading measures it). Default: 1 for --interface cl with
+    --stage encoder or joint (measured on validation, docs/results.md), else 0."""
     decoder_word_drop: float = PAPER_WORD_DROP
     """SemFace decoder stage: the share of words C(x) drops from the copy the interface reads."""
     decoder_continuous: float | None = None

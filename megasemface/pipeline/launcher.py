@@ -210,6 +210,7 @@ def changed_settings(run_dir: Path, config: TrainConfig) -> list[str]:
     defaults["cl_table_input"] = False
     defaults["decoder_memory_norm"] = False
     defaults["decoder_continuous"] = 0.0
+    defaults["language_mean_weight"] = 0.0
     changes = []
     for name, wanted in config.to_dict().items():
         if name in _NOT_RESULTS:

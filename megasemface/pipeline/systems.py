@@ -293,6 +293,13 @@ ABLATIONS: dict[str, System] = {
         ),
         System("cl-fixed", "CL-SemFace, fixed table", "joint", "cl", {"cl_trainable": False}),
         System(
+            "cl-no-lang-mean",
+            "CL-SemFace, languages' mean outputs left free",
+            "joint",
+            "cl",
+            {"language_mean_weight": 0.0},
+        ),
+        System(
             "cl-table-logits",
             "CL-SemFace, MLM logits on the table's rows",
             "joint",
@@ -403,6 +410,7 @@ ABLATIONS: dict[str, System] = {
                 "decoder_memory_norm": False,
                 "cl_unit_mse": True,
                 "cl_table_input": False,
+                "language_mean_weight": 0.0,
             },
         ),
         # The flat layout: the paper preset's product layout has no codes to start from it.

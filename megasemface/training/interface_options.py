@@ -96,6 +96,15 @@ def fill_interface_options(config: TrainConfig) -> None:
         "--interface cl, or vq with --vq-codebook-init table, and --stage encoder or joint",
         default=run_interface.table,
     )
+    if config.language_mean_weight is None:
+        config.language_mean_weight = 1.0 if cl_mlm else 0.0
+    if config.language_mean_weight < 0:
+        raise ValueError("--language-mean-weight must be >= 0")
+    if config.language_mean_weight and not (run_interface.semface and run_stage.encoder):
+        raise ValueError(
+            "--language-mean-weight pulls the SemFace encoder's languages to one mean output: "
+            "use it with --interface cl or vq and --stage encoder or joint"
+        )
     own_codes = config.decoder_codes != "extractor"
     if config.decoder_continuous is None:
         # VQ: half the tokens (measured better on validation and in the connected decoder's

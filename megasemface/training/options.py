@@ -292,6 +292,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action
     add("--decoder-memory-norm", action=argparse.BooleanOptionalAction, default=None)  # by stage
     add("--decoder-continuous", type=float, default=None)  # by interface: __post_init__
     add("--decoder-word-drop", type=float, default=d.decoder_word_drop)
+    add("--language-mean-weight", type=float, default=None)  # by interface: __post_init__
     add("--mp-size", type=int, default=d.mp_size)
     add("--steps", type=int, default=d.steps)
     add("--seed", type=int, default=d.seed)
@@ -372,6 +373,7 @@ FILLED_IN = (
     "decoder_codes",
     "decoder_memory_norm",
     "decoder_continuous",
+    "language_mean_weight",
 )
 """TrainConfig fields that default to None, which ``__post_init__`` replaces with a value
 chosen from the other fields."""
