@@ -141,7 +141,9 @@ class SemFaceModel(nn.Module):
             components[f"enc_{name}"] = value.detach()
         if self.objective.language_mean_weight:
             mask = lengths_to_mask(lengths, inputs.shape[1])
-            shift = language_mean_loss(encoded.pre_norm_BTD, mask, batch.langs_B)
+            shift = language_mean_loss(
+                encoded.pre_norm_BTD, mask, batch.langs_B, self.config.num_langs
+            )
             loss = loss + self.objective.language_mean_weight * shift
             components["enc_lang_mean"] = shift.detach()
         metrics = {**head.metrics, "enc_mlm_accuracy": mlm.accuracy}

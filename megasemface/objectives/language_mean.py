@@ -19,16 +19,17 @@ __all__ = ["language_mean_loss"]
 
 
 def language_mean_loss(
-    pre_norm_BTD: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor
+    pre_norm_BTD: torch.Tensor, mask_BT: torch.Tensor, langs_B: torch.Tensor, num_langs: int
 ) -> torch.Tensor:
     """The squared norm of each language's mean normalised output, averaged over the
-    languages of the batch; ``pre_norm`` is the last activation before the final norm."""
+    languages of the batch; ``pre_norm`` is the last activation before the final norm.
+    Summed through a one-hot of the languages rather than a loop over the ones present,
+    which would wait for the device every step."""
     normed_BTD = F.layer_norm(pre_norm_BTD.float(), pre_norm_BTD.shape[-1:])
     weights_BT = mask_BT.to(normed_BTD.dtype)
-    total = normed_BTD.new_zeros(())
-    languages = torch.unique(langs_B)
-    for lang in languages:
-        rows_BT = weights_BT * (langs_B == lang)[:, None]
-        mean_D = (rows_BT[..., None] * normed_BTD).sum(dim=(0, 1)) / rows_BT.sum().clamp_min(1.0)
-        total = total + mean_D.pow(2).sum()
-    return total / len(languages)
+    onehot_BL = F.one_hot(langs_B, num_langs).to(normed_BTD.dtype)
+    sums_LD = onehot_BL.t() @ (weights_BT[..., None] * normed_BTD).sum(dim=1)
+    tokens_L = onehot_BL.t() @ weights_BT.sum(dim=1)
+    present_L = (tokens_L > 0).to(normed_BTD.dtype)
+    means_LD = sums_LD / tokens_L.clamp_min(1.0)[:, None]
+    return (means_LD.pow(2).sum(dim=-1) * present_L).sum() / present_L.sum().clamp_min(1.0)
